@@ -1,0 +1,218 @@
+"""Every torch / megatron-core version difference the library depends on, in one place.
+
+One job: answer "how does the installed torch / megatron-core spell this?" so the rest
+of the package never branches on versions. Must not: hold state, do I/O beyond what
+a stock writer would do for the same object (``torch.save`` of small objects).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+from functools import lru_cache
+from importlib import metadata as importlib_metadata
+from typing import Any
+
+import torch
+from packaging.version import Version
+
+
+@lru_cache(maxsize=None)
+def package_version(name: str) -> Version | None:
+    try:
+        return Version(importlib_metadata.version(name))
+    except importlib_metadata.PackageNotFoundError:
+        return None
+
+
+def megatron_version() -> Version:
+    version = package_version("megatron-core") or package_version("megatron_core")
+    if version is None:
+        raise ImportError("safe_ckpt needs megatron-core (pip install 'megatron-core>=0.13')")
+    return version
+
+
+def torch_version() -> Version:
+    return Version(torch.__version__.split("+")[0])
+
+
+# ---------------------------------------------------------------- torch serialization
+
+
+def dtype_itemsize(dtype: torch.dtype) -> int:
+    return dtype.itemsize
+
+
+@lru_cache(maxsize=None)
+def _untyped_dtypes() -> frozenset:
+    new_dtypes = getattr(torch.storage, "_new_dtypes", None)
+    return frozenset(new_dtypes()) if new_dtypes is not None else frozenset()
+
+
+@lru_cache(maxsize=None)
+def legacy_storage_type(dtype: torch.dtype):
+    """The typed storage class torch pickles for ``dtype``, or None for byte storage."""
+    if dtype in _untyped_dtypes():
+        return None
+    try:
+        name = torch.storage.TypedStorage(dtype=dtype, device="cpu", _internal=True)._pickle_storage_type()
+    except (KeyError, RuntimeError):
+        return None
+    return getattr(torch, name, None)
+
+
+_QUANTIZED = {"quint8", "qint8", "qint32", "quint4x2", "quint2x4"}
+
+
+def is_saveable_dtype(dtype: torch.dtype) -> bool:
+    """Whether a chunk of this dtype can be written as raw bytes in a torch.save container."""
+    if str(dtype).removeprefix("torch.") in _QUANTIZED:
+        return False
+    # Sub-byte dtypes (int1..int7, uint1..uint7) have neither storage form: torch cannot save them.
+    return legacy_storage_type(dtype) is not None or dtype in _untyped_dtypes()
+
+
+def torch_save_bytes(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+# ------------------------------------------------------------------- DCP metadata
+
+
+def dcp_classes():
+    """The DCP metadata classes, imported lazily (torch.distributed may be absent)."""
+    from torch.distributed.checkpoint import metadata as md
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    return md, _StorageInfo
+
+
+def tensor_properties(dtype: torch.dtype):
+    md, _ = dcp_classes()
+    return md.TensorProperties(dtype=dtype)
+
+
+def chunk_metadata(offsets, sizes):
+    md, _ = dcp_classes()
+    return md.ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
+
+
+def tensor_storage_metadata(dtype, size, chunks):
+    md, _ = dcp_classes()
+    return md.TensorStorageMetadata(properties=tensor_properties(dtype), size=torch.Size(size), chunks=chunks)
+
+
+def bytes_storage_metadata():
+    md, _ = dcp_classes()
+    return md.BytesStorageMetadata()
+
+
+def metadata_index(fqn: str, offsets=None, index: int | None = None):
+    md, _ = dcp_classes()
+    return md.MetadataIndex(fqn=fqn, offset=None if offsets is None else torch.Size(offsets), index=index)
+
+
+def storage_info(relative_path: str, offset_bytes: int, length_bytes: int):
+    _, storage_info_cls = dcp_classes()
+    return storage_info_cls(relative_path=relative_path, offset=offset_bytes, length=length_bytes)
+
+
+def dcp_metadata(state_dict_metadata: dict, storage_data: dict, checkpoint_id: str, save_id: str):
+    """A `Metadata` as the installed torch's FileSystemWriter would finish it."""
+    md, _ = dcp_classes()
+    meta = md.Metadata(state_dict_metadata=state_dict_metadata)
+    meta.storage_data = storage_data
+    fields = {f.name for f in dataclasses.fields(md.Metadata)}
+    if "storage_meta" in fields and hasattr(md, "StorageMeta"):
+        meta.storage_meta = md.StorageMeta(checkpoint_id=checkpoint_id, save_id=save_id)
+    if "version" in fields:
+        from torch.distributed.checkpoint import filesystem
+
+        meta.version = getattr(filesystem, "CURRENT_DCP_VERSION", None)
+    return meta
+
+
+# -------------------------------------------------------------------- megatron-core
+
+
+def mcore_mapping():
+    from megatron.core.dist_checkpointing import mapping
+
+    return mapping
+
+
+def checkpointing_config_dict(backend: str = "torch_dist", version: int = 1) -> dict:
+    """The ``metadata.json`` content the installed megatron-core writes."""
+    from megatron.core.dist_checkpointing.core import CheckpointingConfig
+
+    return dataclasses.asdict(CheckpointingConfig(backend, version))
+
+
+def is_main_replica(replica_id) -> bool:
+    return mcore_mapping().is_main_replica(replica_id)
+
+
+@dataclasses.dataclass(frozen=True)
+class MegatronParts:
+    """A sharded state dict split the way megatron-core's save preprocessing splits it."""
+
+    sharded_tree: dict  # only ShardedTensor / ShardedObject leaves, original structure
+    common_state: dict
+
+
+def _copy_containers(tree):
+    if isinstance(tree, dict):
+        return {k: _copy_containers(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_copy_containers(v) for v in tree]
+    return tree
+
+
+def split_megatron_state(sharded_state_dict: dict, content_metadata: dict | None = None) -> MegatronParts:
+    """Apply factories, drop non-persistent objects, split sharded from common state.
+
+    Uses megatron-core's own tree utilities so the common state has exactly the
+    structure stock saving gives it; works on a copy of the containers so the
+    caller's dict is left as it was.
+    """
+    from megatron.core.dist_checkpointing.mapping import apply_factories
+    from megatron.core.dist_checkpointing.utils import extract_nonpersistent, extract_sharded_base
+
+    tree = _copy_containers(sharded_state_dict)
+    if content_metadata is not None:
+        tree["content_metadata"] = content_metadata
+    apply_factories(tree)
+    _, tree = extract_nonpersistent(tree)
+    sharded, common = extract_sharded_base(tree)
+    if "content_metadata" in common:
+        common["content_metadata"] = _clean_content_metadata(common["content_metadata"])
+    return MegatronParts(sharded_tree=sharded, common_state=common)
+
+
+def _clean_content_metadata(content_metadata):
+    try:
+        from megatron.core.dist_checkpointing.utils import _clean_metadata_for_serialization
+    except ImportError:
+        return content_metadata
+    return _clean_metadata_for_serialization(content_metadata)
+
+
+def sharded_object_payload(datas: list) -> bytes:
+    """The bytes item megatron-core's torch_dist strategy stores for a ShardedObject."""
+    return torch_save_bytes(list(datas))
+
+
+# megatron-core <= 0.18 stores the common state as `common.pt` (rank 0, torch.save);
+# 0.19 stores it as a ShardedObject `common_state` (and still reads `common.pt`).
+COMMON_STATE_KEY = "common_state"
+COMMON_STATE_FILE = "common.pt"
+
+
+def common_state_as_sharded_object() -> bool:
+    return megatron_version() >= Version("0.19.0")
+
+
+def common_state_payload(common_state: dict) -> bytes:
+    return sharded_object_payload([common_state])

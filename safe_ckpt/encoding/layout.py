@@ -1,0 +1,104 @@
+"""Where every item goes: which file of which rank, at which byte offset.
+
+One job: from the global plan compute each rank's files and the byte range of every
+item in them. Item sizes are known up front (`torchzip` containers for tensor chunks,
+the encoded payload for objects), so the whole layout is a pure function of the plan
+and identical on every rank. Must not: touch tensor data or files.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from ..plan.records import ChunkSpec, GlobalPlan, ObjectSpec
+from . import torchzip
+
+
+@lru_cache(maxsize=1 << 16)
+def _container_overhead_bytes(dtype: torch.dtype, sizes: tuple[int, ...]) -> int:
+    c = torchzip.tensor_container(dtype, sizes)
+    return c.total_bytes - c.payload_bytes
+
+
+def item_bytes(chunk: ChunkSpec) -> int:
+    return _container_overhead_bytes(chunk.dtype, chunk.global_box.sizes) + chunk.payload_bytes
+
+
+@dataclass(frozen=True)
+class PlacedItem:
+    fqn: str
+    relative_path: str
+    offset_bytes: int
+    length_bytes: int
+    chunk: ChunkSpec | None = None  # a tensor item
+    obj: ObjectSpec | None = None  # a bytes item
+
+
+@dataclass(frozen=True)
+class FileSpec:
+    relative_path: str
+    size_bytes: int
+    items: list[PlacedItem]
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    rank: int
+    files: list[FileSpec]
+
+    @property
+    def file_bytes(self) -> int:
+        return sum(f.size_bytes for f in self.files)
+
+    @property
+    def items(self) -> list[PlacedItem]:
+        return [item for f in self.files for item in f.items]
+
+
+def file_name(rank: int, index: int) -> str:
+    return f"__{rank}_{index}.distcp"
+
+
+def lay_out_rank(plan: GlobalPlan, rank: int, files_per_rank: int) -> RankLayout:
+    chunks = plan.chunks_of(rank)
+    objects = plan.objects_of(rank)
+    n_files = max(1, min(files_per_rank, len(chunks))) if (chunks or objects) else 0
+    if n_files == 0:
+        return RankLayout(rank, [])
+    # Largest first onto the least-loaded file balances bytes; ties go to the lower index.
+    load = [(0, i) for i in range(n_files)]
+    assigned: dict[int, int] = {}
+    order = sorted(range(len(chunks)), key=lambda i: (-chunks[i].payload_bytes, i))
+    for i in order:
+        size, f = heapq.heappop(load)
+        assigned[i] = f
+        heapq.heappush(load, (size + chunks[i].payload_bytes, f))
+    per_file: list[list] = [[] for _ in range(n_files)]
+    per_file[0].extend(objects)
+    for i, chunk in enumerate(chunks):
+        per_file[assigned[i]].append(chunk)
+    files = []
+    for index, entries in enumerate(per_file):
+        if not entries:
+            continue
+        path = file_name(rank, index)
+        offset = 0
+        placed = []
+        for entry in entries:
+            if isinstance(entry, ChunkSpec):
+                length = item_bytes(entry)
+                placed.append(PlacedItem(entry.fqn, path, offset, length, chunk=entry))
+            else:
+                length = entry.payload_bytes
+                placed.append(PlacedItem(entry.fqn, path, offset, length, obj=entry))
+            offset += length
+        files.append(FileSpec(path, offset, placed))
+    return RankLayout(rank, files)
+
+
+def lay_out(plan: GlobalPlan, files_per_rank: int) -> list[RankLayout]:
+    return [lay_out_rank(plan, rank, files_per_rank) for rank in range(plan.world_size)]
