@@ -1,0 +1,72 @@
+"""SaveOptions: the one place every tunable of a save lives.
+
+One job: hold validated settings with sensible defaults. Must not: read environment
+variables (that happens at the edges: CLI and integrations) or touch devices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from .errors import ValidationError
+
+KiB = 1 << 10
+MiB = 1 << 20
+GiB = 1 << 30
+
+UNMAPPED_POLICIES = ("error", "cpu_backup")
+
+
+@dataclass(frozen=True)
+class SaveOptions:
+    """Settings of one save; every rank of a collective save should pass equal options.
+
+    chunk_bytes: largest payload of one stored item; bigger shards are split into
+        several chunks (each a standalone torch.save archive). Bounds loader memory too.
+    io_threads: writer threads per rank, one output file each.
+    fsync: make every file durable before the checkpoint is published.
+    staging_budget_bytes: size of the process-wide pinned staging pool, allocated once
+        on first use and reused by later saves. Device-resident bytes beyond it are
+        staged as earlier chunks finish writing.
+    collective_timeout_s: how long a rank waits for its peers in any coordination step
+        (applies to the gloo group safe_ckpt creates; a caller's group keeps its own).
+    zip_crc32: compute the zip CRC-32 of every payload (stock readers do not check it).
+    unmapped_policy: "error" refuses tensors whose device memory is paused; "cpu_backup"
+        reads their bytes from torch_memory_saver's CPU backup where one exists.
+    replace_existing: an existing checkpoint at the target is atomically replaced;
+        if False the save is refused instead.
+    progress_interval_s: period of progress log lines for long saves (0 disables).
+    sink_factory: builds the byte sink for a staging directory (tests inject faults here);
+        None means the POSIX sink.
+    """
+
+    chunk_bytes: int = 256 * MiB
+    io_threads: int = 8
+    fsync: bool = True
+    staging_budget_bytes: int = 2 * GiB
+    collective_timeout_s: float = 600.0
+    zip_crc32: bool = False
+    unmapped_policy: str = "error"
+    replace_existing: bool = True
+    progress_interval_s: float = 10.0
+    sink_factory: Optional[Callable] = None
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not (4 * KiB <= self.chunk_bytes <= 2 * GiB):
+            problems.append(f"chunk_bytes={self.chunk_bytes} must be within [4 KiB, 2 GiB]")
+        if not (1 <= self.io_threads <= 256):
+            problems.append(f"io_threads={self.io_threads} must be within [1, 256]")
+        if self.staging_budget_bytes < self.chunk_bytes:
+            problems.append(
+                f"staging_budget_bytes={self.staging_budget_bytes} must be at least chunk_bytes={self.chunk_bytes}"
+            )
+        if not self.collective_timeout_s > 0:
+            problems.append(f"collective_timeout_s={self.collective_timeout_s} must be positive")
+        if self.unmapped_policy not in UNMAPPED_POLICIES:
+            problems.append(f"unmapped_policy={self.unmapped_policy!r} must be one of {UNMAPPED_POLICIES}")
+        if self.progress_interval_s < 0:
+            problems.append(f"progress_interval_s={self.progress_interval_s} must be >= 0")
+        if problems:
+            raise ValidationError("invalid SaveOptions: " + "; ".join(problems))

@@ -1,0 +1,223 @@
+"""One rank's write phase: stage → container → sink, pipelined.
+
+One job: write every item of this rank's layout. A staging thread walks the items
+(interleaved across files so every writer has work) and brings each payload to host
+memory: host chunks as views of their own memory, device chunks through the pinned
+pool. One writer thread per file wraps each payload in its container and writes
+prefix, payload and suffix with one vectored write, then fsyncs the file. While
+writer i writes chunk k, the staging thread is already copying chunk k+1.
+
+Must not: decide what goes where (the layout did), talk to other ranks, or publish.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import zlib
+from dataclasses import dataclass
+
+import torch
+
+from .encoding import torchzip
+from .encoding.layout import PlacedItem, RankLayout
+from .errors import CheckpointError, SourceModifiedError
+from .progress import Progress
+from .residence import HOST_RESIDENCES
+from .sinks.base import Sink
+from .staging.stager import Stager, StagedChunk, chunk_view
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RankWork:
+    layout: RankLayout
+    sources: list[torch.Tensor]  # by ShardRef.local_index
+    residences: list[str]
+    versions: list[int]  # each source's version counter when the save began
+    object_payloads: dict[str, bytes]
+    whole_files: dict[str, bytes]  # small files written in one piece (e.g. common.pt)
+
+
+@dataclass(frozen=True)
+class WriteStats:
+    payload_bytes: int
+    file_bytes: int
+    bytes_by_residence: dict[str, int]
+    device_bytes: int
+    staged_s: float  # from start until every payload was staged
+    written_s: float  # from start until every file was durable
+    files: list[str]
+
+
+class ItemWriteFailed(Exception):
+    """The first failure of the write phase; ``key`` names the item, ``cause`` the error."""
+
+    def __init__(self, key: str | None, cause: BaseException) -> None:
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.key = key
+        self.cause = cause
+
+
+class RankWriter:
+    """Runs the write phase in background threads; `join()` returns stats or raises."""
+
+    def __init__(self, work: RankWork, sink: Sink, stager: Stager, *, crc32: bool, progress: Progress) -> None:
+        self.work = work
+        self.sink = sink
+        self.stager = stager
+        self.crc32 = crc32
+        self.progress = progress
+        self._abort = threading.Event()
+        self._staged = threading.Event()
+        self._errors: list[ItemWriteFailed] = []
+        self._lock = threading.Lock()
+        self._queues = [queue.Queue() for _ in work.layout.files]
+        self._threads: list[threading.Thread] = []
+        self._t0 = 0.0
+        self._staged_at = 0.0
+        self._residence_bytes: dict[str, int] = {}
+
+    # ----------------------------------------------------------------- control
+    def start(self) -> None:
+        self._t0 = time.perf_counter()
+        for i, spec in enumerate(self.work.layout.files):
+            t = threading.Thread(target=self._write_file, args=(i,), name=f"safe_ckpt-write-{spec.relative_path}")
+            t.daemon = True
+            self._threads.append(t)
+        stager = threading.Thread(target=self._stage_all, name="safe_ckpt-stage", daemon=True)
+        self._threads.append(stager)
+        for t in self._threads:
+            t.start()
+
+    def wait_staged(self, timeout_s: float | None = None) -> bool:
+        return self._staged.wait(timeout_s)
+
+    def cancel(self) -> None:
+        self._abort.set()
+
+    def join(self) -> WriteStats:
+        for t in self._threads:
+            t.join()
+        if not self._errors:
+            try:
+                for name, data in self.work.whole_files.items():
+                    self.sink.write_file(name, data)
+            except BaseException as exc:
+                self._fail(name, exc)
+        if self._errors:
+            raise self._errors[0]
+        files = [f.relative_path for f in self.work.layout.files] + list(self.work.whole_files)
+        return WriteStats(
+            payload_bytes=sum(self._residence_bytes.values()),
+            file_bytes=self.work.layout.file_bytes + sum(len(d) for d in self.work.whole_files.values()),
+            bytes_by_residence=dict(self._residence_bytes),
+            device_bytes=self.stager.device_bytes,
+            staged_s=self._staged_at - self._t0 if self._staged_at else 0.0,
+            written_s=time.perf_counter() - self._t0,
+            files=files,
+        )
+
+    def _fail(self, key: str | None, exc: BaseException) -> None:
+        with self._lock:
+            self._errors.append(ItemWriteFailed(key, exc))
+        self._abort.set()
+
+    # ----------------------------------------------------------------- staging
+    def _interleaved(self):
+        files = self.work.layout.files
+        longest = max((len(f.items) for f in files), default=0)
+        for k in range(longest):
+            for i, f in enumerate(files):
+                if k < len(f.items):
+                    yield i, f.items[k]
+
+    def _stage_all(self) -> None:
+        try:
+            for file_index, item in self._interleaved():
+                if self._abort.is_set():
+                    break
+                try:
+                    staged = self._stage(item)
+                except BaseException as exc:
+                    self._fail(item.fqn, exc)
+                    break
+                self._queues[file_index].put((item, staged))
+        finally:
+            self._staged_at = time.perf_counter()
+            self._staged.set()
+            for q in self._queues:
+                q.put(None)
+
+    def _stage(self, item: PlacedItem):
+        if item.obj is not None:
+            return self.work.object_payloads[item.fqn]
+        chunk = item.chunk
+        source = self.work.sources[chunk.local_index]
+        return self.stager.stage(chunk_view(source, chunk.shard_box.offsets, chunk.shard_box.sizes), self._abort)
+
+    # ----------------------------------------------------------------- writing
+    def _write_file(self, file_index: int) -> None:
+        spec = self.work.layout.files[file_index]
+        q = self._queues[file_index]
+        handle = None
+        try:
+            handle = self.sink.open(spec.relative_path, spec.size_bytes)
+        except BaseException as exc:
+            self._fail(None, exc)
+        while True:
+            entry = q.get()
+            if entry is None:
+                break
+            item, staged = entry
+            if self._abort.is_set() or handle is None:
+                if isinstance(staged, StagedChunk):
+                    staged.release()
+                continue
+            try:
+                self._write_item(handle, item, staged)
+            except BaseException as exc:
+                self._fail(item.fqn, exc)
+        if handle is not None:
+            try:
+                if not self._abort.is_set():
+                    handle.sync()
+            except BaseException as exc:
+                self._fail(None, exc)
+            finally:
+                handle.close()
+
+    def _write_item(self, handle, item: PlacedItem, staged) -> None:
+        if item.obj is not None:
+            handle.write_at(item.offset_bytes, [staged])
+            self._account("object", len(staged))
+            return
+        chunk = item.chunk
+        try:
+            container = torchzip.tensor_container(chunk.dtype, chunk.global_box.sizes, crc32=self.crc32)
+            if container.total_bytes != item.length_bytes:
+                raise CheckpointError(
+                    f"internal error: container of {container.total_bytes} bytes for a slot of {item.length_bytes}"
+                )
+            payload = staged.ready()
+            crc = zlib.crc32(payload) if self.crc32 else 0
+            handle.write_at(item.offset_bytes, [container.prefix, payload, container.suffix(crc)])
+        finally:
+            staged.release()
+        residence = self.work.residences[chunk.local_index]
+        if residence in HOST_RESIDENCES:
+            source = self.work.sources[chunk.local_index]
+            if source._version != self.work.versions[chunk.local_index]:
+                raise SourceModifiedError(
+                    f"host tensor {chunk.fqn!r} was modified in place while it was being saved; "
+                    "the checkpoint would be torn, so it is not committed"
+                )
+        self._account(residence, chunk.payload_bytes)
+
+    def _account(self, residence: str, nbytes: int) -> None:
+        with self._lock:
+            self._residence_bytes[residence] = self._residence_bytes.get(residence, 0) + nbytes
+        self.progress.add(nbytes)

@@ -1,0 +1,181 @@
+"""Turn one rank's Megatron sharded state dict into local shard records and sources.
+
+One job: walk the caller's state (factories applied, non-persistent objects dropped,
+common state split off, exactly as megatron-core's save preprocessing does), check
+every leaf for problems that can be seen locally, and record each tensor shard with
+its source tensor. Problems are collected, never raised here, so every rank reaches
+the plan exchange and fails together.
+
+Must not: touch CUDA, copy tensor data, or write files.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+
+from .. import compat
+from .records import Box, ObjectRef, Problem
+
+_V = "ValidationError"
+
+
+@dataclass(frozen=True)
+class DraftShard:
+    """A tensor shard before its residence is known."""
+
+    key: str
+    dtype: torch.dtype
+    global_shape: tuple[int, ...]
+    box: Box
+    is_main: bool
+    path: str
+    source: torch.Tensor  # viewed to the box's shape (prepended axes included)
+
+
+@dataclass(frozen=True)
+class LocalState:
+    rank: int
+    shards: list[DraftShard]
+    objects: list[ObjectRef]
+    object_payloads: dict[str, bytes]
+    problems: list[Problem]
+    common_state: dict = field(default_factory=dict)
+    whole_files: dict[str, bytes] = field(default_factory=dict)  # rank 0: common.pt where used
+
+
+def _walk(tree: Any, path: str) -> Iterator[tuple[str, Any]]:
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from _walk(v, f"{path}.{k}" if path else str(k))
+    elif isinstance(tree, list):
+        for i, v in enumerate(tree):
+            yield from _walk(v, f"{path}[{i}]")
+    else:
+        yield path, tree
+
+
+def _problem(key: str, rank: int, message: str, kind: str = _V) -> Problem:
+    return Problem(kind=kind, key=key, ranks=(rank,), message=message)
+
+
+def _tensor_problem(sh, rank: int) -> str | None:
+    data = sh.data
+    if data is None:
+        return "data is None"
+    if not isinstance(data, torch.Tensor):
+        return f"data is a {type(data).__name__}, not a torch.Tensor"
+    if type(data) not in (torch.Tensor, torch.nn.Parameter):
+        return f"tensor subclass {type(data).__name__} is not supported; pass a plain tensor"
+    if data.layout != torch.strided:
+        return f"layout {data.layout} is not supported (only strided tensors)"
+    if getattr(sh, "flattened_range", None) is not None:
+        return "flattened_range shards are not supported; save with the dp_reshardable optimizer format"
+    if data.dtype != sh.dtype:
+        return f"data dtype {data.dtype} differs from the declared dtype {sh.dtype}"
+    if not compat.is_saveable_dtype(sh.dtype):
+        return f"dtype {sh.dtype} cannot be stored in a torch_dist checkpoint"
+    if tuple(data.shape) != tuple(sh.local_shape):
+        return f"data shape {tuple(data.shape)} is not local_shape {tuple(sh.local_shape)}"
+    ndim = len(sh.global_shape)
+    if len(sh.global_offset) != ndim or len(sh.local_shape) + sh.prepend_axis_num != ndim:
+        return (
+            f"rank mismatch: global_shape {tuple(sh.global_shape)}, global_offset {tuple(sh.global_offset)}, "
+            f"local_shape {tuple(sh.local_shape)} with prepend_axis_num={sh.prepend_axis_num}"
+        )
+    return None
+
+
+def _draft(sh, path: str, rank: int) -> DraftShard | Problem:
+    message = _tensor_problem(sh, rank)
+    if message is not None:
+        return _problem(sh.key, rank, message)
+    sizes = (1,) * sh.prepend_axis_num + tuple(int(s) for s in sh.local_shape)
+    box = Box(tuple(int(o) for o in sh.global_offset), sizes)
+    return DraftShard(
+        key=sh.key,
+        dtype=sh.dtype,
+        global_shape=tuple(int(s) for s in sh.global_shape),
+        box=box,
+        is_main=compat.is_main_replica(sh.replica_id),
+        path=path,
+        source=_box_view(sh.data.detach(), sizes),
+    )
+
+
+def _box_view(data: torch.Tensor, sizes: tuple[int, ...]) -> torch.Tensor:
+    # Prepended axes are size-1 axes in front; unsqueeze keeps strides valid for any layout.
+    view = data
+    for _ in range(len(sizes) - data.dim()):
+        view = view.unsqueeze(0)
+    return view
+
+
+def _object(sh, path: str, rank: int, payloads: dict[str, bytes]) -> ObjectRef | Problem:
+    fqn = sh.unique_key
+    is_main = compat.is_main_replica(sh.replica_id)
+    payload_bytes = 0
+    if is_main:
+        if fqn in payloads:
+            return _problem(sh.key, rank, f"ShardedObject {fqn!r} appears twice as a main replica on this rank")
+        try:
+            payloads[fqn] = compat.sharded_object_payload([sh.data])
+        except Exception as exc:  # any pickling failure is the caller's data problem
+            return _problem(sh.key, rank, f"ShardedObject {fqn!r} cannot be serialized: {type(exc).__name__}: {exc}")
+        payload_bytes = len(payloads[fqn])
+    return ObjectRef(
+        fqn=fqn,
+        key=sh.key,
+        rank=rank,
+        global_shape=tuple(sh.global_shape),
+        offsets=tuple(sh.global_offset),
+        is_main=is_main,
+        payload_bytes=payload_bytes,
+        path=path,
+    )
+
+
+def collect(sharded_state_dict: dict, rank: int, content_metadata: dict | None = None) -> LocalState:
+    """One rank's shards, objects, local problems and (on rank 0) the common state."""
+    mapping = compat.mcore_mapping()
+    problems: list[Problem] = []
+    if not isinstance(sharded_state_dict, dict):
+        problems.append(_problem("<root>", rank, f"state dict is a {type(sharded_state_dict).__name__}, not a dict"))
+        return LocalState(rank, [], [], {}, problems)
+    try:
+        parts = compat.split_megatron_state(sharded_state_dict, content_metadata)
+    except Exception as exc:  # a factory's build_fn failing is the caller's problem, on this rank
+        problems.append(_problem("<factories>", rank, f"preprocessing failed: {type(exc).__name__}: {exc}"))
+        return LocalState(rank, [], [], {}, problems)
+
+    shards: list[DraftShard] = []
+    objects: list[ObjectRef] = []
+    payloads: dict[str, bytes] = {}
+    for path, leaf in _walk(parts.sharded_tree, ""):
+        if isinstance(leaf, mapping.ShardedTensor):
+            out = _draft(leaf, path, rank)
+            (problems if isinstance(out, Problem) else shards).append(out)
+        elif isinstance(leaf, mapping.ShardedObject):
+            out = _object(leaf, path, rank, payloads)
+            (problems if isinstance(out, Problem) else objects).append(out)
+        else:
+            key = getattr(leaf, "key", path)
+            problems.append(_problem(key, rank, f"{type(leaf).__name__} at {path!r} is not supported here"))
+
+    common = parts.common_state if rank == 0 else {}
+    whole_files: dict[str, bytes] = {}
+    if rank == 0:
+        try:
+            if compat.common_state_as_sharded_object():
+                fqn = f"{compat.COMMON_STATE_KEY}/shard_0_1"
+                payloads[fqn] = compat.common_state_payload(common)
+                objects.append(
+                    ObjectRef(fqn, compat.COMMON_STATE_KEY, 0, (1,), (0,), True, len(payloads[fqn]), "<common>")
+                )
+            else:
+                whole_files[compat.COMMON_STATE_FILE] = compat.torch_save_bytes(common)
+        except Exception as exc:
+            problems.append(_problem("<common state>", rank, f"cannot be serialized: {type(exc).__name__}: {exc}"))
+    return LocalState(rank, shards, objects, payloads, problems, common, whole_files)

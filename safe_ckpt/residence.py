@@ -1,0 +1,140 @@
+"""Where each source tensor's bytes live right now, checked before anything reads them.
+
+One job: classify a tensor as device memory that is mapped, device memory that is
+paused (virtual address reserved, no physical pages: what torch_memory_saver's
+`pause()` leaves), pinned host, pageable host, or invalid (meta, freed). Device
+pointers are checked with the CUDA driver (`cuPointerGetAttribute(MAPPED)`) because
+any copy out of a paused range kills the process instead of raising.
+
+Must not: copy, read or synchronize anything. (The optional CPU-backup lookup only
+returns a view of torch_memory_saver's own backup buffer.)
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+class Residence(str, Enum):
+    CUDA = "cuda"
+    CUDA_UNMAPPED = "cuda_unmapped"
+    OFFLOAD_BACKUP = "offload_backup"
+    PINNED = "pinned"
+    PAGEABLE = "pageable"
+    INVALID = "invalid"
+
+
+HOST_RESIDENCES = (Residence.PINNED.value, Residence.PAGEABLE.value, Residence.OFFLOAD_BACKUP.value)
+
+
+@dataclass(frozen=True)
+class Classified:
+    """A source's residence; ``source`` replaces the tensor when its bytes come from elsewhere."""
+
+    residence: str
+    detail: str = ""
+    source: torch.Tensor | None = None
+
+
+_CU_POINTER_ATTRIBUTE_MAPPED = 13
+_CUDA_SUCCESS = 0
+_driver_lock = threading.Lock()
+_driver: list = []  # [ctypes.CDLL or None], filled once
+
+
+def _cuda_driver():
+    with _driver_lock:
+        if not _driver:
+            lib = None
+            for name in ("libcuda.so.1", "libcuda.so", "nvcuda.dll"):
+                try:
+                    lib = ctypes.CDLL(name)
+                    break
+                except OSError:
+                    continue
+            if lib is not None:
+                lib.cuPointerGetAttribute.restype = ctypes.c_int
+                lib.cuPointerGetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64]
+            _driver.append(lib)
+        return _driver[0]
+
+
+def device_address_mapped(address: int) -> bool:
+    """Whether the driver reports physical memory behind ``address``.
+
+    An address the driver does not know at all (unmapped VMM range, freed memory)
+    answers CUDA_ERROR_INVALID_VALUE; for a tensor torch places on a CUDA device that
+    means its pages are gone, so it counts as unmapped.
+    """
+    lib = _cuda_driver()
+    if lib is None:
+        raise RuntimeError("the CUDA driver library (libcuda) cannot be loaded")
+    value = ctypes.c_uint64(0)
+    rc = lib.cuPointerGetAttribute(ctypes.byref(value), _CU_POINTER_ATTRIBUTE_MAPPED, ctypes.c_uint64(address))
+    return rc == _CUDA_SUCCESS and value.value != 0
+
+
+def _cpu_backup(tensor: torch.Tensor) -> torch.Tensor | None:
+    try:
+        from torch_memory_saver import torch_memory_saver
+    except ImportError:
+        return None
+    getter = getattr(torch_memory_saver, "get_cpu_backup", None)
+    if getter is None:
+        return None
+    try:
+        return getter(tensor, zero_copy=True)
+    except TypeError:  # versions before zero_copy always clone
+        return getter(tensor)
+
+
+def classify(tensor: torch.Tensor, *, allow_cpu_backup: bool = False) -> Classified:
+    device = tensor.device.type
+    if device == "meta":
+        return Classified(Residence.INVALID.value, "meta tensor has no data")
+    if device == "cpu":
+        if tensor.numel() and tensor.data_ptr() == 0:
+            return Classified(Residence.INVALID.value, "host tensor without storage")
+        pinned = torch.cuda.is_available() and tensor.is_pinned()
+        return Classified(Residence.PINNED.value if pinned else Residence.PAGEABLE.value)
+    if device != "cuda":
+        return Classified(Residence.INVALID.value, f"device type {device!r} is not supported")
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes == 0:
+        return Classified(Residence.CUDA.value)
+    start = tensor.data_ptr()
+    last = start + _span_bytes(tensor) - 1
+    if device_address_mapped(start) and device_address_mapped(last):
+        return Classified(Residence.CUDA.value)
+    detail = (
+        f"device memory at {start:#x}..{last:#x} on cuda:{tensor.device.index} is not mapped "
+        f"(paused by a memory saver, or freed)"
+    )
+    if allow_cpu_backup and tensor.is_contiguous():
+        backup = _cpu_backup(tensor)
+        if backup is not None:
+            return Classified(Residence.OFFLOAD_BACKUP.value, detail, backup.view(tensor.shape))
+        detail += "; torch_memory_saver has no CPU backup for it"
+    return Classified(Residence.CUDA_UNMAPPED.value, detail)
+
+
+def _span_bytes(tensor: torch.Tensor) -> int:
+    """Bytes from the first to one past the last element the view can touch."""
+    if tensor.numel() == 0:
+        return 0
+    extent = 1 + sum((size - 1) * abs(stride) for size, stride in zip(tensor.shape, tensor.stride()))
+    return extent * tensor.element_size()
+
+
+UNMAPPED_REMEDY = (
+    "resume the memory saver (e.g. torch_memory_saver.resume()) before saving, or pass "
+    "SaveOptions(unmapped_policy='cpu_backup') to read the bytes from its CPU backup"
+)

@@ -1,0 +1,335 @@
+"""`save` and `async_save`: the collective entry points.
+
+Call order on every rank (each step after a collective sees the same data everywhere):
+  1. plan: collect shards and objects, classify residences, rank 0 creates the
+     staging directory; exchange the rank plans; validate (same verdict everywhere);
+  2. write: stage and write this rank's items into the staging directory, fsync;
+  3. vote: every rank reports success or its failure; any failure fails all ranks;
+  4. commit: rank 0 writes `.metadata` and `metadata.json`, publishes atomically;
+  5. vote: every rank learns whether the checkpoint is visible.
+`async_save` returns after step 2's staging of device memory; a background thread
+runs the rest. One save runs at a time per process; a new one waits for the last.
+
+Must not: contain stage logic (that lives in plan/residence/staging/encoding/sinks/commit).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from . import commit, compat, dist, residence
+from .encoding.layout import lay_out, lay_out_rank
+from .encoding.metadata import METADATA_FILE, build_metadata, metadata_bytes
+from .errors import CheckpointError, RankFailure, combine, failure_from_exception
+from .options import SaveOptions
+from .pipeline import ItemWriteFailed, RankWork, RankWriter
+from .plan import GlobalPlan, LocalState, Problem, RankPlan, build_global_plan, collect, rank_plan
+from .progress import Progress, human_bytes
+from .results import SaveResult, SaveTimings
+from .sinks.posix import PosixSink
+from .staging.pool import shared_pool
+from .staging.stager import Stager, record_producer_fence
+
+log = logging.getLogger("safe_ckpt")
+CONFIG_FILE = "metadata.json"
+
+
+@dataclass(frozen=True)
+class _PlanMessage:
+    plan: RankPlan
+    staging_dir: str | None
+    save_id: str | None
+
+
+def _problems_error(stage: str, problems: list[Problem]) -> CheckpointError:
+    failures = [
+        RankFailure(rank=p.ranks[0], stage=stage, kind=p.kind, message=p.message, key=p.key, ranks=tuple(p.ranks))
+        for p in problems
+    ]
+    return combine(stage, failures)
+
+
+class _Job:
+    """One save on one rank, from plan to published checkpoint."""
+
+    def __init__(self, sharded_state_dict, checkpoint_dir, process_group, options, content_metadata):
+        self.options = options or SaveOptions()
+        self.checkpoint_dir = os.path.abspath(os.fspath(checkpoint_dir))
+        self.state = sharded_state_dict
+        self.process_group = process_group
+        self.content_metadata = content_metadata
+        self.area: commit.StagingArea | None = None
+        self.t0 = time.perf_counter()
+
+    # ------------------------------------------------------------------ plan
+    def _classify(self, local):
+        allow_backup = self.options.unmapped_policy == "cpu_backup"
+        residences, sources, problems = [], [], []
+        for d in local.shards:
+            try:
+                c = residence.classify(d.source, allow_cpu_backup=allow_backup)
+            except Exception as exc:
+                c = residence.Classified(residence.Residence.INVALID.value, f"cannot be classified: {exc}")
+            residences.append(c.residence)
+            sources.append(d.source if c.source is None else c.source)
+            if c.residence == residence.Residence.CUDA_UNMAPPED.value:
+                msg = f"{c.detail}; {residence.UNMAPPED_REMEDY}"
+                problems.append(Problem("ResidenceError", d.key, (local.rank,), msg))
+            elif c.residence == residence.Residence.INVALID.value:
+                problems.append(Problem("ValidationError", d.key, (local.rank,), c.detail))
+        return residences, sources, problems
+
+    def plan(self) -> None:
+        self.coord = dist.coordinator(self.process_group, self.options.collective_timeout_s)
+        rank = self.coord.rank
+        try:
+            local = collect(self.state, rank, self.content_metadata)
+            residences, sources, problems = self._classify(local)
+        except Exception as exc:  # a bug must still reach the exchange, or peers would wait
+            log.exception("safe_ckpt: rank %d failed while planning", rank)
+            local = LocalState(rank, [], [], {}, [])
+            residences, sources = [], []
+            problems = [Problem("CheckpointError", "<planning>", (rank,), f"{type(exc).__name__}: {exc}")]
+        self.state = None  # the job keeps only the sources it needs
+        save_id = None
+        if rank == 0:
+            save_id = commit.new_save_id()
+            try:
+                self.area = commit.prepare(self.checkpoint_dir, save_id, self.options.replace_existing)
+            except Exception as exc:
+                problems.append(Problem("CommitError", "<target>", (0,), f"{type(exc).__name__}: {exc}"))
+        message = _PlanMessage(
+            rank_plan(local, residences, problems), self.area.staging_dir if self.area else None, save_id
+        )
+        try:
+            messages = self.coord.exchange("planning", message)
+        except CheckpointError:
+            self._abort()
+            raise
+        global_plan = build_global_plan([m.plan for m in messages], self.options.chunk_bytes)
+        if not isinstance(global_plan, GlobalPlan):
+            self._abort()
+            raise _problems_error("planning", global_plan)
+        self.global_plan = global_plan
+        self.staging_dir = messages[0].staging_dir
+        self.save_id = messages[0].save_id
+        self.layout = lay_out_rank(global_plan, rank, self.options.io_threads)
+        self._start_writes(local, residences, sources)
+        self.t_planned = time.perf_counter()
+
+    def _start_writes(self, local, residences, sources) -> None:
+        opts = self.options
+        self.pool = shared_pool(opts.staging_budget_bytes)
+        self.pool_allocations_before = self.pool.stats().allocations
+        devices = {s.device.index for s in sources if s.device.type == "cuda"}
+        fence = record_producer_fence(devices) if devices else None
+        sink = opts.sink_factory(self.staging_dir) if opts.sink_factory else PosixSink(self.staging_dir, opts.fsync)
+        self.sink = sink
+        work = RankWork(
+            layout=self.layout,
+            sources=sources,
+            residences=residences,
+            versions=[s._version for s in sources],
+            object_payloads=local.object_payloads,
+            whole_files=local.whole_files,
+        )
+        payload = sum(i.length_bytes for i in self.layout.items)
+        progress = Progress(payload, self.coord.rank, opts.progress_interval_s)
+        self.writer = RankWriter(
+            work, sink, Stager(self.pool, fence), crc32=opts.zip_crc32, progress=progress
+        )
+        if not os.path.isdir(self.staging_dir):
+            self._write_failure = RankFailure(
+                self.coord.rank, "writing", "WriteError",
+                f"staging directory {self.staging_dir} is not visible here: all ranks must share the filesystem",
+            )
+            return
+        self._write_failure = None
+        self.writer.start()
+
+    def wait_staged(self) -> float:
+        if self._write_failure is None:
+            self.writer.wait_staged()
+        return time.perf_counter() - self.t0
+
+    # ---------------------------------------------------------------- finish
+    def finish(self, stall_s: float | None = None) -> SaveResult:
+        rank = self.coord.rank
+        failure, stats = self._write_failure, None
+        if failure is None:
+            try:
+                stats = self.writer.join()
+            except ItemWriteFailed as exc:
+                failure = failure_from_exception(rank, "writing", exc.cause, exc.key)
+            except BaseException as exc:
+                failure = failure_from_exception(rank, "writing", exc)
+        try:
+            self.coord.vote("writing", failure)
+        except CheckpointError:
+            self._abort()
+            raise
+        t_commit = time.perf_counter()
+        failure = None
+        if rank == 0:
+            try:
+                self._commit()
+            except BaseException as exc:
+                failure = failure_from_exception(rank, "commit", exc)
+                self._abort()
+        self.coord.vote("commit", failure)
+        t_end = time.perf_counter()
+        total = t_end - self.t0
+        result = SaveResult(
+            checkpoint_dir=self.checkpoint_dir,
+            rank=rank,
+            world_size=self.coord.world_size,
+            payload_bytes=stats.payload_bytes,
+            file_bytes=stats.file_bytes,
+            total_file_bytes=self._total_file_bytes(),
+            bytes_by_residence=stats.bytes_by_residence,
+            files=stats.files,
+            items=len(self.layout.items),
+            timings=SaveTimings(
+                plan_s=self.t_planned - self.t0,
+                stall_s=total if stall_s is None else stall_s,
+                write_s=stats.written_s,
+                commit_s=t_end - t_commit,
+                total_s=total,
+            ),
+            staging_pool_allocations=self.pool.stats().allocations - self.pool_allocations_before,
+        )
+        self._log_summary(result)
+        return result
+
+    def _total_file_bytes(self) -> int:
+        return sum(layout.file_bytes for layout in lay_out(self.global_plan, self.options.io_threads))
+
+    def _commit(self) -> None:
+        layouts = lay_out(self.global_plan, self.options.io_threads)
+        meta = build_metadata(self.global_plan, layouts, self.checkpoint_dir, self.save_id)
+        self.sink.write_file(METADATA_FILE, metadata_bytes(meta))
+        self.sink.write_file(CONFIG_FILE, json.dumps(compat.checkpointing_config_dict()).encode())
+        self.sink.sync_root()
+        commit.publish(self.area, fsync=self.options.fsync)
+        self.area = None
+
+    def _abort(self) -> None:
+        if self.area is not None:
+            commit.abort(self.area)
+            self.area = None
+
+    def _log_summary(self, r: SaveResult) -> None:
+        t = r.timings
+        level = logging.INFO if r.rank == 0 else logging.DEBUG
+        log.log(
+            level,
+            "safe_ckpt: saved %s: %s on %d rank(s) in %.2f s (%.2f GB/s), stall %.2f s; rank %d: %s",
+            r.checkpoint_dir, human_bytes(r.total_file_bytes), r.world_size, t.total_s,
+            r.throughput_bytes_per_s / 1e9, t.stall_s, r.rank,
+            ", ".join(f"{k} {human_bytes(v)}" for k, v in sorted(r.bytes_by_residence.items())) or "nothing",
+        )
+
+
+# ------------------------------------------------------------------- in flight
+_inflight_lock = threading.Lock()
+_inflight: list["SaveHandle"] = []
+
+
+def _wait_for_previous() -> None:
+    with _inflight_lock:
+        previous = list(_inflight)
+    for handle in previous:
+        handle._thread.join()
+
+
+class SaveHandle:
+    """An asynchronous save whose device bytes are already staged.
+
+    `wait()` returns the `SaveResult` or raises the save's `CheckpointError`;
+    `done()` tells whether it has finished. Every rank must let its handle finish
+    (the remaining steps are collective).
+    """
+
+    def __init__(self, job: _Job, stall_s: float) -> None:
+        self.stall_s = stall_s
+        self._job = job
+        self._result: SaveResult | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="safe_ckpt-finish", daemon=True)
+        with _inflight_lock:
+            _inflight.append(self)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._result = self._job.finish(stall_s=self.stall_s)
+        except BaseException as exc:
+            self._error = exc
+        finally:
+            self._job = None
+            with _inflight_lock:
+                if self in _inflight:
+                    _inflight.remove(self)
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def wait(self, timeout: float | None = None) -> SaveResult:
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise TimeoutError(f"safe_ckpt: save still running after {timeout} s")
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        self._thread.join(timeout)
+        return self._error
+
+
+@atexit.register
+def _finish_inflight_at_exit() -> None:
+    with _inflight_lock:
+        pending = list(_inflight)
+    for handle in pending:
+        log.warning("safe_ckpt: waiting for an asynchronous save to finish before exit")
+        handle._thread.join()
+
+
+def save(sharded_state_dict: dict, checkpoint_dir, *, process_group=None, options: SaveOptions | None = None,
+         content_metadata: dict | None = None) -> SaveResult:
+    """Save a Megatron sharded state dict in the torch_dist layout. Collective.
+
+    Every rank of ``process_group`` (default: all ranks, over a cached gloo group)
+    calls it with its own shards. Returns once the checkpoint is published, or raises
+    the same `CheckpointError` on every rank and leaves nothing a loader would take
+    for a checkpoint.
+    """
+    _wait_for_previous()
+    job = _Job(sharded_state_dict, checkpoint_dir, process_group, options, content_metadata)
+    job.plan()
+    return job.finish()
+
+
+def async_save(sharded_state_dict: dict, checkpoint_dir, *, process_group=None, options: SaveOptions | None = None,
+               content_metadata: dict | None = None) -> SaveHandle:
+    """Like `save`, but returns once every device-resident byte is staged in host memory.
+
+    With a staging budget smaller than the device bytes, staging waits for earlier
+    chunks to be written, so the return is later. Host tensors are written from their
+    own memory afterwards: modifying one in place before the handle finishes fails the
+    save with `SourceModifiedError` instead of committing torn data.
+    """
+    _wait_for_previous()
+    job = _Job(sharded_state_dict, checkpoint_dir, process_group, options, content_metadata)
+    job.plan()
+    stall = job.wait_staged()
+    return SaveHandle(job, stall)

@@ -1,0 +1,129 @@
+"""Bring one chunk's bytes to host memory the writer can read, by the shortest way.
+
+One job: for a chunk of a source tensor return a `StagedChunk` whose `ready()` gives a
+memoryview of exactly the chunk's bytes:
+- contiguous host chunk: the source's own memory, no copy;
+- non-contiguous host chunk: copied into a pool lease (in the writer's thread);
+- device chunk: copied device-to-host into a pool lease on a dedicated stream that
+  first waits on an event recorded on the producer's stream when the save started.
+
+Must not: allocate host memory per save, synchronize a whole device or stream, copy
+anything host-to-device, or write files.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from .pool import Lease, PinnedPool
+
+
+def host_memoryview(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous host tensor, without copying them."""
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes == 0:
+        return memoryview(b"")
+    return memoryview((ctypes.c_ubyte * nbytes).from_address(tensor.data_ptr())).cast("B")
+
+
+def chunk_view(source: torch.Tensor, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
+    view = source
+    for axis, (start, length) in enumerate(zip(offsets, sizes)):
+        if start != 0 or length != view.shape[axis]:
+            view = view.narrow(axis, start, length)
+    return view
+
+
+class StagedChunk:
+    """A chunk's payload on its way to host memory; `ready()` then `release()`."""
+
+    def __init__(self, nbytes: int, *, keep: torch.Tensor, lease: Lease | None = None,
+                 pending_copy: torch.Tensor | None = None, event=None) -> None:
+        self.nbytes = nbytes
+        self._keep = keep  # the source stays alive until the bytes are written
+        self._lease = lease
+        self._pending_copy = pending_copy
+        self._event = event
+
+    def ready(self) -> memoryview:
+        if self._event is not None:
+            self._event.synchronize()
+            self._event = None
+        if self._lease is None:
+            return host_memoryview(self._keep)
+        if self._pending_copy is not None:
+            _typed(self._lease, self._pending_copy).copy_(self._pending_copy)
+            self._pending_copy = None
+        return host_memoryview(self._lease.tensor)
+
+    def release(self) -> None:
+        if self._lease is not None:
+            self._lease.release()
+            self._lease = None
+        self._keep = None
+        self._pending_copy = None
+
+
+def _typed(lease: Lease, like: torch.Tensor) -> torch.Tensor:
+    return lease.tensor.view(like.dtype).view(like.shape)
+
+
+@dataclass(frozen=True)
+class ProducerFence:
+    """Per-device events recorded on the caller's current streams when the save began."""
+
+    events: dict  # device index -> torch.cuda.Event
+
+
+def record_producer_fence(devices: set[int]) -> ProducerFence:
+    events = {}
+    for index in sorted(devices):
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(index))
+        events[index] = event
+    return ProducerFence(events)
+
+
+class Stager:
+    """Stages chunks for one save; device copies go on one side stream per device."""
+
+    def __init__(self, pool: PinnedPool, fence: ProducerFence | None = None, lease_timeout_s: float | None = None):
+        self.pool = pool
+        self.fence = fence or ProducerFence({})
+        self.lease_timeout_s = lease_timeout_s
+        self._streams: dict[int, object] = {}
+        self._lock = threading.Lock()
+        self.device_bytes = 0
+
+    def _stream(self, index: int):
+        with self._lock:
+            stream = self._streams.get(index)
+            if stream is None:
+                stream = torch.cuda.Stream(device=index)
+                fence = self.fence.events.get(index)
+                if fence is not None:
+                    stream.wait_event(fence)
+                self._streams[index] = stream
+            return stream
+
+    def stage(self, chunk: torch.Tensor, cancel: threading.Event | None = None) -> StagedChunk:
+        nbytes = chunk.numel() * chunk.element_size()
+        if chunk.device.type == "cpu":
+            if chunk.is_contiguous() or nbytes == 0:
+                return StagedChunk(nbytes, keep=chunk)
+            lease = self.pool.lease(nbytes, self.lease_timeout_s, cancel)
+            return StagedChunk(nbytes, keep=chunk, lease=lease, pending_copy=chunk)
+        lease = self.pool.lease(nbytes, self.lease_timeout_s, cancel)
+        if nbytes == 0:
+            return StagedChunk(0, keep=chunk, lease=lease)
+        stream = self._stream(chunk.device.index)
+        with torch.cuda.stream(stream):
+            _typed(lease, chunk).copy_(chunk, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(stream)
+        self.device_bytes += nbytes
+        return StagedChunk(nbytes, keep=chunk, lease=lease, event=done)

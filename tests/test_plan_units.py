@@ -1,0 +1,67 @@
+"""Pure plan-stage logic: chunk splitting and validation verdicts (no processes)."""
+
+import itertools
+
+import pytest
+import torch
+
+from safe_ckpt.plan.chunking import split_box
+from safe_ckpt.plan.records import Box, ObjectRef, RankPlan, ShardRef
+from safe_ckpt.plan.validate import validate
+
+
+def _covers_exactly(sizes, boxes):
+    seen = set()
+    for b in boxes:
+        for p in itertools.product(*(range(o, o + s) for o, s in zip(b.offsets, b.sizes))):
+            assert p not in seen
+            seen.add(p)
+    return seen == set(itertools.product(*(range(s) for s in sizes)))
+
+
+@pytest.mark.parametrize("sizes,itemsize,max_bytes", [
+    ((10, 7), 4, 64), ((3, 4, 5), 2, 16), ((100,), 8, 24), ((2, 50), 4, 40), ((), 4, 4), ((0, 5), 4, 4),
+    ((1, 1, 33), 2, 10),
+])
+def test_split_box_tiles_and_bounds(sizes, itemsize, max_bytes):
+    boxes = split_box(sizes, itemsize, max_bytes)
+    assert _covers_exactly(sizes, boxes) or 0 in sizes
+    for b in boxes:
+        assert b.numel * itemsize <= max(max_bytes, itemsize)
+        # contiguous in a C-contiguous source: size 1 before some axis, full after it
+        assert any(
+            all(s == 1 for s in b.sizes[:a]) and b.sizes[a + 1:] == tuple(sizes[a + 1:])
+            for a in range(max(1, len(sizes)))
+        ) or not sizes
+
+
+def _shard(key, rank, offsets, sizes, shape, dtype=torch.float32, main=True):
+    return ShardRef(key, rank, 0, dtype, shape, Box(offsets, sizes), main, "pageable", key)
+
+
+def test_validate_accepts_irregular_tiling_and_non_main_overlap():
+    plans = [
+        RankPlan(0, [_shard("x", 0, (0,), (3,), (10,)), _shard("x", 0, (3,), (4,), (10,)),
+                     _shard("x", 0, (0,), (10,), (10,), main=False)]),
+        RankPlan(1, [_shard("x", 1, (7,), (3,), (10,))]),
+    ]
+    assert validate(plans) == []
+
+
+def test_validate_names_overlap_pair_and_ranks():
+    plans = [RankPlan(0, [_shard("x", 0, (0, 0), (2, 4), (4, 4))]),
+             RankPlan(1, [_shard("x", 1, (1, 0), (3, 4), (4, 4))])]
+    (p,) = validate(plans)
+    assert p.key == "x" and p.ranks == (0, 1) and "overlap" in p.message
+
+
+def test_validate_zero_dim_duplicate():
+    plans = [RankPlan(r, [_shard("s", r, (), (), ())]) for r in range(2)]
+    (p,) = validate(plans)
+    assert "two main replicas" in p.message
+
+
+def test_validate_objects_must_tile_their_grid():
+    objs = [ObjectRef("o/shard_0_2", "o", 0, (2,), (0,), True, 10, "o")]
+    (p,) = validate([RankPlan(0, objects=objs)])
+    assert "1 of the 2" in p.message

@@ -1,0 +1,25 @@
+"""Save Megatron-shaped state at 1, 2 and 4 ranks; load it back with stock loaders only."""
+
+import pytest
+
+from tests import cases
+from tests.mp import run_world, values
+
+
+@pytest.mark.parametrize("world,tp,load_tp", [(1, 1, 1), (2, 2, 1), (2, 1, 2), (4, 2, 4), (4, 4, 2)])
+def test_roundtrip_through_stock_megatron_and_dcp(tmp_path, world, tp, load_tp):
+    ckpt = str(tmp_path / "iter_0000042")
+    out = values(run_world(world, cases.roundtrip, (tp, load_tp, ckpt)))
+    for rank, r in enumerate(out):
+        assert r["mismatches"] == [], f"rank {rank}: {r['mismatches'][:10]}"
+        assert r["tensors_checked"] > 10
+    files = out[0]["files"]
+    assert {".metadata", "metadata.json", "common.pt"} <= set(files)
+    assert any(f.startswith(f"__{world - 1}_") and f.endswith(".distcp") for f in files)
+    assert not [f for f in files if "safe_ckpt" in f]
+
+
+def test_roundtrip_with_crc_and_single_thread(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    out = values(run_world(2, cases.roundtrip, (1, 2, ckpt, None, {"zip_crc32": True, "io_threads": 1})))
+    assert all(r["mismatches"] == [] for r in out)
