@@ -21,6 +21,7 @@ from .errors import (
 from .options import SaveOptions
 from .results import SaveResult, SaveTimings
 from .save import SaveHandle, async_save, save
+from .staging.pool import prepare as prepare_staging_pool
 from .staging.pool import release as release_staging_pool
 
 __version__ = "0.1.0"
@@ -28,5 +29,5 @@ __version__ = "0.1.0"
 __all__ = [
     "CheckpointError", "CommitError", "CoordinationError", "RankFailure", "ResidenceError", "SaveHandle",
     "SaveOptions", "SaveResult", "SaveTimings", "SourceModifiedError", "ValidationError", "WriteError",
-    "async_save", "release_staging_pool", "save",
+    "async_save", "prepare_staging_pool", "release_staging_pool", "save",
 ]

@@ -146,6 +146,9 @@ class RankWriter:
                     self._fail(item.fqn, exc)
                     break
                 self._queues[file_index].put((item, staged))
+            self.stager.wait_copies()
+        except BaseException as exc:
+            self._fail(None, exc)
         finally:
             self._staged_at = time.perf_counter()
             self._staged.set()

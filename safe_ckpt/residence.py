@@ -83,17 +83,28 @@ def device_address_mapped(address: int) -> bool:
 
 
 def _cpu_backup(tensor: torch.Tensor) -> torch.Tensor | None:
-    try:
-        from torch_memory_saver import torch_memory_saver
-    except ImportError:
+    """torch_memory_saver's snapshot of a paused tensor, or None.
+
+    Only asked when the memory saver is active in this process: it initialises itself
+    lazily, and a paused pointer it does not own makes it terminate the process.
+    """
+    import sys
+
+    module = sys.modules.get("torch_memory_saver")
+    saver = getattr(module, "torch_memory_saver", None) if module is not None else None
+    if saver is None or getattr(saver, "_impl", None) is None:
         return None
-    getter = getattr(torch_memory_saver, "get_cpu_backup", None)
-    if getter is None:
+    getter = getattr(saver, "get_cpu_backup", None)
+    if getter is None:  # 0.0.9 wheels have no backup access
         return None
     try:
-        return getter(tensor, zero_copy=True)
-    except TypeError:  # versions before zero_copy always clone
-        return getter(tensor)
+        try:
+            return getter(tensor, zero_copy=True)
+        except TypeError:  # versions before zero_copy always clone
+            return getter(tensor)
+    except Exception as exc:
+        log.warning("safe_ckpt: torch_memory_saver.get_cpu_backup failed: %s", exc)
+        return None
 
 
 def classify(tensor: torch.Tensor, *, allow_cpu_backup: bool = False) -> Classified:

@@ -68,17 +68,31 @@ class PinnedPool:
         self._leased = 0
         self._peak = 0
         self._allocations = 0
+        self._registered = False
 
     def _ensure_buffer(self) -> None:
         if self._buffer is None:
             t0 = time.perf_counter()
-            self._buffer = torch.empty(self.capacity_bytes, dtype=torch.uint8, pin_memory=self.pinned)
+            buffer = torch.empty(self.capacity_bytes, dtype=torch.uint8)
+            if self.pinned:
+                # Page-lock our own allocation instead of asking torch's pinned cache, which
+                # rounds sizes up to a power of two and is what `_host_emptyCache` empties.
+                err = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), self.capacity_bytes, 0)
+                if int(err) != 0:
+                    raise CheckpointError(f"cudaHostRegister of {self.capacity_bytes} bytes failed: error {int(err)}")
+                self._registered = True
+            self._buffer = buffer
             self._free_list = [[0, self.capacity_bytes]]
             self._allocations += 1
             log.info(
                 "safe_ckpt: allocated %s staging pool of %.2f GiB in %.2f s (kept for reuse)",
                 "pinned" if self.pinned else "host", self.capacity_bytes / 2**30, time.perf_counter() - t0,
             )
+
+    def preallocate(self) -> None:
+        """Allocate (and page-lock) the buffer now rather than in the first save."""
+        with self._cond:
+            self._ensure_buffer()
 
     def lease(self, nbytes: int, timeout_s: float | None = None, cancel: threading.Event | None = None) -> Lease:
         """Block until ``nbytes`` are free; give up at ``timeout_s`` or once ``cancel`` is set."""
@@ -140,6 +154,9 @@ class PinnedPool:
         with self._cond:
             if self._leased:
                 raise CheckpointError("cannot release the staging pool while chunks are leased")
+            if self._buffer is not None and self._registered:
+                torch.cuda.cudart().cudaHostUnregister(self._buffer.data_ptr())
+                self._registered = False
             self._buffer = None
             self._free_list = []
 
@@ -159,6 +176,13 @@ def shared_pool(capacity_bytes: int) -> PinnedPool:
             pool = PinnedPool(capacity_bytes)
             _shared["pool"] = pool
         return pool
+
+
+def prepare(capacity_bytes: int) -> PinnedPool:
+    """Allocate the process-wide staging pool now (e.g. at startup), not in the first save."""
+    pool = shared_pool(capacity_bytes)
+    pool.preallocate()
+    return pool
 
 
 def release() -> None:

@@ -96,6 +96,7 @@ class Stager:
         self.fence = fence or ProducerFence({})
         self.lease_timeout_s = lease_timeout_s
         self._streams: dict[int, object] = {}
+        self._last_copy: dict[int, object] = {}
         self._lock = threading.Lock()
         self.device_bytes = 0
 
@@ -126,4 +127,11 @@ class Stager:
             done = torch.cuda.Event()
             done.record(stream)
         self.device_bytes += nbytes
+        self._last_copy[chunk.device.index] = done
         return StagedChunk(nbytes, keep=chunk, lease=lease, event=done)
+
+    def wait_copies(self) -> None:
+        """Block until every device-to-host copy issued so far has landed (copies on one
+        stream complete in order, so the last event of each stream is enough)."""
+        for event in list(self._last_copy.values()):
+            event.synchronize()

@@ -1,0 +1,76 @@
+"""GPU tests (marked `gpu`; skipped without CUDA). Each runs in spawned ranks on cuda:0."""
+
+import importlib.util
+
+import pytest
+
+from tests.mp import run_world, values
+
+pytestmark = pytest.mark.gpu
+
+
+def _cases():
+    from tests import gpu_cases
+
+    return gpu_cases
+
+
+@pytest.mark.parametrize("use_async", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("residence", ["cuda", "pinned", "pageable", "mixed"])
+def test_roundtrip_per_residence(tmp_path, residence, use_async):
+    out = values(run_world(1, _cases().gpu_roundtrip, (str(tmp_path / "ck"), residence, use_async)))
+    (r,) = out
+    assert r["mismatches"] == [], r["mismatches"][:5]
+    expect = {"cuda": {"cuda"}, "pinned": {"cuda", "pinned"}, "pageable": {"cuda", "pageable"},
+              "mixed": {"cuda", "pinned", "pageable"}}[residence]
+    assert expect <= set(r["residences"]), r["residences"]
+
+
+def test_roundtrip_two_ranks_mixed_async(tmp_path):
+    out = values(run_world(2, _cases().gpu_roundtrip, (str(tmp_path / "ck"), "mixed", True)))
+    assert all(r["mismatches"] == [] for r in out), [r["mismatches"][:3] for r in out]
+
+
+def test_no_host_to_device_copies(tmp_path):
+    (counts,) = values(run_world(1, _cases().count_h2d, (str(tmp_path / "ck"),)))
+    for mode, c in counts.items():
+        assert c["DtoH"] > 0, f"{mode}: the profiler saw no device-to-host copies at all: {c}"
+        assert c["HtoD"] == 0, f"{mode}: {c}"
+        assert c["nccl"] == 0, f"{mode}: {c}"
+
+
+def test_unmapped_device_memory_is_refused_on_every_rank(tmp_path):
+    out = values(run_world(2, _cases().unmapped_is_refused, (str(tmp_path),)))
+    for rank, r in enumerate(out):
+        assert r["before"] == "cuda"
+        assert r["after"] == ("cuda_unmapped" if rank == 1 else "cuda")
+        for policy in ("error", "cpu_backup"):
+            err = r[policy]
+            assert err is not None and "ResidenceError" in err["mro"], (policy, err)
+            assert "'paused'" in err["message"] and "not mapped" in err["message"], err["message"]
+            assert err["failing_ranks"] == [1]
+            assert not r[f"{policy}_committed"]
+        assert r["device_ok"] and r["later_save_ok"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch_memory_saver") is None, reason="torch_memory_saver not installed")
+def test_real_memory_saver_pause_backup_resume(tmp_path):
+    out = values(run_world(1, _cases().memory_saver_pause, (str(tmp_path),)))
+    (r,) = out
+    err = r["paused_error"]
+    assert err is not None and "ResidenceError" in err["mro"], err
+    assert "offload_backup" in r["backup_residences"], r["backup_residences"]
+    assert r["backup_bit_exact"]
+    assert "cuda" in r["resumed_residences"] and r["resumed_bit_exact"]
+
+
+def test_pinned_pool_allocated_once_and_memory_bounded(tmp_path):
+    (r,) = values(run_world(1, _cases().pool_reuse, (str(tmp_path),)))
+    first, second = r["saves"]
+    assert first["device_bytes"] == second["device_bytes"] >= 4 * r["budget"], r
+    assert first["pool_allocations"] == 1 and second["pool_allocations"] == 0
+    if second["torch_host_allocs"] is not None:
+        assert second["torch_host_allocs"] == 0, r
+    slack = 96 << 20
+    assert first["extra_rss"] <= r["budget"] + slack, r
+    assert second["extra_rss"] <= slack, r
