@@ -1,0 +1,136 @@
+"""One runner per saver. Each returns ``{"stall_s": ..., "total_s": ...}`` where stall is
+how long training would be blocked and total is time until the checkpoint is durable
+(the call, plus finalisation for asynchronous savers).
+
+Peers: ``safe_sync``, ``safe_async`` (this library); ``megatron_sync``,
+``megatron_async`` (stock megatron-core torch_dist, mcore async strategy; need CUDA);
+``dcp_sync`` (FileSystemWriter, same thread count); ``dcp_async_pinned``
+(`dcp.async_save` with a pinned `DefaultStager`, where the installed torch has it).
+Must not: time anything outside the saver's own calls.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import shutil
+import time
+
+import torch
+
+PEERS = ("safe_sync", "safe_async", "megatron_sync", "megatron_async", "dcp_sync", "dcp_async_pinned")
+
+
+class Unavailable(Exception):
+    """The peer cannot run in this environment (reason in the message)."""
+
+
+def _fresh(path: str) -> str:
+    shutil.rmtree(path, ignore_errors=True)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    return path
+
+
+def safe_sync(state, target, threads, budget_bytes):
+    import safe_ckpt
+
+    opts = safe_ckpt.SaveOptions(io_threads=threads, staging_budget_bytes=budget_bytes)
+    d = _fresh(target)
+    t0 = time.perf_counter()
+    result = safe_ckpt.save(state.make_sharded(), d, options=opts)
+    t1 = time.perf_counter()
+    return {"stall_s": t1 - t0, "total_s": t1 - t0, "pool_allocations": result.staging_pool_allocations}
+
+
+def safe_async(state, target, threads, budget_bytes):
+    import safe_ckpt
+
+    opts = safe_ckpt.SaveOptions(io_threads=threads, staging_budget_bytes=budget_bytes)
+    d = _fresh(target)
+    t0 = time.perf_counter()
+    handle = safe_ckpt.async_save(state.make_sharded(), d, options=opts)
+    t1 = time.perf_counter()
+    result = handle.wait()
+    t2 = time.perf_counter()
+    return {"stall_s": t1 - t0, "total_s": t2 - t0, "pool_allocations": result.staging_pool_allocations}
+
+
+def _need_cuda(name):
+    if not torch.cuda.is_available():
+        raise Unavailable(f"{name}: stock Megatron saving needs CUDA (it fails in torch.cuda.synchronize())")
+
+
+def megatron_sync(state, target, threads, budget_bytes):
+    _need_cuda("megatron_sync")
+    from megatron.core import dist_checkpointing
+
+    d = _fresh(target)
+    os.makedirs(d)
+    sd = state.make_sharded()
+    t0 = time.perf_counter()
+    dist_checkpointing.save(sd, d, async_sharded_save=False)
+    t1 = time.perf_counter()
+    return {"stall_s": t1 - t0, "total_s": t1 - t0}
+
+
+def megatron_async(state, target, threads, budget_bytes):
+    _need_cuda("megatron_async")
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+    d = _fresh(target)
+    os.makedirs(d)
+    kwargs = {}
+    if "async_strategy" in inspect.signature(dist_checkpointing.save).parameters:
+        kwargs["async_strategy"] = "mcore"
+    queue = AsyncCallsQueue()
+    sd = state.make_sharded()
+    t0 = time.perf_counter()
+    request = dist_checkpointing.save(sd, d, async_sharded_save=True, **kwargs)
+    queue.schedule_async_request(request)
+    t1 = time.perf_counter()
+    queue.maybe_finalize_async_calls(blocking=True)
+    t2 = time.perf_counter()
+    queue.close()
+    return {"stall_s": t1 - t0, "total_s": t2 - t0}
+
+
+def dcp_sync(state, target, threads, budget_bytes):
+    import torch.distributed.checkpoint as dcp
+
+    d = _fresh(target)
+    t0 = time.perf_counter()
+    dcp.save(state.plain, storage_writer=dcp.FileSystemWriter(d, thread_count=threads),
+             no_dist=not torch.distributed.is_initialized())
+    t1 = time.perf_counter()
+    return {"stall_s": t1 - t0, "total_s": t1 - t0}
+
+
+def dcp_async_pinned(state, target, threads, budget_bytes):
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    except ImportError as exc:
+        raise Unavailable(f"dcp_async_pinned: this torch has no DefaultStager ({exc})")
+    if not torch.distributed.is_initialized():
+        raise Unavailable("dcp_async_pinned: dcp.async_save needs an initialized process group")
+    pinned = torch.cuda.is_available()
+    stager = DefaultStager(StagingOptions(pinned, False, True, pinned))
+    d = _fresh(target)
+    t0 = time.perf_counter()
+    resp = dcp.async_save(state.plain, storage_writer=dcp.FileSystemWriter(d, thread_count=threads),
+                          async_stager=stager)
+    if hasattr(resp, "staging_completion"):
+        resp.staging_completion.result()
+        t1 = time.perf_counter()
+        resp.upload_completion.result()
+    else:
+        t1 = time.perf_counter()
+        resp.result()
+    t2 = time.perf_counter()
+    stager.close()
+    return {"stall_s": t1 - t0, "total_s": t2 - t0}
+
+
+RUNNERS = {name: globals()[name] for name in PEERS}

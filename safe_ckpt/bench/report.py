@@ -1,0 +1,122 @@
+"""Medians, ratios and the three outputs (JSON, Markdown table, PNG chart) of a benchmark run.
+Must not: run savers.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections import defaultdict
+
+
+def summarize(rows: list[dict], meta: dict) -> list[dict]:
+    groups = defaultdict(list)
+    for r in rows:
+        groups[(r["residence"], r["target"], r["cache"], r["peer"])].append(r)
+    out = []
+    for (residence, target, cache, peer), rs in groups.items():
+        ok = [r for r in rs if "error" not in r]
+        s = {"residence": residence, "target": target, "cache": cache, "peer": peer, "runs": len(ok)}
+        if not ok:
+            s["error"] = rs[0].get("error", "no runs")
+            out.append(s)
+            continue
+        for field in ("stall_s", "total_s", "extra_rss_bytes", "pinned_alloc_bytes"):
+            vals = [r[field] for r in ok if r.get(field) is not None]
+            if vals:
+                s[field] = statistics.median(vals)
+                s[field + "_min"], s[field + "_max"] = min(vals), max(vals)
+        total_bytes = ok[0]["bytes"]
+        s["bytes"] = total_bytes
+        s["gbps"] = total_bytes / s["total_s"] / 1e9
+        ceiling = meta["ceilings"].get(f"write_gbps[{target}]")
+        if ceiling:
+            s["vs_write_ceiling"] = s["gbps"] / ceiling
+        d2h = meta["ceilings"].get("d2h_gbps")
+        dev = ok[0].get("device_bytes", 0)
+        if d2h and dev:
+            s["ideal_stall_s"] = dev / (d2h * 1e9)
+        out.append(s)
+    for s in out:
+        peers = [p for p in out if p["residence"] == s["residence"] and p["target"] == s["target"]
+                 and p["cache"] == s["cache"] and not p["peer"].startswith("safe") and "total_s" in p]
+        if peers and "total_s" in s:
+            best = min(peers, key=lambda p: p["total_s"])
+            s["vs_best_peer"] = best["total_s"] / s["total_s"]
+            s["best_peer"] = best["peer"]
+            meg = [p for p in peers if p["peer"] == "megatron_sync"]
+            if meg:
+                s["vs_megatron_sync"] = meg[0]["total_s"] / s["total_s"]
+            mas = [p for p in peers if p["peer"] == "megatron_async" and "stall_s" in p]
+            if mas and "stall_s" in s:
+                s["stall_vs_megatron_async"] = s["stall_s"] / mas[0]["stall_s"] if mas[0]["stall_s"] else None
+    order = {"safe_sync": 0, "safe_async": 1}
+    return sorted(out, key=lambda s: (s["residence"], s["target"], s["cache"], order.get(s["peer"], 2), s["peer"]))
+
+
+def _f(v, fmt):
+    return "" if v is None else format(v, fmt)
+
+
+def to_markdown(summary: list[dict], meta: dict) -> str:
+    c = meta["ceilings"]
+    lines = [f"# {meta.get('label', 'benchmark')}", "", meta.get("machine_line", ""), "",
+             f"State: {meta.get('state', '')}; world size {meta.get('world_size', 1)}; "
+             f"{meta.get('reps')} runs per row (median, [min-max]).", "",
+             "Ceilings (same run): " + ", ".join(f"{k} {v:.2f}" for k, v in c.items() if v), "",
+             "| residence | target | cache | peer | stall s | time-to-durable s | GB/s | vs write ceiling | "
+             "vs best peer | vs megatron sync | stall vs megatron async | ideal stall s | peak extra RSS MiB | "
+             "pinned alloc MiB |",
+             "|" + "---|" * 14]
+    for s in summary:
+        if "error" in s:
+            lines.append(f"| {s['residence']} | {s['target']} | {s['cache']} | {s['peer']} | "
+                         f"n/a: {s['error'][:90]} |" + " |" * 9)
+            continue
+        lines.append(
+            f"| {s['residence']} | {s['target']} | {s['cache']} | {s['peer']} | "
+            f"{s['stall_s']:.2f} [{s['stall_s_min']:.2f}-{s['stall_s_max']:.2f}] | "
+            f"{s['total_s']:.2f} [{s['total_s_min']:.2f}-{s['total_s_max']:.2f}] | {s['gbps']:.2f} | "
+            f"{_f(s.get('vs_write_ceiling'), '.0%')} | {_f(s.get('vs_best_peer'), '.2f')}x | "
+            f"{_f(s.get('vs_megatron_sync'), '.2f')}{'x' if s.get('vs_megatron_sync') else ''} | "
+            f"{_f(s.get('stall_vs_megatron_async'), '.3f')} | {_f(s.get('ideal_stall_s'), '.3f')} | "
+            f"{_f(s.get('extra_rss_bytes', 0) / 2**20, '.0f')} | "
+            f"{_f((s.get('pinned_alloc_bytes') or 0) / 2**20, '.0f')} |")
+    return "\n".join(lines) + "\n"
+
+
+def to_png(summary: list[dict], path: str) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    rows = [s for s in summary if "total_s" in s]
+    if not rows:
+        return False
+    labels = [f"{s['peer']}\n{s['target'].rstrip('/').split('/')[-2] if '/' in s['target'] else s['target']}"
+              f" {s['cache']} {s['residence']}" for s in rows]
+    fig, ax = plt.subplots(figsize=(max(8, len(rows) * 0.55), 5))
+    xs = range(len(rows))
+    ax.bar([x - 0.2 for x in xs], [s["total_s"] for s in rows], 0.4, label="time-to-durable s")
+    ax.bar([x + 0.2 for x in xs], [s["stall_s"] for s in rows], 0.4, label="stall s")
+    ax.set_xticks(list(xs))
+    ax.set_xticklabels(labels, rotation=70, fontsize=7)
+    ax.set_ylabel("seconds (median)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def write(prefix: str, meta: dict, rows: list[dict], summary: list[dict]) -> str:
+    with open(prefix + ".json", "w") as f:
+        json.dump({"meta": meta, "summary": summary, "rows": rows}, f, indent=1, default=str)
+    md = to_markdown(summary, meta)
+    with open(prefix + ".md", "w") as f:
+        f.write(md)
+    to_png(summary, prefix + ".png")
+    return md

@@ -1,0 +1,224 @@
+"""The benchmark loop: build state, measure ceilings, run every peer ``reps`` times per
+(residence, target, cache) in rotating order, and write medians beside the ceilings.
+
+Single process: ``python -m safe_ckpt.bench ...``; several GPUs: the same under
+``torchrun --nproc-per-node N -m safe_ckpt.bench ...`` (each rank saves its own shard;
+times are the slowest rank's). Must not: be imported by the library.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import socket
+import time
+
+import torch
+import torch.distributed as dist
+
+from . import ceilings, measure, peers, report
+from .state import build
+
+
+def _init_dist() -> tuple[int, int]:
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    if "WORLD_SIZE" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def machine() -> dict:
+    cpu = "?"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    mem = 0
+    try:
+        with open("/proc/meminfo") as f:
+            mem = int(next(line.split()[1] for line in f if line.startswith("MemTotal"))) * 1024
+    except (OSError, StopIteration):
+        pass
+    import megatron.core
+
+    import safe_ckpt
+
+    info = {
+        "host": socket.gethostname(), "cpu": cpu, "cores": os.cpu_count(), "mem_total_bytes": mem,
+        "python": platform.python_version(), "torch": torch.__version__,
+        "megatron_core": getattr(megatron.core, "__version__", "?"), "safe_ckpt": safe_ckpt.__version__,
+        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+        "date": datetime.date.today().isoformat(),
+    }
+    info["machine_line"] = (f"{info['cores']} cores ({cpu}), {mem / 2**30:.0f} GiB RAM, "
+                            f"GPUs: {', '.join(info['gpus']) or 'none'}; torch {info['torch']}, "
+                            f"megatron-core {info['megatron_core']}, Python {info['python']}")
+    return info
+
+
+def _fs_type(path: str) -> str:
+    best, fstype = "", "?"
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                parts = line.split()
+                if path.startswith(parts[1]) and len(parts[1]) > len(best):
+                    best, fstype = parts[1], parts[2]
+    except OSError:
+        pass
+    return fstype
+
+
+def _max_over_ranks(values: dict, group) -> dict:
+    if group is None:
+        return values
+    gathered = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, values, group=group)
+    out = {}
+    for k in values:
+        vals = [g[k] for g in gathered if isinstance(g.get(k), (int, float))]
+        out[k] = max(vals) if vals else values[k]
+    return out
+
+
+def _empty_caches() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch._C._host_emptyCache()
+
+
+def run(args) -> str:
+    rank, world = _init_dist()
+    group = dist.new_group(backend="gloo") if world > 1 else None
+    meta = machine()
+    meta.update(label=args.label, world_size=world, reps=args.reps, preset=args.preset, threads=args.threads)
+    if rank == 0:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)) or ".", exist_ok=True)
+    targets = [t.rstrip("/") for t in args.targets.split(",")]
+    meta["targets"] = {t: _fs_type(t) for t in targets}
+    chosen = peers.PEERS if args.peers == "all" else tuple(args.peers.split(","))
+    rows: list[dict] = []
+    meta["ceilings"] = {}
+    for residence in args.residences.split(","):
+        state = build(args.preset, args.gib, residence, rank, world)
+        meta["state"] = state.description
+        if rank == 0:
+            print(f"state: {state.description}", flush=True)
+        if "d2h_gbps" not in meta["ceilings"]:
+            meta["ceilings"]["d2h_gbps"] = ceilings.d2h_gbps(min(max(state.device_bytes, 1 << 28), 8 << 30))
+            meta["ceilings"]["memcpy_gbps"] = ceilings.memcpy_gbps()
+        budget = int(args.budget_gib * 2**30) if args.budget_gib else max(2 << 30, state.device_bytes + (256 << 20))
+        if any(p.startswith("safe") for p in chosen):
+            import safe_ckpt
+
+            t0 = time.perf_counter()
+            safe_ckpt.prepare_staging_pool(budget)  # once per process, as a training job would at startup
+            meta.setdefault("staging_pool", {})[residence] = {"bytes": budget, "alloc_s": time.perf_counter() - t0}
+        for target in targets:
+            os.makedirs(target, exist_ok=True)
+            key = f"write_gbps[{target}]"
+            if key not in meta["ceilings"]:
+                meta["ceilings"][key] = ceilings.write_gbps(target, state.nbytes, args.threads, reps=3)
+                if rank == 0:
+                    print(f"ceiling write {target}: {meta['ceilings'][key]:.2f} GB/s", flush=True)
+            for cache in args.cache.split(","):
+                for rep in range(args.reps):
+                    order = list(chosen[rep % len(chosen):] + chosen[:rep % len(chosen)])
+                    for peer in order:
+                        stock = not peer.startswith("safe")
+                        if stock and (rep >= args.peer_reps or cache not in args.peer_cache.split(",")):
+                            continue
+                        row = _one(peer, state, target, cache, residence, args, budget, group)
+                        row.update(rep=rep, bytes=state.nbytes * world, device_bytes=state.device_bytes)
+                        rows.append(row)
+                        if rank == 0:
+                            print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()},
+                                  flush=True)
+                            with open(args.out + ".rows.jsonl", "a") as f:  # survives an interrupted run
+                                f.write(json.dumps(row) + "\n")
+            if args.count_h2d and torch.cuda.is_available():
+                meta.setdefault("memcpy_events", {})
+                for peer in chosen:
+                    try:
+                        counts = measure.count_memcpy(
+                            lambda: peers.RUNNERS[peer](state, f"{target}/h2d_{peer}", args.threads, budget))
+                    except Exception as exc:
+                        counts = {"error": f"{type(exc).__name__}: {exc}"[:200]}
+                    meta["memcpy_events"][f"{peer}|{residence}|{target}"] = counts
+                    shutil.rmtree(f"{target}/h2d_{peer}", ignore_errors=True)
+        del state
+        _empty_caches()
+    meta["host_stats_keys"] = measure.host_stats_keys()
+    summary = report.summarize(rows, meta)
+    md = ""
+    if rank == 0:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)) or ".", exist_ok=True)
+        md = report.write(args.out, meta, rows, summary)
+        print(md, flush=True)
+    dist.barrier()
+    return md
+
+
+def _one(peer, state, target, cache, residence, args, budget, group) -> dict:
+    row = {"peer": peer, "residence": residence, "target": target, "cache": cache}
+    path = f"{target}/ck_{peer}"
+    if cache == "cold":
+        _empty_caches()
+    dist.barrier()
+    before = measure.host_alloc_bytes()
+    try:
+        with measure.RssPeak() as rss:
+            result = peers.RUNNERS[peer](state, path, args.threads, budget)
+        result["extra_rss_bytes"] = rss.extra_bytes
+        after = measure.host_alloc_bytes()
+        result["pinned_alloc_bytes"] = None if before is None or after is None else after - before
+        row.update(_max_over_ranks(result, group))
+    except peers.Unavailable as exc:
+        row["error"] = str(exc)
+    except Exception as exc:
+        row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+    dist.barrier()
+    shutil.rmtree(path, ignore_errors=True)
+    return row
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="safe-ckpt bench", description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="anchor", choices=["anchor", "qwen3-4b-dp8"])
+    ap.add_argument("--gib", type=float, default=None, help="state size per rank (default: the preset's)")
+    ap.add_argument("--residences", default="gpu", help="comma list of gpu, opt-pinned, opt-pageable")
+    ap.add_argument("--targets", default="/dev/shm/safe_ckpt_bench")
+    ap.add_argument("--peers", default="all", help=f"comma list of {', '.join(peers.PEERS)}")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--peer-reps", type=int, default=None, help="runs of the stock peers (default: --reps)")
+    ap.add_argument("--cache", default="cold", help="cold, warm or cold,warm (pinned host cache)")
+    ap.add_argument("--peer-cache", default=None, help="cache modes for the stock peers (default: --cache)")
+    ap.add_argument("--threads", type=int, default=8)
+    ap.add_argument("--budget-gib", type=float, default=None, help="safe_ckpt staging budget")
+    ap.add_argument("--count-h2d", action="store_true", help="count memcpy events per peer with the profiler")
+    ap.add_argument("--label", default=None)
+    ap.add_argument("--out", default=None, help="output prefix (writes .json, .md, .png)")
+    args = ap.parse_args(argv)
+    args.peer_reps = args.reps if args.peer_reps is None else args.peer_reps
+    args.peer_cache = args.peer_cache or args.cache
+    args.label = args.label or f"safe_ckpt bench {datetime.date.today().isoformat()}"
+    args.out = args.out or f"benchmarks/results/bench_{socket.gethostname()}_{int(time.time())}"
+    try:
+        run(args)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
