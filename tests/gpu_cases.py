@@ -77,13 +77,50 @@ def count_h2d(rank, world, ckpt_dir) -> dict:
             else:
                 safe_ckpt.async_save(state, path, options=small_options()).wait(timeout=300)
             torch.cuda.synchronize()
-        names = [e.name or "" for e in prof.events()]
-        counts[mode] = {
-            "HtoD": sum("HtoD" in n for n in names),
-            "DtoH": sum("DtoH" in n for n in names),
-            "nccl": sum("nccl" in n.lower() for n in names),
-        }
+        counts[mode] = _memcpy_counts(prof)
+    # The error path: a refused save (overlapping GPU shards) must not touch the device either.
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    data = torch.randn(4, 4, device="cuda")
+    bad = {f"x{i}": ShardedTensor("x", data, data.dtype, (4, 4), (6, 4), (2 * i, 0), axis_fragmentations=None)
+           for i in range(2)}
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        try:
+            safe_ckpt.save(bad, f"{ckpt_dir}_refused", options=small_options())
+            counts["refused_error"] = None
+        except safe_ckpt.ValidationError as exc:
+            counts["refused_error"] = str(exc)
+        torch.cuda.synchronize()
+    counts["refused"] = _memcpy_counts(prof)
     return counts
+
+
+def _memcpy_counts(prof) -> dict:
+    names = [e.name or "" for e in prof.events()]
+    return {
+        "HtoD": sum("HtoD" in n for n in names),
+        "DtoH": sum("DtoH" in n for n in names),
+        "nccl": sum("nccl" in n.lower() for n in names),
+    }
+
+
+def nccl_default_group(rank, world, ckpt_dir) -> dict:
+    """The default process group is NCCL: safe_ckpt must coordinate over its own gloo group."""
+    from megatron.core import dist_checkpointing
+    from torch.profiler import ProfilerActivity, profile
+
+    spec = StateSpec(**GPU_SPEC)
+    refs = reference_tensors(spec, world)
+    state = place(build_state(rank, world, tp=world, spec=spec, device="cuda", references=refs), "mixed")
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        safe_ckpt.save(state, ckpt_dir, options=small_options())
+        torch.cuda.synchronize()
+    target = build_state(rank, world, tp=world, spec=spec, layout="alt", empty=True, references=refs, saved_tp=world)
+    expected = build_state(rank, world, tp=world, spec=spec, layout="alt", references=refs, saved_tp=world)
+    loaded = dist_checkpointing.load(target, ckpt_dir)
+    return {"backend": torch.distributed.get_backend(), "counts": _memcpy_counts(prof),
+            "mismatches": compare_loaded(loaded, expected)}
 
 
 class VmmTensor:

@@ -26,12 +26,16 @@ def describe_exception(exc: BaseException) -> dict:
     }
 
 
-def _child(rank, world_size, init_file, target, args, out_queue):
+def _child(rank, world_size, init_file, target, args, out_queue, backend="gloo"):
     import torch.distributed as dist
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+        if backend == "nccl":
+            import torch
+
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size)
         try:
             value = target(rank, world_size, *args)
             out_queue.put((rank, "ok", value))
@@ -43,14 +47,15 @@ def _child(rank, world_size, init_file, target, args, out_queue):
         out_queue.put((rank, "error", describe_exception(exc)))
 
 
-def run_world(world_size: int, target, args=(), timeout_s: float = 240.0) -> list[tuple[str, object]]:
+def run_world(world_size: int, target, args=(), timeout_s: float = 240.0,
+              backend: str = "gloo") -> list[tuple[str, object]]:
     """[(status, value_or_error_dict)] in rank order; status "ok", "error" or "hung"."""
     ctx = mp.get_context("spawn")
     out_queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "store")
         procs = [
-            ctx.Process(target=_child, args=(r, world_size, init_file, target, args, out_queue), daemon=True)
+            ctx.Process(target=_child, args=(r, world_size, init_file, target, args, out_queue, backend), daemon=True)
             for r in range(world_size)
         ]
         for p in procs:

@@ -33,10 +33,24 @@ def test_roundtrip_two_ranks_mixed_async(tmp_path):
 
 def test_no_host_to_device_copies(tmp_path):
     (counts,) = values(run_world(1, _cases().count_h2d, (str(tmp_path / "ck"),)))
-    for mode, c in counts.items():
+    for mode in ("sync", "async"):
+        c = counts[mode]
         assert c["DtoH"] > 0, f"{mode}: the profiler saw no device-to-host copies at all: {c}"
         assert c["HtoD"] == 0, f"{mode}: {c}"
         assert c["nccl"] == 0, f"{mode}: {c}"
+    assert counts["refused_error"] and "overlap" in counts["refused_error"]
+    assert counts["refused"]["HtoD"] == 0 and counts["refused"]["nccl"] == 0, counts["refused"]
+
+
+def test_default_group_nccl(tmp_path):
+    import torch
+
+    world = min(2, torch.cuda.device_count())
+    out = values(run_world(world, _cases().nccl_default_group, (str(tmp_path / "ck"),), backend="nccl"))
+    for r in out:
+        assert r["backend"] == "nccl"
+        assert r["mismatches"] == [], r["mismatches"][:5]
+        assert r["counts"]["HtoD"] == 0 and r["counts"]["nccl"] == 0, r["counts"]
 
 
 def test_unmapped_device_memory_is_refused_on_every_rank(tmp_path):

@@ -24,6 +24,7 @@ class Fault:
     on: str | None = None  # "open", "sync", "write_file", "sync_root"
     errno: int = errno_codes.EIO
     stall_s: float = 0.0  # sleep instead of (before) failing, to simulate a hung disk
+    delay_s: float = 0.0  # sleep before every data write (a slow disk that does not fail)
 
 
 class _Counter:
@@ -40,6 +41,8 @@ class FaultyFile:
     def write_at(self, offset_bytes: int, buffers: Sequence[Buffer]) -> None:
         n = sum(len(b) for b in buffers)
         fault = self._sink.fault
+        if fault.delay_s:
+            time.sleep(fault.delay_s)
         with self._sink.counter.lock:
             before = self._sink.counter.bytes
             self._sink.counter.bytes += n

@@ -1,0 +1,120 @@
+"""One process, no torch.distributed: views, odd shapes, async source checks, SIGKILL mid-save."""
+
+import multiprocessing
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+import safe_ckpt
+from safe_ckpt.sinks.faults import Fault, FaultySink
+from safe_ckpt.sinks.posix import PosixSink
+from safe_ckpt.synthetic import bits_equal
+
+
+def _st(key, data, global_shape=None, offset=None, **kw):
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    shape = tuple(data.shape)
+    return ShardedTensor(key, data, data.dtype, shape, tuple(global_shape or shape), tuple(offset or (0,) * len(shape)),
+                         axis_fragmentations=None, **kw)
+
+
+def _dcp_load(path, shapes):
+    import torch.distributed.checkpoint as dcp
+
+    out = {k: torch.empty(s, dtype=d) for k, (s, d) in shapes.items()}
+    dcp.load(out, checkpoint_id=path, no_dist=True)
+    return out
+
+
+def _opts(**kw):
+    return safe_ckpt.SaveOptions(**{"chunk_bytes": 16 * 1024, "io_threads": 2, "progress_interval_s": 0, **kw})
+
+
+def test_views_and_odd_shapes_without_distributed(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    big = torch.randn(512, 256, generator=g)  # 512 KiB storage
+    narrow = big[100:104]  # a view into the middle of it
+    transposed = torch.randn(48, 64, generator=g).t()  # non-contiguous
+    strided = torch.randn(64, 64, generator=g)[::2, ::4]
+    scalar = torch.tensor(3.25, dtype=torch.float64)
+    empty = torch.empty(0, 7)
+    ints = torch.randint(-(2**40), 2**40, (33,), generator=g)
+    state = {"narrow": _st("narrow", narrow), "t": _st("t", transposed), "s": _st("s", strided),
+             "scalar": _st("scalar", scalar), "empty": _st("empty", empty), "ints": _st("ints", ints)}
+    path = str(tmp_path / "ck")
+    result = safe_ckpt.save(state, path, options=_opts())
+    assert result.world_size == 1 and result.bytes_by_residence["pageable"] > 0
+    loaded = _dcp_load(path, {k: (tuple(v.data.shape), v.data.dtype) for k, v in state.items()})
+    for k, v in state.items():
+        assert bits_equal(loaded[k], v.data), k
+    data_bytes = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".distcp"))
+    payload = sum(v.data.numel() * v.data.element_size() for v in state.values())
+    # only the chunks' bytes go in: no whole storage behind a view
+    assert payload <= data_bytes < payload + 64 * 1024
+    assert data_bytes < big.numel() * 4
+
+
+def test_async_save_detects_in_place_modification(tmp_path):
+    w = torch.randn(64, 256, generator=torch.Generator().manual_seed(1))  # 64 KiB -> 4 chunks
+    slow = Fault(delay_s=0.3)
+    opts = _opts(io_threads=1, sink_factory=lambda d: FaultySink(PosixSink(d), slow))
+    path = str(tmp_path / "modified")
+    handle = safe_ckpt.async_save({"w": _st("w", w)}, path, options=opts)
+    w.add_(1.0)  # the training step runs on while the save still reads w
+    with pytest.raises(safe_ckpt.SourceModifiedError, match="'w'"):
+        handle.wait(timeout=60)
+    assert not os.path.exists(path)
+
+    kept = w.clone()
+    path = str(tmp_path / "untouched")
+    safe_ckpt.async_save({"w": _st("w", w)}, path, options=opts).wait(timeout=60)
+    assert bits_equal(_dcp_load(path, {"w": ((64, 256), torch.float32)})["w"], kept)
+
+
+def _save_slowly(path, ready):
+    import safe_ckpt as sc
+
+    w = torch.randn(256, 256, generator=torch.Generator().manual_seed(2))
+    opts = sc.SaveOptions(chunk_bytes=16 * 1024, io_threads=1, progress_interval_s=0,
+                          sink_factory=lambda d: FaultySink(PosixSink(d), Fault(delay_s=0.5)))
+    ready.set()
+    sc.save({"w": _st("w", w)}, path, options=opts)
+
+
+def test_sigkill_mid_save_keeps_previous_checkpoint(tmp_path):
+    path = str(tmp_path / "ck")
+    previous = torch.randn(8, 8, generator=torch.Generator().manual_seed(3))
+    safe_ckpt.save({"w": _st("w", previous)}, path, options=_opts())
+    before = {f: open(os.path.join(path, f), "rb").read() for f in os.listdir(path)}
+
+    ctx = multiprocessing.get_context("spawn")
+    ready = ctx.Event()
+    child = ctx.Process(target=_save_slowly, args=(path, ready))
+    child.start()
+    assert ready.wait(60)
+    deadline = time.monotonic() + 60
+    staging = []
+    while time.monotonic() < deadline and not any(
+        os.path.exists(os.path.join(tmp_path, s, "__0_0.distcp")) for s in staging
+    ):
+        staging = [n for n in os.listdir(tmp_path) if ".safe_ckpt-staging-" in n]
+        time.sleep(0.05)
+    assert staging, "the save never started writing"
+    os.kill(child.pid, signal.SIGKILL)
+    child.join()
+    after = {f: open(os.path.join(path, f), "rb").read() for f in os.listdir(path)}
+    assert after == before
+    assert bits_equal(_dcp_load(path, {"w": ((8, 8), torch.float32)})["w"], previous)
+    # what is left is recognisably a staging directory, never under the target's name
+    assert all(n == "ck" or ".safe_ckpt-staging-" in n for n in os.listdir(tmp_path))
+
+
+def test_options_are_validated():
+    with pytest.raises(safe_ckpt.ValidationError, match="io_threads"):
+        safe_ckpt.SaveOptions(io_threads=0)
+    with pytest.raises(safe_ckpt.ValidationError, match="unmapped_policy"):
+        safe_ckpt.SaveOptions(unmapped_policy="ignore")
