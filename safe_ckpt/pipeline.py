@@ -16,7 +16,6 @@ import logging
 import queue
 import threading
 import time
-import zlib
 from dataclasses import dataclass
 
 import torch
@@ -206,8 +205,8 @@ class RankWriter:
                     f"internal error: container of {container.total_bytes} bytes for a slot of {item.length_bytes}"
                 )
             payload = staged.ready()
-            crc = zlib.crc32(payload) if self.crc32 else 0
-            handle.write_at(item.offset_bytes, [container.prefix, payload, container.suffix(crc)])
+            crc = torchzip.payload_crc32(payload) if self.crc32 else 0
+            handle.write_at(item.offset_bytes, [container.prefix, *payload, container.suffix(crc)])
         finally:
             staged.release()
         residence = self.work.residences[chunk.local_index]

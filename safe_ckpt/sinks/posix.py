@@ -10,6 +10,7 @@ from typing import Sequence
 from .base import Buffer
 
 _MAX_WRITE_BYTES = 0x7FFFF000  # Linux caps one write call at this many bytes
+_MAX_IOV = 1024  # IOV_MAX
 
 
 def _advance(buffers: list[memoryview], n: int) -> list[memoryview]:
@@ -30,6 +31,8 @@ def pwrite_all(fd: int, offset_bytes: int, buffers: Sequence[Buffer]) -> int:
     while pending:
         batch, batch_bytes = [], 0
         for b in pending:
+            if len(batch) == _MAX_IOV:
+                break
             if batch_bytes + len(b) > _MAX_WRITE_BYTES:
                 if not batch:
                     batch.append(b[:_MAX_WRITE_BYTES])

@@ -30,6 +30,39 @@ def host_memoryview(tensor: torch.Tensor) -> memoryview:
     return memoryview((ctypes.c_ubyte * nbytes).from_address(tensor.data_ptr())).cast("B")
 
 
+MAX_RUNS = 4096  # past this many pieces a strided chunk is copied instead
+MIN_RUN_BYTES = 64 * 1024  # smaller pieces make vectored writes / per-piece copies inefficient
+
+
+def _run_split(tensor: torch.Tensor) -> int | None:
+    """How many leading dimensions enumerate the tensor's contiguous runs, or None if the
+    runs would be too many or too small.
+
+    The trailing dimensions that are laid out contiguously form one run; a slice of a
+    fused weight (one half of a gate/up pair, say) is a handful of large runs that can be
+    written or copied in place instead of through a staging copy.
+    """
+    shape, strides = list(tensor.shape), list(tensor.stride())
+    expected, k = 1, len(shape)
+    while k > 0 and (shape[k - 1] == 1 or strides[k - 1] == expected):
+        expected *= shape[k - 1]
+        k -= 1
+    count = 1
+    for size in shape[:k]:
+        count *= size
+    if count > MAX_RUNS or expected * tensor.element_size() < MIN_RUN_BYTES:
+        return None
+    return k
+
+
+def _run_views(tensor: torch.Tensor, k: int) -> list[torch.Tensor]:
+    """The contiguous runs as tensors, in row-major order."""
+    views = [tensor]
+    for _ in range(k):
+        views = [row for v in views for row in v.unbind(0)]
+    return views
+
+
 def chunk_view(source: torch.Tensor, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
     view = source
     for axis, (start, length) in enumerate(zip(offsets, sizes)):
@@ -42,23 +75,28 @@ class StagedChunk:
     """A chunk's payload on its way to host memory; `ready()` then `release()`."""
 
     def __init__(self, nbytes: int, *, keep: torch.Tensor, lease: Lease | None = None,
-                 pending_copy: torch.Tensor | None = None, event=None) -> None:
+                 pending_copy: torch.Tensor | None = None, event=None,
+                 runs: list[torch.Tensor] | None = None) -> None:
         self.nbytes = nbytes
         self._keep = keep  # the source stays alive until the bytes are written
         self._lease = lease
         self._pending_copy = pending_copy
         self._event = event
+        self._runs = runs
 
-    def ready(self) -> memoryview:
+    def ready(self) -> list[memoryview]:
+        """The payload as memoryviews, in order (several for a strided host chunk)."""
         if self._event is not None:
             self._event.synchronize()
             self._event = None
         if self._lease is None:
-            return host_memoryview(self._keep)
+            if self._runs is not None:
+                return [host_memoryview(run) for run in self._runs]
+            return [host_memoryview(self._keep)]
         if self._pending_copy is not None:
             _typed(self._lease, self._pending_copy).copy_(self._pending_copy)
             self._pending_copy = None
-        return host_memoryview(self._lease.tensor)
+        return [host_memoryview(self._lease.tensor)]
 
     def release(self) -> None:
         if self._lease is not None:
@@ -113,9 +151,12 @@ class Stager:
 
     def stage(self, chunk: torch.Tensor, cancel: threading.Event | None = None) -> StagedChunk:
         nbytes = chunk.numel() * chunk.element_size()
+        contiguous = chunk.is_contiguous() or nbytes == 0
+        split = None if contiguous else _run_split(chunk)
+        runs = None if split is None else _run_views(chunk, split)
         if chunk.device.type == "cpu":
-            if chunk.is_contiguous() or nbytes == 0:
-                return StagedChunk(nbytes, keep=chunk)
+            if contiguous or runs is not None:
+                return StagedChunk(nbytes, keep=chunk, runs=runs)
             lease = self.pool.lease(nbytes, self.lease_timeout_s, cancel)
             return StagedChunk(nbytes, keep=chunk, lease=lease, pending_copy=chunk)
         lease = self.pool.lease(nbytes, self.lease_timeout_s, cancel)
@@ -123,7 +164,15 @@ class Stager:
             return StagedChunk(0, keep=chunk, lease=lease)
         stream = self._stream(chunk.device.index)
         with torch.cuda.stream(stream):
-            _typed(lease, chunk).copy_(chunk, non_blocking=True)
+            if runs is None:
+                # A strided copy makes torch build a contiguous temporary on the device first.
+                _typed(lease, chunk).copy_(chunk, non_blocking=True)
+            else:
+                offset = 0
+                for run in runs:  # each run is contiguous: a plain D2H copy, no device temporary
+                    n = run.numel() * run.element_size()
+                    lease.tensor[offset:offset + n].view(run.dtype).view(run.shape).copy_(run, non_blocking=True)
+                    offset += n
             done = torch.cuda.Event()
             done.record(stream)
         self.device_bytes += nbytes
