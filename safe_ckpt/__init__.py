@@ -20,7 +20,7 @@ from .errors import (
 )
 from .options import SaveOptions
 from .results import SaveResult, SaveTimings
-from .save import SaveHandle, async_save, save
+from .saving import SaveHandle, async_save, save
 from .staging.pool import prepare as prepare_staging_pool
 from .staging.pool import release as release_staging_pool
 

@@ -110,13 +110,31 @@ def publish(area: StagingArea, fsync: bool = True) -> None:
         fsync_path(parent, directory=True)
 
 
+def publish_into(area: StagingArea, last: str, fsync: bool = True) -> None:
+    """Move the staged files into the (existing) target directory, ``last`` at the very end.
+
+    For writers that own only part of a directory another component is filling (Megatron's
+    save calls a sharded strategy after writing `common.pt` itself): the loader keys on
+    ``last`` (`.metadata`), so until it lands nothing of this save is visible as complete.
+    """
+    os.makedirs(area.final_dir, exist_ok=True)
+    names = sorted(os.listdir(area.staging_dir))
+    for name in [n for n in names if n != last] + ([last] if last in names else []):
+        if name == last and fsync:
+            fsync_path(area.final_dir, directory=True)
+        os.replace(os.path.join(area.staging_dir, name), os.path.join(area.final_dir, name))
+    if fsync:
+        fsync_path(area.final_dir, directory=True)
+    os.rmdir(area.staging_dir)
+
+
 def abort(area: StagingArea) -> None:
     """Remove the staging directory of a failed save (best effort)."""
     shutil.rmtree(area.staging_dir, ignore_errors=True)
 
 
-def write_tracker(save_root: str, iteration: int, fsync: bool = True) -> None:
-    """Atomically point `latest_checkpointed_iteration.txt` at ``iteration``."""
+def write_tracker(save_root: str, iteration, fsync: bool = True) -> None:
+    """Atomically point `latest_checkpointed_iteration.txt` at ``iteration`` (a number or "release")."""
     path = os.path.join(save_root, TRACKER_FILE)
     tmp = f"{path}{STAGING_MARK}{new_save_id()}"
     try:

@@ -187,15 +187,18 @@ def split_megatron_state(sharded_state_dict: dict, content_metadata: dict | None
     _, tree = extract_nonpersistent(tree)
     sharded, common = extract_sharded_base(tree)
     if "content_metadata" in common:
-        common["content_metadata"] = _clean_content_metadata(common["content_metadata"])
+        common["content_metadata"] = clean_content_metadata(common["content_metadata"])
     return MegatronParts(sharded_tree=sharded, common_state=common)
 
 
-def _clean_content_metadata(content_metadata):
+def clean_content_metadata(content_metadata):
+    """`content_metadata` without the process group megatron-core >= 0.16 puts in it."""
+    if content_metadata is None:
+        return None
     try:
         from megatron.core.dist_checkpointing.utils import _clean_metadata_for_serialization
     except ImportError:
-        return content_metadata
+        return {k: v for k, v in content_metadata.items() if k != "dp_cp_group"}
     return _clean_metadata_for_serialization(content_metadata)
 
 
@@ -216,3 +219,35 @@ def common_state_as_sharded_object() -> bool:
 
 def common_state_payload(common_state: dict) -> bytes:
     return sharded_object_payload([common_state])
+
+
+def torch_dist_save_strategy_base():
+    """The class a custom torch_dist save strategy must subclass (0.17+ replace any other)."""
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    return TorchDistSaveShardedStrategy
+
+
+def register_default_save_strategy(strategy) -> bool:
+    """Make ``strategy`` megatron-core's default torch_dist save strategy (<= 0.16 only).
+
+    Those versions re-register the stock strategy on every lookup, so the registration
+    hook itself is wrapped. Returns False where there is no registry (>= 0.17).
+    """
+    try:
+        from megatron.core.dist_checkpointing.strategies import base, torch as torch_strategies
+    except ImportError:
+        return False
+    if not hasattr(base, "register_default_strategy") or not hasattr(torch_strategies, "register_default_torch_strategies"):
+        return False
+    stock = getattr(torch_strategies.register_default_torch_strategies, "__wrapped__",
+                    torch_strategies.register_default_torch_strategies)
+
+    def register():
+        stock()
+        base.register_default_strategy(base.StrategyAction.SAVE_SHARDED, "torch_dist", 1, strategy)
+
+    register.__wrapped__ = stock
+    torch_strategies.register_default_torch_strategies = register
+    register()
+    return True

@@ -60,12 +60,17 @@ def _problems_error(stage: str, problems: list[Problem]) -> CheckpointError:
 class _Job:
     """One save on one rank, from plan to published checkpoint."""
 
-    def __init__(self, sharded_state_dict, checkpoint_dir, process_group, options, content_metadata):
+    def __init__(self, sharded_state_dict, checkpoint_dir, process_group, options, content_metadata,
+                 sharded_only: bool = False, post_commit=None):
         self.options = options or SaveOptions()
         self.checkpoint_dir = os.path.abspath(os.fspath(checkpoint_dir))
         self.state = sharded_state_dict
         self.process_group = process_group
         self.content_metadata = content_metadata
+        # sharded_only: another writer (Megatron's own save) owns the directory, the common
+        # state and metadata.json; we add the sharded items and `.metadata` into it.
+        self.sharded_only = sharded_only
+        self.post_commit = post_commit  # collective step after a successful commit (tracker file)
         self.area: commit.StagingArea | None = None
         self.t0 = time.perf_counter()
 
@@ -91,7 +96,7 @@ class _Job:
         self.coord = dist.coordinator(self.process_group, self.options.collective_timeout_s)
         rank = self.coord.rank
         try:
-            local = collect(self.state, rank, self.content_metadata)
+            local = collect(self.state, rank, self.content_metadata, with_common=not self.sharded_only)
             residences, sources, problems = self._classify(local)
         except Exception as exc:  # a bug must still reach the exchange, or peers would wait
             log.exception("safe_ckpt: rank %d failed while planning", rank)
@@ -103,7 +108,8 @@ class _Job:
         if rank == 0:
             save_id = commit.new_save_id()
             try:
-                self.area = commit.prepare(self.checkpoint_dir, save_id, self.options.replace_existing)
+                replace = self.options.replace_existing or self.sharded_only
+                self.area = commit.prepare(self.checkpoint_dir, save_id, replace)
             except Exception as exc:
                 problems.append(Problem("CommitError", "<target>", (0,), f"{type(exc).__name__}: {exc}"))
         message = _PlanMessage(
@@ -185,6 +191,8 @@ class _Job:
                 failure = failure_from_exception(rank, "commit", exc)
                 self._abort()
         self.coord.vote("commit", failure)
+        if self.post_commit is not None:
+            self.post_commit(self.coord)
         t_end = time.perf_counter()
         total = t_end - self.t0
         result = SaveResult(
@@ -216,9 +224,13 @@ class _Job:
         layouts = lay_out(self.global_plan, self.options.io_threads)
         meta = build_metadata(self.global_plan, layouts, self.checkpoint_dir, self.save_id)
         self.sink.write_file(METADATA_FILE, metadata_bytes(meta))
-        self.sink.write_file(CONFIG_FILE, json.dumps(compat.checkpointing_config_dict()).encode())
-        self.sink.sync_root()
-        commit.publish(self.area, fsync=self.options.fsync)
+        if self.sharded_only:
+            self.sink.sync_root()
+            commit.publish_into(self.area, last=METADATA_FILE, fsync=self.options.fsync)
+        else:
+            self.sink.write_file(CONFIG_FILE, json.dumps(compat.checkpointing_config_dict()).encode())
+            self.sink.sync_root()
+            commit.publish(self.area, fsync=self.options.fsync)
         self.area = None
 
     def _abort(self) -> None:
@@ -304,6 +316,17 @@ def _finish_inflight_at_exit() -> None:
         handle._thread.join()
 
 
+def start(sharded_state_dict: dict, checkpoint_dir, *, process_group=None, options: SaveOptions | None = None,
+          content_metadata: dict | None = None, sharded_only: bool = False, post_commit=None) -> "_Job":
+    """Plan and start writing (collective); for the adapters at the edges. The returned job
+    is finished with `.finish()` or handed to `SaveHandle` after `.wait_staged()`."""
+    _wait_for_previous()
+    job = _Job(sharded_state_dict, checkpoint_dir, process_group, options, content_metadata,
+               sharded_only=sharded_only, post_commit=post_commit)
+    job.plan()
+    return job
+
+
 def save(sharded_state_dict: dict, checkpoint_dir, *, process_group=None, options: SaveOptions | None = None,
          content_metadata: dict | None = None) -> SaveResult:
     """Save a Megatron sharded state dict in the torch_dist layout. Collective.
@@ -313,10 +336,8 @@ def save(sharded_state_dict: dict, checkpoint_dir, *, process_group=None, option
     the same `CheckpointError` on every rank and leaves nothing a loader would take
     for a checkpoint.
     """
-    _wait_for_previous()
-    job = _Job(sharded_state_dict, checkpoint_dir, process_group, options, content_metadata)
-    job.plan()
-    return job.finish()
+    return start(sharded_state_dict, checkpoint_dir, process_group=process_group, options=options,
+                 content_metadata=content_metadata).finish()
 
 
 def async_save(sharded_state_dict: dict, checkpoint_dir, *, process_group=None, options: SaveOptions | None = None,
@@ -328,8 +349,6 @@ def async_save(sharded_state_dict: dict, checkpoint_dir, *, process_group=None, 
     own memory afterwards: modifying one in place before the handle finishes fails the
     save with `SourceModifiedError` instead of committing torn data.
     """
-    _wait_for_previous()
-    job = _Job(sharded_state_dict, checkpoint_dir, process_group, options, content_metadata)
-    job.plan()
-    stall = job.wait_staged()
-    return SaveHandle(job, stall)
+    job = start(sharded_state_dict, checkpoint_dir, process_group=process_group, options=options,
+                content_metadata=content_metadata)
+    return SaveHandle(job, job.wait_staged())

@@ -137,8 +137,9 @@ def _object(sh, path: str, rank: int, payloads: dict[str, bytes]) -> ObjectRef |
     )
 
 
-def collect(sharded_state_dict: dict, rank: int, content_metadata: dict | None = None) -> LocalState:
-    """One rank's shards, objects, local problems and (on rank 0) the common state."""
+def collect(sharded_state_dict: dict, rank: int, content_metadata: dict | None = None,
+            with_common: bool = True) -> LocalState:
+    """One rank's shards, objects, local problems and (on rank 0, ``with_common``) the common state."""
     mapping = compat.mcore_mapping()
     problems: list[Problem] = []
     if not isinstance(sharded_state_dict, dict):
@@ -166,7 +167,7 @@ def collect(sharded_state_dict: dict, rank: int, content_metadata: dict | None =
 
     common = parts.common_state if rank == 0 else {}
     whole_files: dict[str, bytes] = {}
-    if rank == 0:
+    if rank == 0 and with_common:
         try:
             if compat.common_state_as_sharded_object():
                 fqn = f"{compat.COMMON_STATE_KEY}/shard_0_1"

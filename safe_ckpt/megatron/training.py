@@ -1,0 +1,212 @@
+"""Drop-in for `megatron.training.checkpointing.save_checkpoint` (`--ckpt-format torch_dist`).
+
+One job: build the state dict exactly as Megatron's own save does (its
+`generate_state_dict`, `get_rng_state`, sharding metadata, rerun state) and write it
+with safe_ckpt: `iter_XXXXXXX/` with the common state, `content_metadata`, then the
+tracker file `latest_checkpointed_iteration.txt` last, all with no NCCL collective and
+no host-to-device copy. Megatron-LM's `megatron.training` must be importable (as it is
+wherever Megatron training runs); the core of the path, `save_state`, needs only
+megatron-core.
+
+Must not: call Megatron's `dist_checkpointing.save`, NCCL barriers, or anything that
+moves tensors to the device.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import threading
+
+from .. import commit, compat
+from .. import saving as save_mod
+from ..errors import ValidationError, failure_from_exception
+from ..options import GiB, SaveOptions
+from ..results import SaveResult
+
+log = logging.getLogger("safe_ckpt")
+
+# Distributed-optimizer formats whose state-dict construction is safe: no gathers, no device copies.
+SAFE_SHARDING_TYPES = ("dp_reshardable",)
+REFUSED_SHARDING_TYPES = {
+    "fully_reshardable": (
+        "its state dict is built by gathering every rank's optimizer state through .cuda() and an NCCL "
+        "all_gather (or a gloo gather to data-parallel rank 0), i.e. host-to-device copies into memory "
+        "the offloader may have paused; save with the default dp_reshardable format (drop "
+        "--dist-ckpt-optim-fully-reshardable) and reshard offline with stock Megatron if needed"
+    ),
+    "dp_zero_gather_scatter": (
+        "its state dict is built by gathering optimizer state to data-parallel rank 0 over NCCL; "
+        "save with the default dp_reshardable format"
+    ),
+    "fully_sharded_model_space": (
+        "it stores flattened-range shards (megatron-core <= 0.15) that need device gathers; "
+        "save with dp_reshardable (megatron-core >= 0.15)"
+    ),
+}
+
+_pending_lock = threading.Lock()
+_pending: list = []
+
+
+def options_from_args(args) -> SaveOptions:
+    """SaveOptions from Megatron args (the `--safe-ckpt-*` flags, where registered)."""
+    budget = getattr(args, "safe_ckpt_staging_budget_gib", None)
+    return SaveOptions(
+        io_threads=getattr(args, "safe_ckpt_io_threads", None) or 8,
+        staging_budget_bytes=int(budget * GiB) if budget else 2 * GiB,
+        unmapped_policy=getattr(args, "safe_ckpt_unmapped_policy", None) or "error",
+        collective_timeout_s=float(getattr(args, "safe_ckpt_timeout_s", None) or 600.0),
+    )
+
+
+def check_sharding_type(args, optimizer, metadata: dict | None) -> None:
+    """Refuse distributed-optimizer formats whose construction would use the device."""
+    if optimizer is None or getattr(args, "no_save_optim", False):
+        return
+    if not getattr(args, "use_distributed_optimizer", False):
+        return
+    kind = (metadata or {}).get("distrib_optim_sharding_type")
+    if kind in REFUSED_SHARDING_TYPES:
+        raise ValidationError(
+            f"safe_ckpt cannot save the distributed optimizer in the {kind!r} format: "
+            f"{REFUSED_SHARDING_TYPES[kind]}"
+        )
+    if kind is not None and kind not in SAFE_SHARDING_TYPES:
+        raise ValidationError(f"unknown distributed-optimizer sharding type {kind!r}; safe_ckpt writes "
+                              f"{', '.join(SAFE_SHARDING_TYPES)}")
+
+
+def save_state(state_dict: dict, save_dir: str, checkpoint_dir: str, tracker_value: str, *,
+               content_metadata: dict | None = None, options: SaveOptions | None = None,
+               async_save: bool = False, process_group=None):
+    """Write a Megatron training state dict to ``checkpoint_dir`` and then point the tracker
+    file in ``save_dir`` at it (rank 0, after every rank's data is durable). Collective.
+
+    Returns the `SaveResult`, or with ``async_save`` a `SaveHandle` that finishes in the
+    background (tracker included); `finalize_async_saves()` waits for it.
+    """
+    options = options or SaveOptions()
+
+    def write_tracker(coord) -> None:
+        failure = None
+        if coord.rank == 0:
+            try:
+                commit.write_tracker(save_dir, tracker_value, fsync=options.fsync)
+            except Exception as exc:
+                failure = failure_from_exception(0, "tracker", exc)
+        coord.vote("tracker", failure)
+
+    job = save_mod.start(state_dict, checkpoint_dir, process_group=process_group, options=options,
+                         content_metadata=content_metadata, post_commit=write_tracker)
+    if not async_save:
+        return job.finish()
+    handle = save_mod.SaveHandle(job, job.wait_staged())
+    with _pending_lock:
+        _pending.append(handle)
+    return handle
+
+
+def finalize_async_saves(blocking: bool = True) -> list[SaveResult]:
+    """Finish the asynchronous saves started here; raises the first failure.
+
+    Call it where Megatron calls `maybe_finalize_async_save` (safe_ckpt's saves are not in
+    Megatron's queue). With ``blocking=False`` only finished saves are collected.
+    """
+    with _pending_lock:
+        handles = list(_pending)
+    results = []
+    for handle in handles:
+        if not blocking and not handle.done():
+            continue
+        with _pending_lock:
+            if handle in _pending:
+                _pending.remove(handle)
+        results.append(handle.wait())
+    return results
+
+
+def _accepted(fn, kwargs: dict) -> dict:
+    params = inspect.signature(fn).parameters
+    if any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        return kwargs
+    return {k: v for k, v in kwargs.items() if k in params}
+
+
+def _sharding_metadata(mck, args, dp_cp_group):
+    build = getattr(mck, "_build_sharded_state_dict_metadata", None)
+    if build is None:
+        return None
+    return build(args, **_accepted(build, {"dp_cp_group": dp_cp_group}))
+
+
+def _rng_state(mck, args, groups: dict):
+    from megatron.core import mpu
+
+    if getattr(args, "data_parallel_random_init", False) and mpu.get_data_parallel_world_size() > 1:
+        raise ValidationError(
+            "--data-parallel-random-init makes Megatron gather RNG states over the data-parallel NCCL "
+            "group while saving; the safe backend does not support it (save with --no-save-rng, or use "
+            "the same RNG across data-parallel ranks)"
+        )
+    get = mck.get_rng_state
+    kwargs = {"tp_group": groups.get("tp_group") or mpu.get_tensor_model_parallel_group(),
+              "pp_group": groups.get("pp_group") or mpu.get_pipeline_model_parallel_group()}
+    for name in ("dp_cp_group", "dp_group"):
+        if groups.get(name) is not None:
+            kwargs[name] = groups[name]
+    return get(args.ckpt_format, **_accepted(get, kwargs))
+
+
+def _rerun_state(args, data_iterator):
+    from megatron.core.rerun_state_machine import get_rerun_state_machine
+
+    machine = get_rerun_state_machine()
+    return machine.state_dict(**_accepted(machine.state_dict, {"data_iterator": data_iterator,
+                                                               "ckpt_format": args.ckpt_format}))
+
+
+def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far=0,
+                    checkpointing_context=None, pipeline_rank=None, expert_rank=None, tensor_rank=None,
+                    pipeline_parallel=None, expert_parallel=None, non_persistent_ckpt=False,
+                    train_data_iterator=None, preprocess_common_state_dict_fn=None, release=False, **kwargs):
+    """`megatron.training.checkpointing.save_checkpoint`, written by safe_ckpt.
+
+    Same arguments and the same on-disk result for `--ckpt-format torch_dist`; honours
+    `--save`, `--no-save-optim`, `--no-save-rng` and `--async-save` (then it returns a
+    handle and finishes in the background: call `finalize_async_saves()`).
+    """
+    from megatron.training import checkpointing as mck
+    from megatron.training.global_vars import get_args
+
+    args = get_args()
+    if getattr(args, "ckpt_format", "torch_dist") != "torch_dist":
+        raise ValidationError(f"safe_ckpt writes --ckpt-format torch_dist, not {args.ckpt_format!r}")
+    if non_persistent_ckpt:
+        raise ValidationError("non-persistent checkpoints are not supported by the safe backend")
+    if not getattr(args, "save", None):
+        raise ValidationError("--save is not set: there is nowhere to save the checkpoint")
+    finalize_async_saves(blocking=True)  # one save at a time, as Megatron's queue enforces
+
+    model = mck.unwrap_model(model)
+    metadata = _sharding_metadata(mck, args, kwargs.get("dp_cp_group"))
+    check_sharding_type(args, optimizer, metadata)
+    rng_state = _rng_state(mck, args, kwargs)
+    state_dict = mck.generate_state_dict(
+        args, model, optimizer, opt_param_scheduler, rng_state,
+        **_accepted(mck.generate_state_dict, {
+            "iteration": iteration,
+            "optim_sd_kwargs": dict(metadata=metadata),
+            "model_sd_kwargs": dict(metadata=metadata),
+            "rerun_state": _rerun_state(args, train_data_iterator),
+        }),
+    )
+    state_dict["num_floating_point_operations_so_far"] = num_floating_point_operations_so_far
+    checkpoint_name = mck.get_checkpoint_name(args.save, iteration, release=release, return_base_dir=True)
+    log.info("safe_ckpt: saving iteration %s to %s (sharding %s)", iteration, checkpoint_name,
+             (metadata or {}).get("distrib_optim_sharding_type"))
+    return save_state(
+        state_dict, args.save, checkpoint_name, "release" if release else str(iteration),
+        content_metadata=compat.clean_content_metadata(metadata), options=options_from_args(args),
+        async_save=bool(getattr(args, "async_save", False)),
+    )

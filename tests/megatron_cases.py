@@ -1,0 +1,114 @@
+"""Rank bodies for the Megatron adapter tests (see mp.py)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from safe_ckpt.synthetic import StateSpec, build_state, reference_tensors
+from tests.cases import SMALL, compare_loaded, small_options
+from tests.mp import describe_exception
+
+CONTENT = {"distrib_optim_sharding_type": "dp_reshardable", "singleton_local_shards": False,
+           "chained_optim_avoid_prefix": True}
+
+
+def _load_and_compare(rank, world, tp, spec, refs, path):
+    from megatron.core import dist_checkpointing
+
+    target = build_state(rank, world, tp=tp, spec=spec, layout="alt", empty=True, references=refs, saved_tp=tp)
+    expected = build_state(rank, world, tp=tp, spec=spec, layout="alt", references=refs, saved_tp=tp)
+    return compare_loaded(dist_checkpointing.load(target, path), expected)
+
+
+def _tracker(save_dir):
+    path = os.path.join(save_dir, "latest_checkpointed_iteration.txt")
+    return open(path).read() if os.path.exists(path) else None
+
+
+def training_layout(rank, world, save_dir, use_async) -> dict:
+    """save_state: iter dir, content_metadata, tracker last; then a failing save keeps all of it."""
+    from megatron.core import dist_checkpointing
+
+    from safe_ckpt.megatron import finalize_async_saves, save_state
+    from safe_ckpt.sinks.faults import Fault, FaultySink
+    from safe_ckpt.sinks.posix import PosixSink
+
+    spec = StateSpec(**SMALL)
+    refs = reference_tensors(spec, world)
+    state = build_state(rank, world, tp=world, spec=spec, references=refs)
+    iter_dir = os.path.join(save_dir, "iter_0000042")
+    out = {"tracker_before": _tracker(save_dir)}
+    ret = save_state(state, save_dir, iter_dir, "42", content_metadata=dict(CONTENT), options=small_options(),
+                     async_save=use_async)
+    if use_async:
+        out["tracker_while_pending"] = None  # may or may not exist yet; only the final state matters
+        finalize_async_saves(blocking=True)
+    torch.distributed.barrier()
+    out["tracker"] = _tracker(save_dir)
+    out["files"] = sorted(os.listdir(iter_dir))
+    out["content_metadata"] = dist_checkpointing.load_content_metadata(iter_dir)
+    common = dist_checkpointing.load_common_state_dict(iter_dir)
+    out["common_keys"] = sorted(k for k in common if k != "content_metadata")
+    out["mismatches"] = _load_and_compare(rank, world, world, spec, refs, iter_dir)
+
+    # A later save that fails on the last rank leaves the tracker and iteration 42 alone.
+    fault = Fault(after_bytes=10_000)
+    opts = small_options(sink_factory=(lambda d: FaultySink(PosixSink(d), fault)) if rank == world - 1 else None)
+    try:
+        save_state(build_state(rank, world, tp=world, spec=spec, references=refs), save_dir,
+                   os.path.join(save_dir, "iter_0000043"), "43", content_metadata=dict(CONTENT), options=opts,
+                   async_save=use_async)
+        if use_async:
+            finalize_async_saves(blocking=True)
+        out["failed_save_error"] = None
+    except BaseException as exc:
+        out["failed_save_error"] = describe_exception(exc)
+    torch.distributed.barrier()
+    out["tracker_after_failure"] = _tracker(save_dir)
+    out["iter43_exists"] = os.path.exists(os.path.join(save_dir, "iter_0000043"))
+    return out
+
+
+def strategy_roundtrip(rank, world, root, use_async) -> dict:
+    """Stock dist_checkpointing.save with the safe strategy, then stock load."""
+    from megatron.core import dist_checkpointing
+
+    from safe_ckpt.megatron import SafeTorchDistSaveStrategy
+
+    spec = StateSpec(**SMALL)
+    refs = reference_tensors(spec, world)
+    path = os.path.join(root, "ckpt")
+    if rank == 0:
+        os.makedirs(path, exist_ok=True)  # as Megatron's training loop does before saving
+    torch.distributed.barrier()
+    strategy = SafeTorchDistSaveStrategy(options=small_options())
+    state = build_state(rank, world, tp=world, spec=spec, references=refs)
+    request = dist_checkpointing.save(state, path, sharded_strategy=strategy, validate_access_integrity=False,
+                                      async_sharded_save=use_async)
+    if use_async:
+        request.execute_sync()
+    torch.distributed.barrier()
+    return {"is_torch_dist_strategy": type(strategy).__mro__[1].__name__, "files": sorted(os.listdir(path)),
+            "mismatches": _load_and_compare(rank, world, world, spec, refs, path)}
+
+
+def default_strategy(rank, world, root) -> dict:
+    """On megatron-core <= 0.16: install as default; a plain dist_checkpointing.save then uses it
+    (stock saving could not even run on a CPU-only torch)."""
+    from megatron.core import dist_checkpointing
+
+    from safe_ckpt.megatron import install_as_default
+
+    installed = install_as_default(small_options())
+    if not installed:
+        return {"installed": False}
+    spec = StateSpec(**SMALL)
+    refs = reference_tensors(spec, world)
+    path = os.path.join(root, "ckpt")
+    if rank == 0:
+        os.makedirs(path, exist_ok=True)
+    torch.distributed.barrier()
+    dist_checkpointing.save(build_state(rank, world, tp=world, spec=spec, references=refs), path)
+    return {"installed": True, "mismatches": _load_and_compare(rank, world, world, spec, refs, path)}
