@@ -18,6 +18,8 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 else
   export PYTHONPATH=$PWD
 fi
+# Megatron-LM's megatron.training (not on PyPI), for the real-model tests: carried as .mlm/
+[ -d .mlm/megatron/training ] && export PYTHONPATH=$PWD/.mlm:$PYTHONPATH
 DISK=${DISK:-/tmp/safe_ckpt_bench}
 SHM=${SHM:-/dev/shm/safe_ckpt_bench}
 PYTEST="python3 -m pytest -q -p no:cacheprovider -W ignore::UserWarning -W ignore::FutureWarning"

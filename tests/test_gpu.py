@@ -88,3 +88,33 @@ def test_pinned_pool_allocated_once_and_memory_bounded(tmp_path):
     slack = 96 << 20
     assert first["extra_rss"] <= r["budget"] + slack, r
     assert second["extra_rss"] <= slack, r
+
+
+def _have_megatron_training():
+    try:
+        return importlib.util.find_spec("megatron.training") is not None
+    except ModuleNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not _have_megatron_training(), reason="needs Megatron-LM's megatron.training on the path")
+@pytest.mark.parametrize("variant", ["gpu", "cpu_offload_pinned", "cpu_offload_pageable_grads"])
+def test_real_gpt_distributed_optimizer_resume_is_bit_exact(tmp_path, variant):
+    import torch
+
+    from tests import gpu_megatron_cases as g
+
+    world = min(2, torch.cuda.device_count())
+    root = str(tmp_path)
+    full = values(run_world(world, g.run, (root + "/full", variant, "full"), backend="nccl", timeout_s=400))
+    saved = values(run_world(world, g.run, (root, variant, "save"), backend="nccl", timeout_s=400))
+    resumed = values(run_world(world, g.run, (root, variant, "resume"), backend="nccl", timeout_s=400))
+    cmp = saved[0]["compare"]
+    assert saved[0]["tracker"] == str(g.FIRST)
+    assert cmp["metadata_equal"], cmp
+    assert cmp["common_equal"], cmp
+    assert cmp["files_ours"] == cmp["files_stock"], cmp
+    for r_full, r_saved, r_resumed in zip(full, saved, resumed):
+        assert r_saved["losses"] == r_full["losses"][:g.FIRST]
+        assert r_resumed["start_iteration"] == g.FIRST
+        assert r_resumed["losses"] == r_full["losses"][g.FIRST:], (r_resumed["losses"], r_full["losses"])
