@@ -46,13 +46,24 @@ def _model_provider(pre_process=True, post_process=True, **kwargs):
 
 def _setup(save_dir, variant, world):
     sys.argv = ["safe_ckpt_gpu_test", *MODEL_ARGS, "--global-batch-size", str(2 * world), "--save", save_dir,
-                "--load", save_dir, *VARIANTS[variant]]
+                *VARIANTS[variant]]
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.enums import ModelType
     from megatron.core.utils import get_model_config
     from megatron.training.initialize import initialize_megatron
     from megatron.training.training import setup_model_and_optimizer
 
+    import inspect
+
+    import megatron.training.initialize as megatron_init
+
+    # The test feeds its own batches: skip building Megatron's C++ dataset helpers
+    # (the carried megatron-core sits on a read-only path there).
+    megatron_init._compile_dependencies = lambda *a, **k: None
+    if "extra_args_provider" not in inspect.signature(initialize_megatron).parameters:
+        from megatron.training.arguments import parse_and_validate_args  # >= 0.19 parses first
+
+        parse_and_validate_args()
     initialize_megatron()
     model, optimizer, scheduler = setup_model_and_optimizer(model_type=ModelType.encoder_or_decoder,
                                                             model_provider_func=_model_provider)
@@ -73,6 +84,7 @@ def _batch(iteration, args):
 
 def _train(model, optimizer, scheduler, start, stop) -> list[float]:
     from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.rerun_state_machine import RerunDataIterator, get_rerun_state_machine
     from megatron.training import get_args
 
     args = get_args()
@@ -90,13 +102,16 @@ def _train(model, optimizer, scheduler, start, stop) -> list[float]:
 
             return out, loss_func
 
-        for m in model:
-            m.zero_grad_buffer()
-        optimizer.zero_grad()
-        result = forward_backward(forward_step_func=forward_step, data_iterator=iter([None]), model=model,
-                                  num_microbatches=1, seq_length=args.seq_length,
-                                  micro_batch_size=args.micro_batch_size, decoder_seq_length=args.seq_length,
-                                  forward_only=False)
+        data = RerunDataIterator(iter([None] * 4))
+        rerun = get_rerun_state_machine()
+        while rerun.should_run_forward_backward(data):  # Megatron's train_step wraps the pass so
+            for m in model:
+                m.zero_grad_buffer()
+            optimizer.zero_grad()
+            result = forward_backward(forward_step_func=forward_step, data_iterator=data, model=model,
+                                      num_microbatches=1, seq_length=args.seq_length,
+                                      micro_batch_size=args.micro_batch_size, decoder_seq_length=args.seq_length,
+                                      forward_only=False)
         optimizer.step()
         scheduler.step(increment=args.global_batch_size)
         losses.append(float(result[0]["lm loss"].item()))
@@ -108,10 +123,11 @@ FIRST, SECOND = 6, 6
 
 def run(rank, world, root, variant, mode) -> dict:
     """mode: "full" (train FIRST+SECOND), "save" (train FIRST, save with safe_ckpt and with stock
-    Megatron), "resume" (stock load_checkpoint, train SECOND)."""
+    Megatron), "resume" / "resume_stock" (stock load_checkpoint of the safe_ckpt / the stock
+    checkpoint, train SECOND)."""
     import safe_ckpt.megatron as safe_megatron
 
-    save_dir = os.path.join(root, "safe")
+    save_dir = os.path.join(root, "stock" if mode == "resume_stock" else "safe")
     model, optimizer, scheduler = _setup(save_dir, variant, world)
     from megatron.training import get_args
 
@@ -134,6 +150,18 @@ def run(rank, world, root, variant, mode) -> dict:
                                           os.path.join(root, "stock", "iter_%07d" % FIRST))
             out["tracker"] = open(os.path.join(save_dir, "latest_checkpointed_iteration.txt")).read()
     else:
+        from megatron.training.checkpointing import load_checkpoint
+
+        # Without Transformer Engine or Apex, megatron-core's DistributedOptimizer can build a
+        # loading state dict only once torch's Adam has state (it reads 'step' from it); stock
+        # training gets that from TE's FusedAdam. Dummy states are overwritten by the load.
+        for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+            init = getattr(opt, "_init_optimizer_states_with_dummy_values", None)
+            if init is not None:
+                init()
+        args.load = save_dir
+        args.iteration, args.num_floating_point_operations_so_far = load_checkpoint(model, optimizer, scheduler)
+        out["start_iteration"] = args.iteration
         out["losses"] = _train(model, optimizer, scheduler, args.iteration, args.iteration + SECOND)
     return out
 

@@ -55,7 +55,7 @@ def run_world(world_size: int, target, args=(), timeout_s: float = 240.0,
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "store")
         procs = [
-            ctx.Process(target=_child, args=(r, world_size, init_file, target, args, out_queue, backend), daemon=True)
+            ctx.Process(target=_child, args=(r, world_size, init_file, target, args, out_queue, backend), daemon=False)
             for r in range(world_size)
         ]
         for p in procs:

@@ -109,12 +109,15 @@ def test_real_gpt_distributed_optimizer_resume_is_bit_exact(tmp_path, variant):
     full = values(run_world(world, g.run, (root + "/full", variant, "full"), backend="nccl", timeout_s=400))
     saved = values(run_world(world, g.run, (root, variant, "save"), backend="nccl", timeout_s=400))
     resumed = values(run_world(world, g.run, (root, variant, "resume"), backend="nccl", timeout_s=400))
+    resumed_stock = values(run_world(world, g.run, (root, variant, "resume_stock"), backend="nccl", timeout_s=400))
     cmp = saved[0]["compare"]
     assert saved[0]["tracker"] == str(g.FIRST)
     assert cmp["metadata_equal"], cmp
     assert cmp["common_equal"], cmp
     assert cmp["files_ours"] == cmp["files_stock"], cmp
-    for r_full, r_saved, r_resumed in zip(full, saved, resumed):
+    for r_full, r_saved, r_resumed, r_stock in zip(full, saved, resumed, resumed_stock):
         assert r_saved["losses"] == r_full["losses"][:g.FIRST]
-        assert r_resumed["start_iteration"] == g.FIRST
+        assert r_resumed["start_iteration"] == r_stock["start_iteration"] == g.FIRST
+        # safe_ckpt's checkpoint resumes exactly like stock Megatron's own checkpoint
+        assert r_resumed["losses"] == r_stock["losses"], (r_resumed["losses"], r_stock["losses"])
         assert r_resumed["losses"] == r_full["losses"][g.FIRST:], (r_resumed["losses"], r_full["losses"])
