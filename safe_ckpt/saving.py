@@ -23,8 +23,6 @@ import threading
 import time
 from dataclasses import dataclass
 
-import torch
-
 from . import commit, compat, dist, residence
 from .encoding.layout import lay_out, lay_out_rank
 from .encoding.metadata import METADATA_FILE, build_metadata, metadata_bytes

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import os
-import threading
-import time
 
 import torch
 
 import safe_ckpt
+from safe_ckpt.bench.measure import RssPeak, host_alloc_bytes
 from safe_ckpt.synthetic import StateSpec, build_state, reference_tensors
 from tests.cases import SMALL, compare_loaded, small_options
 from tests.mp import describe_exception
@@ -248,39 +247,6 @@ def memory_saver_pause(rank, world, root) -> dict:
     return out
 
 
-class RssSampler:
-    def __init__(self, period_s=0.001):
-        self.period_s = period_s
-        self.peak = 0
-        self._stop = threading.Event()
-        self._page = os.sysconf("SC_PAGE_SIZE")
-
-    def rss(self) -> int:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * self._page
-
-    def __enter__(self):
-        self.base = self.rss()
-        self.peak = self.base
-        self._t = threading.Thread(target=self._run, daemon=True)
-        self._t.start()
-        return self
-
-    def _run(self):
-        while not self._stop.is_set():
-            self.peak = max(self.peak, self.rss())
-            time.sleep(self.period_s)
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._t.join()
-        self.peak = max(self.peak, self.rss())
-
-    @property
-    def extra(self) -> int:
-        return self.peak - self.base
-
-
 def pool_reuse(rank, world, root) -> dict:
     """Two saves of ~1 GiB GPU state with a 256 MiB budget; the pinned pool is allocated only once."""
     from megatron.core.dist_checkpointing import ShardedTensor
@@ -295,24 +261,13 @@ def pool_reuse(rank, world, root) -> dict:
     for i in range(2):
         torch.cuda.empty_cache()
         torch._C._host_emptyCache()  # what a colocated offload cycle does between saves
-        host_before = _host_allocs()
-        with RssSampler() as rss:
+        host_before = host_alloc_bytes()
+        with RssPeak(period_s=0.001) as rss:
             res = safe_ckpt.save(state, os.path.join(root, f"s{i}"), options=opts)
         out["saves"].append({
             "pool_allocations": res.staging_pool_allocations,
-            "torch_host_allocs": None if host_before is None else _host_allocs() - host_before,
-            "extra_rss": rss.extra,
+            "torch_host_allocs": None if host_before is None else host_alloc_bytes() - host_before,
+            "extra_rss": rss.extra_bytes,
             "device_bytes": res.bytes_by_residence.get("cuda", 0),
         })
     return out
-
-
-def _host_allocs():
-    stats = getattr(torch.cuda.memory, "host_memory_stats", None)
-    if stats is None:
-        return None
-    s = stats()
-    for key in ("num_host_alloc", "allocations.all.allocated", "allocation.all.allocated"):
-        if key in s:
-            return int(s[key])
-    return None

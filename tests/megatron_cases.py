@@ -40,7 +40,7 @@ def training_layout(rank, world, save_dir, use_async) -> dict:
     state = build_state(rank, world, tp=world, spec=spec, references=refs)
     iter_dir = os.path.join(save_dir, "iter_0000042")
     out = {"tracker_before": _tracker(save_dir)}
-    ret = save_state(state, save_dir, iter_dir, "42", content_metadata=dict(CONTENT), options=small_options(),
+    save_state(state, save_dir, iter_dir, "42", content_metadata=dict(CONTENT), options=small_options(),
                      async_save=use_async)
     if use_async:
         out["tracker_while_pending"] = None  # may or may not exist yet; only the final state matters

@@ -31,28 +31,29 @@ def _fresh(path: str) -> str:
     return path
 
 
-def safe_sync(state, target, threads, budget_bytes):
+def _safe(state, target, threads, budget_bytes, use_async: bool):
     import safe_ckpt
 
     opts = safe_ckpt.SaveOptions(io_threads=threads, staging_budget_bytes=budget_bytes)
     d = _fresh(target)
     t0 = time.perf_counter()
-    result = safe_ckpt.save(state.make_sharded(), d, options=opts)
-    t1 = time.perf_counter()
-    return {"stall_s": t1 - t0, "total_s": t1 - t0, "pool_allocations": result.staging_pool_allocations}
+    if use_async:
+        handle = safe_ckpt.async_save(state.make_sharded(), d, options=opts)
+        t1 = time.perf_counter()
+        result = handle.wait()
+    else:
+        result = safe_ckpt.save(state.make_sharded(), d, options=opts)
+        t1 = time.perf_counter()
+    t2 = time.perf_counter()
+    return {"stall_s": t1 - t0, "total_s": t2 - t0, "pool_allocations": result.staging_pool_allocations}
+
+
+def safe_sync(state, target, threads, budget_bytes):
+    return _safe(state, target, threads, budget_bytes, use_async=False)
 
 
 def safe_async(state, target, threads, budget_bytes):
-    import safe_ckpt
-
-    opts = safe_ckpt.SaveOptions(io_threads=threads, staging_budget_bytes=budget_bytes)
-    d = _fresh(target)
-    t0 = time.perf_counter()
-    handle = safe_ckpt.async_save(state.make_sharded(), d, options=opts)
-    t1 = time.perf_counter()
-    result = handle.wait()
-    t2 = time.perf_counter()
-    return {"stall_s": t1 - t0, "total_s": t2 - t0, "pool_allocations": result.staging_pool_allocations}
+    return _safe(state, target, threads, budget_bytes, use_async=True)
 
 
 def _need_cuda(name):

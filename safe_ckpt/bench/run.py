@@ -154,7 +154,7 @@ def run(args) -> str:
                 for peer in chosen:
                     try:
                         counts = measure.count_memcpy(
-                            lambda: peers.RUNNERS[peer](state, f"{target}/h2d_{peer}", args.threads, budget))
+                            lambda p=peer, st=state: peers.RUNNERS[p](st, f"{target}/h2d_{p}", args.threads, budget))
                     except Exception as exc:
                         counts = {"error": f"{type(exc).__name__}: {exc}"[:200]}
                     meta["memcpy_events"][f"{peer}|{residence}|{target}"] = counts
