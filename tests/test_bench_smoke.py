@@ -1,0 +1,30 @@
+"""The benchmark harness runs end to end at a small size on CPU (the CI smoke test)."""
+
+import json
+import subprocess
+import sys
+
+
+def test_bench_harness_smoke(tmp_path):
+    out = tmp_path / "bench"
+    cmd = [sys.executable, "-m", "safe_ckpt.bench", "--gib", "0.03", "--reps", "2", "--peer-reps", "1",
+           "--targets", str(tmp_path / "target"), "--cache", "cold,warm", "--peer-cache", "cold",
+           "--peers", "safe_sync,safe_async,dcp_sync,megatron_sync", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "bench.json").read_text())
+    rows = {(s["peer"], s["cache"]): s for s in report["summary"]}
+    for peer in ("safe_sync", "safe_async"):
+        for cache in ("cold", "warm"):
+            s = rows[(peer, cache)]
+            assert s["runs"] == 2 and s["total_s"] > 0 and s["gbps"] > 0 and s["stall_s"] <= s["total_s"] + 1e-6
+    assert rows[("dcp_sync", "cold")]["runs"] == 1 and ("dcp_sync", "warm") not in rows
+    assert "vs_best_peer" in rows[("safe_sync", "cold")]
+    assert report["meta"]["ceilings"][f"write_gbps[{tmp_path / 'target'}]"] > 0
+    megatron = rows[("megatron_sync", "cold")]
+    import torch
+
+    if not torch.cuda.is_available():
+        assert "needs CUDA" in megatron["error"]
+    md = (tmp_path / "bench.md").read_text()
+    assert "| safe_sync |" in md
