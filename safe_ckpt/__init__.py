@@ -23,11 +23,11 @@ from .results import SaveResult, SaveTimings
 from .saving import SaveHandle, async_save, save
 from .staging.pool import prepare as prepare_staging_pool
 from .staging.pool import release as release_staging_pool
+from .version import __version__
 
-__version__ = "0.1.0"
 
 __all__ = [
     "CheckpointError", "CommitError", "CoordinationError", "RankFailure", "ResidenceError", "SaveHandle",
     "SaveOptions", "SaveResult", "SaveTimings", "SourceModifiedError", "ValidationError", "WriteError",
-    "async_save", "prepare_staging_pool", "release_staging_pool", "save",
+    "__version__", "async_save", "prepare_staging_pool", "release_staging_pool", "save",
 ]

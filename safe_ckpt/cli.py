@@ -1,4 +1,4 @@
-"""The `safe-ckpt` command line: demo and benchmarks (more verbs come with their issues).
+"""The `safe-ckpt` command line: demo, verify, inspect, gc and bench.
 
 One job: parse arguments, set up logging, read environment variables (the edge), and
 call the library. Must not: contain save logic.
@@ -9,6 +9,67 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+
+
+class Bar:
+    """A one-line progress bar on stderr (only when it is a terminal)."""
+
+    def __init__(self, label: str, enabled: bool | None = None) -> None:
+        self.label = label
+        self.enabled = sys.stderr.isatty() if enabled is None else enabled
+        self._last = -1
+
+    def __call__(self, done: int, total: int) -> None:
+        if not self.enabled or total <= 0:
+            return
+        pct = int(100 * done / total)
+        if pct != self._last:
+            self._last = pct
+            filled = pct * 30 // 100
+            sys.stderr.write(f"\r{self.label} [{'#' * filled}{'.' * (30 - filled)}] {pct:3d}% "
+                             f"{done / 1e9:.2f}/{total / 1e9:.2f} GB")
+            if done >= total:
+                sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+def _verify(args: argparse.Namespace) -> int:
+    import json
+
+    from .tools.verify import verify
+
+    report = verify(args.directory, deep=args.deep, progress=None if args.json else Bar("verify"))
+    if args.json:
+        print(json.dumps({"directory": report.directory, "ok": report.ok, "items": report.items_checked,
+                          "bytes": report.bytes_checked, "checksummed_items": report.checksummed_items,
+                          "findings": [f.__dict__ for f in report.findings]}, indent=1))
+    else:
+        for f in report.findings:
+            print(f"{f.severity.upper():7} {f.path}: {f.message}")
+        print(f"{'OK' if report.ok else 'FAILED'}: {report.items_checked} items, {report.bytes_checked / 1e9:.3f} GB "
+              f"read, {report.checksummed_items} items checked against the manifest")
+    return 0 if report.ok else 1
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    import json
+
+    from .tools.inspect import inspect, to_text
+
+    info = inspect(args.directory)
+    print(json.dumps(info, indent=1, default=str) if args.json else to_text(info))
+    return 0
+
+
+def _gc(args: argparse.Namespace) -> int:
+    from .tools.gc import collect
+
+    found = collect(args.root, dry_run=args.dry_run)
+    for path in found:
+        print(("would remove " if args.dry_run else "removed ") + path)
+    if not found:
+        print("nothing to remove")
+    return 0
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -30,6 +91,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep", action="store_true", help="keep the checkpoint after the demo")
     p.add_argument("--io-threads", type=int, default=4)
     p.set_defaults(func=_demo)
+
+    p = sub.add_parser("verify", help="re-read every item of a checkpoint; check files, structure, checksums")
+    p.add_argument("directory")
+    p.add_argument("--deep", action="store_true", help="also torch.load every tensor item (slower)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_verify)
+
+    p = sub.add_parser("inspect", help="keys, shapes, dtypes, chunks, bytes per rank and file, iteration")
+    p.add_argument("directory")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_inspect)
+
+    p = sub.add_parser("gc", help="remove what interrupted saves left under ROOT (hidden .safe_ckpt-* dirs)")
+    p.add_argument("root")
+    p.add_argument("--dry-run", action="store_true")
+    p.set_defaults(func=_gc)
 
     p = sub.add_parser("bench", help="benchmark against stock Megatron and DCP (see safe-ckpt bench -h)",
                        add_help=False)

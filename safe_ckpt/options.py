@@ -16,6 +16,7 @@ MiB = 1 << 20
 GiB = 1 << 30
 
 UNMAPPED_POLICIES = ("error", "cpu_backup")
+REPLACE_POLICIES = ("checkpoint", "any", "never")
 
 
 @dataclass(frozen=True)
@@ -32,10 +33,15 @@ class SaveOptions:
     collective_timeout_s: how long a rank waits for its peers in any coordination step
         (applies to the gloo group safe_ckpt creates; a caller's group keeps its own).
     zip_crc32: compute the zip CRC-32 of every payload (stock readers do not check it).
+    checksums: record a CRC-32 of every stored item in the sidecar manifest
+        (`safe_ckpt_manifest.json`, ignored by stock loaders) for `safe-ckpt verify`;
+        computed on separate threads beside the writes.
     unmapped_policy: "error" refuses tensors whose device memory is paused; "cpu_backup"
         reads their bytes from torch_memory_saver's CPU backup where one exists.
-    replace_existing: an existing checkpoint at the target is atomically replaced;
-        if False the save is refused instead.
+    replace: what may already be at the target: "checkpoint" (default) atomically
+        replaces a complete torch_dist checkpoint (re-saving an iteration) and refuses a
+        directory holding anything else (foreign or half-written); "any" replaces whatever
+        is there; "never" refuses any non-empty target.
     progress_interval_s: period of progress log lines for long saves (0 disables).
     sink_factory: builds the byte sink for a staging directory (tests inject faults here);
         None means the POSIX sink.
@@ -47,8 +53,9 @@ class SaveOptions:
     staging_budget_bytes: int = 2 * GiB
     collective_timeout_s: float = 600.0
     zip_crc32: bool = False
+    checksums: bool = True
     unmapped_policy: str = "error"
-    replace_existing: bool = True
+    replace: str = "checkpoint"
     progress_interval_s: float = 10.0
     sink_factory: Optional[Callable] = None
 
@@ -64,6 +71,8 @@ class SaveOptions:
             )
         if not self.collective_timeout_s > 0:
             problems.append(f"collective_timeout_s={self.collective_timeout_s} must be positive")
+        if self.replace not in REPLACE_POLICIES:
+            problems.append(f"replace={self.replace!r} must be one of {REPLACE_POLICIES}")
         if self.unmapped_policy not in UNMAPPED_POLICIES:
             problems.append(f"unmapped_policy={self.unmapped_policy!r} must be one of {UNMAPPED_POLICIES}")
         if self.progress_interval_s < 0:

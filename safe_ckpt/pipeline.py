@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from concurrent.futures import ThreadPoolExecutor
 import time
 from dataclasses import dataclass
 
@@ -23,6 +24,7 @@ import torch
 from .encoding import torchzip
 from .encoding.layout import PlacedItem, RankLayout
 from .errors import CheckpointError, SourceModifiedError
+from .integrity import ItemChecksum, crc32_of
 from .progress import Progress
 from .residence import HOST_RESIDENCES
 from .sinks.base import Sink
@@ -50,6 +52,7 @@ class WriteStats:
     staged_s: float  # from start until every payload was staged
     written_s: float  # from start until every file was durable
     files: list[str]
+    checksums: list[ItemChecksum]  # empty unless checksums were asked for
 
 
 class ItemWriteFailed(Exception):
@@ -64,8 +67,12 @@ class ItemWriteFailed(Exception):
 class RankWriter:
     """Runs the write phase in background threads; `join()` returns stats or raises."""
 
-    def __init__(self, work: RankWork, sink: Sink, stager: Stager, *, crc32: bool, progress: Progress) -> None:
+    def __init__(self, work: RankWork, sink: Sink, stager: Stager, *, crc32: bool, progress: Progress,
+                 checksums: bool = False) -> None:
         self.work = work
+        self.checksums = checksums
+        self._hasher: ThreadPoolExecutor | None = None
+        self._sums: list[ItemChecksum] = []
         self.sink = sink
         self.stager = stager
         self.crc32 = crc32
@@ -83,6 +90,9 @@ class RankWriter:
     # ----------------------------------------------------------------- control
     def start(self) -> None:
         self._t0 = time.perf_counter()
+        if self.checksums and self.work.layout.files:
+            # Checksums run on their own threads beside the writes (zlib releases the GIL).
+            self._hasher = ThreadPoolExecutor(len(self.work.layout.files), thread_name_prefix="safe_ckpt-crc")
         for i, spec in enumerate(self.work.layout.files):
             t = threading.Thread(target=self._write_file, args=(i,), name=f"safe_ckpt-write-{spec.relative_path}")
             t.daemon = True
@@ -101,10 +111,14 @@ class RankWriter:
     def join(self) -> WriteStats:
         for t in self._threads:
             t.join()
+        if self._hasher is not None:
+            self._hasher.shutdown(wait=True)
         if not self._errors:
             try:
                 for name, data in self.work.whole_files.items():
                     self.sink.write_file(name, data)
+                    if self.checksums:
+                        self._sums.append(ItemChecksum(name, 0, len(data), crc32_of([data]), name))
             except BaseException as exc:
                 self._fail(name, exc)
         if self._errors:
@@ -118,6 +132,7 @@ class RankWriter:
             staged_s=self._staged_at - self._t0 if self._staged_at else 0.0,
             written_s=time.perf_counter() - self._t0,
             files=files,
+            checksums=list(self._sums),
         )
 
     def _fail(self, key: str | None, exc: BaseException) -> None:
@@ -192,9 +207,20 @@ class RankWriter:
             finally:
                 handle.close()
 
+    def _write(self, handle, item: PlacedItem, buffers: list) -> None:
+        """One vectored write of an item; its checksum is computed meanwhile on another thread."""
+        pending = self._hasher.submit(crc32_of, buffers) if self._hasher is not None else None
+        try:
+            handle.write_at(item.offset_bytes, buffers)
+        finally:
+            crc = pending.result() if pending is not None else None
+        if crc is not None:
+            with self._lock:
+                self._sums.append(ItemChecksum(item.relative_path, item.offset_bytes, item.length_bytes, crc, item.fqn))
+
     def _write_item(self, handle, item: PlacedItem, staged) -> None:
         if item.obj is not None:
-            handle.write_at(item.offset_bytes, [staged])
+            self._write(handle, item, [staged])
             self._account("object", len(staged))
             return
         chunk = item.chunk
@@ -206,7 +232,7 @@ class RankWriter:
                 )
             payload = staged.ready()
             crc = torchzip.payload_crc32(payload) if self.crc32 else 0
-            handle.write_at(item.offset_bytes, [container.prefix, *payload, container.suffix(crc)])
+            self._write(handle, item, [container.prefix, *payload, container.suffix(crc)])
         finally:
             staged.release()
         residence = self.work.residences[chunk.local_index]

@@ -27,6 +27,8 @@ from . import commit, compat, dist, residence
 from .encoding.layout import lay_out, lay_out_rank
 from .encoding.metadata import METADATA_FILE, build_metadata, metadata_bytes
 from .errors import CheckpointError, RankFailure, combine, failure_from_exception
+from .integrity import MANIFEST_FILE, crc32_of, manifest_bytes
+from .version import __version__
 from .options import SaveOptions
 from .pipeline import ItemWriteFailed, RankWork, RankWriter
 from .plan import GlobalPlan, LocalState, Problem, RankPlan, build_global_plan, collect, rank_plan
@@ -106,7 +108,7 @@ class _Job:
         if rank == 0:
             save_id = commit.new_save_id()
             try:
-                replace = self.options.replace_existing or self.sharded_only
+                replace = "any" if self.sharded_only else self.options.replace
                 self.area = commit.prepare(self.checkpoint_dir, save_id, replace)
             except Exception as exc:
                 problems.append(Problem("CommitError", "<target>", (0,), f"{type(exc).__name__}: {exc}"))
@@ -148,7 +150,7 @@ class _Job:
         payload = sum(i.length_bytes for i in self.layout.items)
         progress = Progress(payload, self.coord.rank, opts.progress_interval_s)
         self.writer = RankWriter(
-            work, sink, Stager(self.pool, fence), crc32=opts.zip_crc32, progress=progress
+            work, sink, Stager(self.pool, fence), crc32=opts.zip_crc32, progress=progress, checksums=opts.checksums
         )
         if not os.path.isdir(self.staging_dir):
             self._write_failure = RankFailure(
@@ -176,7 +178,7 @@ class _Job:
             except BaseException as exc:
                 failure = failure_from_exception(rank, "writing", exc)
         try:
-            self.coord.vote("writing", failure)
+            reports = self.coord.vote("writing", failure, stats.checksums if stats is not None else None)
         except CheckpointError:
             self._abort()
             raise
@@ -184,7 +186,7 @@ class _Job:
         failure = None
         if rank == 0:
             try:
-                self._commit()
+                self._commit([c for report in reports for c in (report or [])])
             except BaseException as exc:
                 failure = failure_from_exception(rank, "commit", exc)
                 self._abort()
@@ -218,16 +220,28 @@ class _Job:
     def _total_file_bytes(self) -> int:
         return sum(layout.file_bytes for layout in lay_out(self.global_plan, self.options.io_threads))
 
-    def _commit(self) -> None:
+    def _commit(self, checksums: list) -> None:
+        """Rank 0, after every rank's files are durable: index, config, manifest, publish."""
         layouts = lay_out(self.global_plan, self.options.io_threads)
-        meta = build_metadata(self.global_plan, layouts, self.checkpoint_dir, self.save_id)
-        self.sink.write_file(METADATA_FILE, metadata_bytes(meta))
+        small = {METADATA_FILE: metadata_bytes(build_metadata(self.global_plan, layouts, self.checkpoint_dir,
+                                                               self.save_id))}
+        if not self.sharded_only:
+            small[CONFIG_FILE] = json.dumps(compat.checkpointing_config_dict()).encode()
+        if self.options.checksums:
+            whole = {c.relative_path: c.crc32 for c in checksums if c.offset_bytes == 0 and c.fqn == c.relative_path}
+            whole.update({name: crc32_of([data]) for name, data in small.items()})
+            items = [c for c in checksums if c.relative_path not in whole]
+            small = {MANIFEST_FILE: manifest_bytes(items, whole, save_id=self.save_id,
+                                                   world_size=self.coord.world_size, version=__version__),
+                     **small}
+        for name, data in small.items():  # `.metadata` last: without it nothing here is a checkpoint
+            if name != METADATA_FILE:
+                self.sink.write_file(name, data)
+        self.sink.write_file(METADATA_FILE, small[METADATA_FILE])
+        self.sink.sync_root()
         if self.sharded_only:
-            self.sink.sync_root()
             commit.publish_into(self.area, last=METADATA_FILE, fsync=self.options.fsync)
         else:
-            self.sink.write_file(CONFIG_FILE, json.dumps(compat.checkpointing_config_dict()).encode())
-            self.sink.sync_root()
             commit.publish(self.area, fsync=self.options.fsync)
         self.area = None
 

@@ -1,0 +1,1 @@
+"""Read-only and housekeeping tools behind the CLI: `verify`, `inspect`, `gc`."""
