@@ -28,6 +28,8 @@ log = logging.getLogger(__name__)
 
 STAGING_MARK = ".safe_ckpt-staging-"
 REPLACED_MARK = ".safe_ckpt-replaced-"
+DELETING_MARK = ".safe_ckpt-deleting-"
+LEFTOVER_MARKS = (STAGING_MARK, REPLACED_MARK, DELETING_MARK)
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
@@ -50,18 +52,57 @@ def staging_dir_for(final_dir: str, save_id: str) -> str:
     return os.path.join(parent, f".{name}{STAGING_MARK}{save_id}")
 
 
-def prepare(final_dir: str, save_id: str, replace_existing: bool) -> StagingArea:
-    """Create the staging directory (rank 0, before any rank writes)."""
-    final_dir = os.path.abspath(final_dir)
+def is_complete_checkpoint(path: str) -> bool:
+    """A published torch_dist checkpoint has both its index and its config."""
+    return os.path.isfile(os.path.join(path, ".metadata")) and os.path.isfile(os.path.join(path, "metadata.json"))
+
+
+def check_target(final_dir: str, replace: str) -> None:
+    """Refuse a target the replace policy does not allow (see `SaveOptions.replace`)."""
     if os.path.exists(final_dir) and not os.path.isdir(final_dir):
         raise CommitError(f"{final_dir} exists and is not a directory")
-    if not replace_existing and os.path.isdir(final_dir) and os.listdir(final_dir):
-        raise CommitError(f"{final_dir} already holds files and replace_existing=False")
+    if not os.path.isdir(final_dir) or not os.listdir(final_dir) or replace == "any":
+        return
+    if replace == "never":
+        raise CommitError(f"{final_dir} is not empty and SaveOptions(replace='never') forbids replacing it")
+    if not is_complete_checkpoint(final_dir):
+        raise CommitError(
+            f"{final_dir} holds files but no complete torch_dist checkpoint (foreign data or a broken save); "
+            "refusing to replace it. Remove it, or pass SaveOptions(replace='any')"
+        )
+
+
+def leftovers_of(final_dir: str) -> list[str]:
+    """Staging / replaced / deleting directories an interrupted save of this target left behind."""
+    parent, name = os.path.split(os.path.abspath(final_dir).rstrip(os.sep))
+    prefix = f".{name}.safe_ckpt-"
+    try:
+        return [os.path.join(parent, n) for n in os.listdir(parent) if n.startswith(prefix)]
+    except FileNotFoundError:
+        return []
+
+
+def prepare(final_dir: str, save_id: str, replace: str = "checkpoint") -> StagingArea:
+    """Create the staging directory (rank 0, before any rank writes); clear old leftovers."""
+    final_dir = os.path.abspath(final_dir)
+    check_target(final_dir, replace)
     parent = os.path.dirname(final_dir)
     os.makedirs(parent, exist_ok=True)
+    for stale in leftovers_of(final_dir):  # one save per target at a time: older ones are dead
+        log.info("safe_ckpt: removing %s left by an interrupted save", stale)
+        shutil.rmtree(stale, ignore_errors=True)
     staging = staging_dir_for(final_dir, save_id)
     os.mkdir(staging)
     return StagingArea(final_dir, staging, save_id)
+
+
+def remove_checkpoint(path: str) -> None:
+    """Delete a checkpoint so that no crash leaves a half-deleted one under its name:
+    rename it to a hidden `...safe_ckpt-deleting-...` name first, then remove that."""
+    parent, name = os.path.split(os.path.abspath(path).rstrip(os.sep))
+    doomed = os.path.join(parent, f".{name}{DELETING_MARK}{new_save_id()}")
+    os.rename(path, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
 
 
 def _libc():

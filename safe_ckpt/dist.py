@@ -48,13 +48,47 @@ def _forget(group) -> None:
             del _groups[key]
 
 
+_sequence_lock = threading.Lock()
+_sequences: dict = {}  # group -> number of collectives issued on it by safe_ckpt
+
+
+def _next_sequence(group) -> int:
+    with _sequence_lock:
+        _sequences[id(group)] = _sequences.get(id(group), 0) + 1
+        return _sequences[id(group)]
+
+
 class Coordinator:
-    """A rank's view of its save group; `exchange` and `vote` are collective."""
+    """A rank's view of its save group; `exchange` and `vote` are collective.
+
+    Before each collective a rank marks its arrival in the job's key-value store (a CPU
+    side channel, no device involved), so when a collective breaks the survivors can name
+    the ranks that never arrived: dead, or stuck before that step.
+    """
 
     def __init__(self, group, rank: int, world_size: int) -> None:
         self.group = group
         self.rank = rank
         self.world_size = world_size
+
+    def _store(self):
+        try:
+            return dist.distributed_c10d._get_default_store()
+        except Exception:
+            return None
+
+    def _arrival_key(self, seq: int, rank: int) -> str:
+        return f"safe_ckpt/{getattr(self.group, 'group_name', 'group')}/{seq}/{rank}"
+
+    def _absent(self, store, seq: int) -> list[int]:
+        absent = []
+        for r in range(self.world_size):
+            try:
+                if not store.check([self._arrival_key(seq, r)]):
+                    absent.append(r)
+            except Exception:
+                return []
+        return absent
 
     @property
     def distributed(self) -> bool:
@@ -65,22 +99,36 @@ class Coordinator:
         if not self.distributed:
             return [obj]
         out: list = [None] * self.world_size
+        seq = _next_sequence(self.group)
+        store = self._store()
+        if store is not None:
+            try:
+                store.set(self._arrival_key(seq, self.rank), "1")
+            except Exception:
+                store = None
         try:
             dist.all_gather_object(out, obj, group=self.group)
         except Exception as exc:  # gloo raises RuntimeError/DistBackendError subclasses
             _forget(self.group)
+            absent = self._absent(store, seq) if store is not None else []
+            who = (f"rank(s) {', '.join(map(str, absent))} never reached this step (dead, or stuck before it)"
+                   if absent else "a rank died, stopped responding, or timed out")
+            failures = [RankFailure(r, stage, "CoordinationError", "did not reach the collective") for r in absent]
             raise CoordinationError(
-                f"safe_ckpt: rank {self.rank} lost contact with its peers during {stage} "
-                f"(a rank died, stopped responding, or timed out): {type(exc).__name__}: {exc}",
-                [RankFailure(self.rank, stage, "CoordinationError", str(exc))],
+                f"safe_ckpt: rank {self.rank} lost contact with its peers during {stage}: {who}: "
+                f"{type(exc).__name__}: {exc}",
+                failures or [RankFailure(self.rank, stage, "CoordinationError", str(exc))],
             ) from exc
         return out
 
-    def vote(self, stage: str, failure: RankFailure | None) -> None:
-        """Raise the same error on every rank if any rank reports a failure."""
-        failures = [f for f in self.exchange(stage, failure) if f is not None]
+    def vote(self, stage: str, failure: RankFailure | None, report=None) -> list:
+        """Raise the same error on every rank if any rank reports a failure; otherwise
+        every rank's ``report`` (in rank order), exchanged in the same round."""
+        ballots = self.exchange(stage, (failure, report))
+        failures = [f for f, _ in ballots if f is not None]
         if failures:
             raise combine(stage, failures)
+        return [r for _, r in ballots]
 
 
 def coordinator(process_group=None, timeout_s: float = 600.0) -> Coordinator:

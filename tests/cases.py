@@ -184,7 +184,7 @@ HOSTILE_CASES = [
 
 
 def _leftovers(parent: str) -> list[str]:
-    return sorted(n for n in os.listdir(parent) if "safe_ckpt" in n)
+    return sorted(n for n in os.listdir(parent) if ".safe_ckpt-" in n)
 
 
 def hostile(rank, world, root) -> dict:

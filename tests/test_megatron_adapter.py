@@ -31,7 +31,7 @@ def test_strategy_through_stock_dist_checkpointing_save(tmp_path, use_async):
         assert r["is_torch_dist_strategy"] == "TorchDistSaveShardedStrategy"
         assert r["mismatches"] == [], r["mismatches"][:5]
         assert {".metadata", "metadata.json", "__0_0.distcp", "__1_0.distcp"} <= set(r["files"])
-        assert not [f for f in r["files"] if "safe_ckpt" in f]
+        assert not [f for f in r["files"] if ".safe_ckpt-" in f]
 
 
 def test_strategy_as_registered_default(tmp_path):

@@ -8,11 +8,13 @@ from .training import (
     check_sharding_type,
     finalize_async_saves,
     options_from_args,
+    retention_from_args,
     save_checkpoint,
     save_state,
 )
 
 __all__ = [
     "REFUSED_SHARDING_TYPES", "SAFE_SHARDING_TYPES", "SafeTorchDistSaveStrategy", "check_sharding_type",
-    "finalize_async_saves", "install_as_default", "options_from_args", "save_checkpoint", "save_state",
+    "finalize_async_saves", "install_as_default", "options_from_args", "retention_from_args", "save_checkpoint",
+    "save_state",
 ]

@@ -23,6 +23,7 @@ from .. import saving as save_mod
 from ..errors import ValidationError, failure_from_exception
 from ..options import GiB, SaveOptions
 from ..results import SaveResult
+from ..retention import Retention, prune
 
 log = logging.getLogger("safe_ckpt")
 
@@ -77,14 +78,25 @@ def check_sharding_type(args, optimizer, metadata: dict | None) -> None:
                               f"{', '.join(SAFE_SHARDING_TYPES)}")
 
 
+def retention_from_args(args) -> Retention:
+    """--safe-ckpt-keep-last / --safe-ckpt-keep-every, or Megatron's --save-retain-interval
+    (keep the newest and every interval-th, as Megatron does)."""
+    keep_last = getattr(args, "safe_ckpt_keep_last", None)
+    keep_every = getattr(args, "safe_ckpt_keep_every", None)
+    if keep_last is None and keep_every is None and getattr(args, "save_retain_interval", None):
+        return Retention(keep_last=1, keep_every=args.save_retain_interval)
+    return Retention(keep_last=keep_last, keep_every=keep_every)
+
+
 def save_state(state_dict: dict, save_dir: str, checkpoint_dir: str, tracker_value: str, *,
                content_metadata: dict | None = None, options: SaveOptions | None = None,
-               async_save: bool = False, process_group=None):
-    """Write a Megatron training state dict to ``checkpoint_dir`` and then point the tracker
-    file in ``save_dir`` at it (rank 0, after every rank's data is durable). Collective.
+               async_save: bool = False, process_group=None, retention: Retention | None = None):
+    """Write a Megatron training state dict to ``checkpoint_dir``, then point the tracker file
+    in ``save_dir`` at it (rank 0, after every rank's data is durable), then apply
+    ``retention`` to older iterations. Collective.
 
     Returns the `SaveResult`, or with ``async_save`` a `SaveHandle` that finishes in the
-    background (tracker included); `finalize_async_saves()` waits for it.
+    background (tracker and retention included); `finalize_async_saves()` waits for it.
     """
     options = options or SaveOptions()
 
@@ -96,6 +108,8 @@ def save_state(state_dict: dict, save_dir: str, checkpoint_dir: str, tracker_val
             except Exception as exc:
                 failure = failure_from_exception(0, "tracker", exc)
         coord.vote("tracker", failure)
+        if coord.rank == 0 and retention is not None and tracker_value.isdigit():
+            prune(save_dir, int(tracker_value), retention)  # only once the new one is current
 
     job = save_mod.start(state_dict, checkpoint_dir, process_group=process_group, options=options,
                          content_metadata=content_metadata, post_commit=write_tracker)
@@ -208,5 +222,5 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
     return save_state(
         state_dict, args.save, checkpoint_name, "release" if release else str(iteration),
         content_metadata=compat.clean_content_metadata(metadata), options=options_from_args(args),
-        async_save=bool(getattr(args, "async_save", False)),
+        async_save=bool(getattr(args, "async_save", False)), retention=retention_from_args(args),
     )

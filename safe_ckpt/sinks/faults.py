@@ -25,6 +25,7 @@ class Fault:
     errno: int = errno_codes.EIO
     stall_s: float = 0.0  # sleep instead of (before) failing, to simulate a hung disk
     delay_s: float = 0.0  # sleep before every data write (a slow disk that does not fail)
+    kill_signal: int | None = None  # instead of raising, send this signal to the process (SIGKILL: a crash)
 
 
 class _Counter:
@@ -67,6 +68,9 @@ class FaultySink:
         self.counter = _Counter()
 
     def trip(self, what: str) -> None:
+        if self.fault.kill_signal is not None:
+            os.kill(os.getpid(), self.fault.kill_signal)
+            time.sleep(60)  # the signal is delivered asynchronously
         if self.fault.stall_s:
             time.sleep(self.fault.stall_s)
         raise OSError(self.fault.errno, f"injected fault during {what}: {os.strerror(self.fault.errno)}")
