@@ -118,3 +118,28 @@ def test_options_are_validated():
         safe_ckpt.SaveOptions(io_threads=0)
     with pytest.raises(safe_ckpt.ValidationError, match="unmapped_policy"):
         safe_ckpt.SaveOptions(unmapped_policy="ignore")
+
+
+def test_progress_lines_and_one_summary_per_save(tmp_path, caplog):
+    import logging
+
+    w = torch.randn(128, 256, generator=torch.Generator().manual_seed(5))  # 128 KiB -> 8 chunks
+    opts = _opts(io_threads=1, progress_interval_s=0.05,
+                 sink_factory=lambda d: FaultySink(PosixSink(d), Fault(delay_s=0.1)))
+    with caplog.at_level(logging.INFO, logger="safe_ckpt"):
+        safe_ckpt.save({"w": _st("w", w)}, str(tmp_path / "ck"), options=opts)
+    progress = [r.getMessage() for r in caplog.records if "ETA" in r.getMessage()]
+    summary = [r.getMessage() for r in caplog.records if r.getMessage().startswith("safe_ckpt: saved ")]
+    assert progress and all("rank 0 wrote" in m and "GB/s" in m for m in progress)
+    assert len(summary) == 1 and "pageable" in summary[0]
+
+
+def test_retention_from_megatron_args():
+    import argparse
+
+    from safe_ckpt.megatron import retention_from_args
+    from safe_ckpt.retention import Retention
+
+    assert retention_from_args(argparse.Namespace(save_retain_interval=5)) == Retention(keep_last=1, keep_every=5)
+    assert retention_from_args(argparse.Namespace(safe_ckpt_keep_last=3)) == Retention(keep_last=3)
+    assert not retention_from_args(argparse.Namespace()).active
