@@ -33,9 +33,9 @@ class SaveOptions:
     collective_timeout_s: how long a rank waits for its peers in any coordination step
         (applies to the gloo group safe_ckpt creates; a caller's group keeps its own).
     zip_crc32: compute the zip CRC-32 of every payload (stock readers do not check it).
-    checksums: record a CRC-32 of every stored item in the sidecar manifest
-        (`safe_ckpt_manifest.json`, ignored by stock loaders) for `safe-ckpt verify`;
-        computed on separate threads beside the writes.
+    checksums: record a checksum (xxh3-64, or CRC-32 without the xxhash package) of every
+        stored item in the sidecar manifest (`safe_ckpt_manifest.json`, ignored by stock
+        loaders) for `safe-ckpt verify`; computed on separate threads beside the writes.
     unmapped_policy: "error" refuses tensors whose device memory is paused; "cpu_backup"
         reads their bytes from torch_memory_saver's CPU backup where one exists.
     replace: what may already be at the target: "checkpoint" (default) atomically

@@ -24,7 +24,7 @@ import torch
 from .encoding import torchzip
 from .encoding.layout import PlacedItem, RankLayout
 from .errors import CheckpointError, SourceModifiedError
-from .integrity import ItemChecksum, crc32_of
+from .integrity import ItemChecksum, checksum_of
 from .progress import Progress
 from .residence import HOST_RESIDENCES
 from .sinks.base import Sink
@@ -118,7 +118,7 @@ class RankWriter:
                 for name, data in self.work.whole_files.items():
                     self.sink.write_file(name, data)
                     if self.checksums:
-                        self._sums.append(ItemChecksum(name, 0, len(data), crc32_of([data]), name))
+                        self._sums.append(ItemChecksum(name, 0, len(data), checksum_of([data]), name))
             except BaseException as exc:
                 self._fail(name, exc)
         if self._errors:
@@ -209,7 +209,7 @@ class RankWriter:
 
     def _write(self, handle, item: PlacedItem, buffers: list) -> None:
         """One vectored write of an item; its checksum is computed meanwhile on another thread."""
-        pending = self._hasher.submit(crc32_of, buffers) if self._hasher is not None else None
+        pending = self._hasher.submit(checksum_of, buffers) if self._hasher is not None else None
         try:
             handle.write_at(item.offset_bytes, buffers)
         finally:

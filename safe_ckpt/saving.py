@@ -27,7 +27,7 @@ from . import commit, compat, dist, residence
 from .encoding.layout import lay_out, lay_out_rank
 from .encoding.metadata import METADATA_FILE, build_metadata, metadata_bytes
 from .errors import CheckpointError, RankFailure, combine, failure_from_exception
-from .integrity import MANIFEST_FILE, crc32_of, manifest_bytes
+from .integrity import MANIFEST_FILE, checksum_of, manifest_bytes
 from .version import __version__
 from .options import SaveOptions
 from .pipeline import ItemWriteFailed, RankWork, RankWriter
@@ -228,8 +228,8 @@ class _Job:
         if not self.sharded_only:
             small[CONFIG_FILE] = json.dumps(compat.checkpointing_config_dict()).encode()
         if self.options.checksums:
-            whole = {c.relative_path: c.crc32 for c in checksums if c.offset_bytes == 0 and c.fqn == c.relative_path}
-            whole.update({name: crc32_of([data]) for name, data in small.items()})
+            whole = {c.relative_path: c.checksum for c in checksums if c.offset_bytes == 0 and c.fqn == c.relative_path}
+            whole.update({name: checksum_of([data]) for name, data in small.items()})
             items = [c for c in checksums if c.relative_path not in whole]
             small = {MANIFEST_FILE: manifest_bytes(items, whole, save_id=self.save_id,
                                                    world_size=self.coord.world_size, version=__version__),

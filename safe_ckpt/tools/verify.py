@@ -13,10 +13,9 @@ from __future__ import annotations
 import io
 import os
 import struct
-import zlib
 from dataclasses import dataclass, field
 
-from ..integrity import MANIFEST_FILE, Manifest
+from ..integrity import MANIFEST_FILE, Hasher, Manifest, checksum_of
 
 KNOWN_FILES = {".metadata", "metadata.json", "common.pt", MANIFEST_FILE}
 _PIECE_BYTES = 64 << 20
@@ -63,19 +62,19 @@ def _payload_record_size(tail: bytes, item_length: int) -> int | None:
     return None
 
 
-def _read_item(fd: int, offset: int, length: int, want_bytes: bool):
-    """CRC-32 of the item, its last 64 KiB, and (if asked) all of it."""
-    crc, done, tail, whole = 0, 0, b"", bytearray() if want_bytes else None
+def _read_item(fd: int, offset: int, length: int, want_bytes: bool, algorithm: str):
+    """Checksum of the item, its last 64 KiB, and (if asked) all of it."""
+    hasher, done, tail, whole = Hasher(algorithm), 0, b"", bytearray() if want_bytes else None
     while done < length:
         piece = os.pread(fd, min(_PIECE_BYTES, length - done), offset + done)
         if not piece:
             break
-        crc = zlib.crc32(piece, crc)
+        hasher.update(piece)
         done += len(piece)
         tail = (tail + piece)[-65536:]
         if whole is not None:
             whole += piece
-    return crc, done, tail, whole
+    return hasher.value(), done, tail, whole
 
 
 def verify(directory: str, *, deep: bool = False, progress=None) -> VerifyReport:
@@ -104,6 +103,13 @@ def verify(directory: str, *, deep: bool = False, progress=None) -> VerifyReport
     else:
         report.add("warning", MANIFEST_FILE, "no manifest: checksums cannot be checked, only structure")
     expected_crc = {(m.relative_path, m.offset_bytes): m for m in manifest.items} if manifest else {}
+    algorithm = manifest.algorithm if manifest else "crc32"
+    if manifest is not None:
+        try:
+            Hasher(algorithm)
+        except RuntimeError as exc:
+            report.add("warning", MANIFEST_FILE, f"{exc}; checking structure only")
+            manifest, expected_crc, algorithm = None, {}, "crc32"
 
     chunk_bytes = {}
     for fqn, md in meta.state_dict_metadata.items():
@@ -134,7 +140,7 @@ def verify(directory: str, *, deep: bool = False, progress=None) -> VerifyReport
         fd = os.open(full, os.O_RDONLY)
         try:
             for index, info in sorted(entries, key=lambda e: e[1].offset):
-                _check_item(report, fd, path, index, info, chunk_bytes, expected_crc, deep)
+                _check_item(report, fd, path, index, info, chunk_bytes, expected_crc, deep, algorithm)
                 if progress is not None:
                     progress(report.bytes_checked, total)
         finally:
@@ -144,15 +150,15 @@ def verify(directory: str, *, deep: bool = False, progress=None) -> VerifyReport
             full = os.path.join(directory, name)
             if not os.path.isfile(full):
                 report.add("error", name, "missing file listed in the manifest")
-            elif zlib.crc32(open(full, "rb").read()) != crc:
+            elif checksum_of([open(full, "rb").read()], algorithm) != crc:
                 report.add("error", name, "checksum mismatch")
     return report
 
 
-def _check_item(report, fd, path, index, info, chunk_bytes, expected_crc, deep) -> None:
+def _check_item(report, fd, path, index, info, chunk_bytes, expected_crc, deep, algorithm) -> None:
     where = f"{path}@{info.offset}"
     chunk = chunk_bytes.get((index.fqn, tuple(index.offset) if index.offset is not None else None))
-    crc, got, tail, whole = _read_item(fd, info.offset, info.length, deep and chunk is not None)
+    crc, got, tail, whole = _read_item(fd, info.offset, info.length, deep and chunk is not None, algorithm)
     report.items_checked += 1
     report.bytes_checked += got
     if got < info.length:
@@ -161,7 +167,7 @@ def _check_item(report, fd, path, index, info, chunk_bytes, expected_crc, deep) 
     expected = expected_crc.get((path, info.offset))
     if expected is not None:
         report.checksummed_items += 1
-        if expected.length_bytes != info.length or expected.crc32 != crc:
+        if expected.length_bytes != info.length or expected.checksum != crc:
             report.add("error", where, f"item {index.fqn!r}: checksum mismatch (corrupted bytes)")
             return
     if chunk is None:
