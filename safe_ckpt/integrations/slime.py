@@ -1,0 +1,155 @@
+"""slime (THUDM/slime) integration: `--ckpt-backend safe`.
+
+One job: route slime's checkpoint save to `safe_ckpt.megatron.save_checkpoint` without
+editing slime. slime's save path is `train.py` -> `RayTrainGroup.save_model` ->
+`MegatronTrainRayActor.save_model` -> `slime.backends.megatron_utils.model.save`, which
+calls the name `save_checkpoint` bound in that module; `install` rebinds that name in
+every train actor (it runs there through `--custom-megatron-init-path`). Every actor is
+one rank of a collective save over gloo: the checkpoint and the tracker file appear
+only when all actors succeeded, and a failing actor makes every actor raise the same
+`CheckpointError`, so `ray.get` in the driver raises it. No NCCL process group is needed
+for the save, and paused (offloaded) memory is refused with a clear error, or read from
+torch_memory_saver's CPU backup with `--safe-ckpt-unmapped-policy cpu_backup`.
+
+Ways to enable it:
+- `python -m safe_ckpt.integrations.slime <train.py arguments> --ckpt-backend safe`
+- or add to slime's command line `--custom-megatron-init-path safe_ckpt.integrations.slime.install`
+  and pass `add_custom_arguments=safe_ckpt.integrations.slime.add_arguments` to
+  `slime.utils.arguments.parse_args` (see README, "Using with slime").
+
+Must not: change slime's behaviour with `--ckpt-backend megatron` (the default).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import runpy
+import sys
+
+log = logging.getLogger("safe_ckpt")
+
+SLIME_MODEL_MODULE = "slime.backends.megatron_utils.model"
+INIT_HOOK = "safe_ckpt.integrations.slime.install"
+
+
+def add_arguments(parser):
+    """Register `--ckpt-backend` and the safe_ckpt options on slime's (Megatron's) parser."""
+    group = parser.add_argument_group("safe_ckpt")
+    group.add_argument("--ckpt-backend", choices=["megatron", "safe"], default="megatron",
+                       help="who writes torch_dist checkpoints: stock Megatron or safe_ckpt")
+    group.add_argument("--safe-ckpt-staging-budget-gib", type=float, default=None,
+                       help="pinned staging pool per rank, allocated once (default 2 GiB)")
+    group.add_argument("--safe-ckpt-io-threads", type=int, default=None, help="writer threads per rank (default 8)")
+    group.add_argument("--safe-ckpt-unmapped-policy", choices=["error", "cpu_backup"], default="error",
+                       help="paused GPU memory: refuse (error) or read torch_memory_saver's CPU backup")
+    group.add_argument("--safe-ckpt-timeout-s", type=float, default=None,
+                       help="how long a rank waits for the others in a save (default 600)")
+    group.add_argument("--safe-ckpt-keep-last", type=int, default=None, help="keep only the newest N iterations")
+    group.add_argument("--safe-ckpt-keep-every", type=int, default=None, help="... and every K-th iteration")
+    group.add_argument("--safe-ckpt-chained-init-path", type=str, default=None,
+                       help="another --custom-megatron-init-path hook to run first (set by the launcher)")
+    return parser
+
+
+def slime_save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far=0,
+                          checkpointing_context=None, train_data_iterator=None,
+                          preprocess_common_state_dict_fn=None, **kwargs):
+    """What slime's `save` calls in place of Megatron's `save_checkpoint` (same arguments)."""
+    from safe_ckpt.megatron import save_checkpoint
+
+    return save_checkpoint(iteration, model, optimizer, opt_param_scheduler,
+                           num_floating_point_operations_so_far=num_floating_point_operations_so_far,
+                           checkpointing_context=checkpointing_context, train_data_iterator=train_data_iterator,
+                           preprocess_common_state_dict_fn=preprocess_common_state_dict_fn, **kwargs)
+
+
+def _patch_async_finalize() -> None:
+    """Make Megatron's `maybe_finalize_async_save` (which slime's actor calls around saves)
+    also finish safe_ckpt's asynchronous saves, which are not in Megatron's queue."""
+    try:
+        async_utils = importlib.import_module("megatron.training.async_utils")
+    except ImportError:
+        return
+    original = getattr(async_utils, "maybe_finalize_async_save", None)
+    if original is None or getattr(original, "_safe_ckpt", False):
+        return
+
+    def maybe_finalize_async_save(*args, **kwargs):
+        from safe_ckpt.megatron import finalize_async_saves
+
+        blocking = kwargs.get("blocking", args[0] if args else False)
+        finalize_async_saves(blocking=bool(blocking))
+        return original(*args, **kwargs)
+
+    maybe_finalize_async_save._safe_ckpt = True
+    async_utils.maybe_finalize_async_save = maybe_finalize_async_save
+
+
+def install(args, model_module: str | None = None) -> None:
+    """`--custom-megatron-init-path safe_ckpt.integrations.slime.install`: runs in every train
+    actor after Megatron is initialised; with `--ckpt-backend safe`, slime's save goes to safe_ckpt."""
+    chained = getattr(args, "safe_ckpt_chained_init_path", None)
+    if chained:
+        module_name, _, func = chained.rpartition(".")
+        getattr(importlib.import_module(module_name), func)(args)
+    if getattr(args, "ckpt_backend", "megatron") != "safe":
+        return
+    module = importlib.import_module(model_module or getattr(args, "safe_ckpt_model_module", None)
+                                     or SLIME_MODEL_MODULE)
+    if not hasattr(module, "save_checkpoint"):
+        raise RuntimeError(f"{module.__name__} has no save_checkpoint to replace: unsupported slime version")
+    module.save_checkpoint = slime_save_checkpoint
+    _patch_async_finalize()
+    log.info("safe_ckpt: slime checkpoints now go through safe_ckpt (%s.save_checkpoint)", module.__name__)
+
+
+def _launcher_argv(argv: list[str]) -> list[str]:
+    """Put our init hook on the command line, chaining any hook the user already set."""
+    argv = list(argv)
+    if "--custom-megatron-init-path" in argv:
+        i = argv.index("--custom-megatron-init-path")
+        if argv[i + 1] != INIT_HOOK:
+            argv += ["--safe-ckpt-chained-init-path", argv[i + 1]]
+            argv[i + 1] = INIT_HOOK
+    else:
+        argv += ["--custom-megatron-init-path", INIT_HOOK]
+    return argv
+
+
+def _find_train_script(argv: list[str]) -> tuple[str, list[str]]:
+    if "--slime-train-script" in argv:
+        i = argv.index("--slime-train-script")
+        return argv[i + 1], argv[:i] + argv[i + 2:]
+    import slime
+
+    candidate = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(slime.__file__))), "train.py")
+    if not os.path.isfile(candidate):
+        raise SystemExit("safe_ckpt: cannot find slime's train.py next to the slime package; "
+                         "pass --slime-train-script /path/to/slime/train.py")
+    return candidate, argv
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m safe_ckpt.integrations.slime <train.py arguments> [--slime-train-script PATH]`."""
+    script, argv = _find_train_script(list(sys.argv[1:] if argv is None else argv))
+    import slime.utils.arguments as slime_arguments
+
+    original = slime_arguments.parse_args
+
+    def parse_args(add_custom_arguments=None):
+        def both(parser):
+            parser = add_custom_arguments(parser) if add_custom_arguments else parser
+            return add_arguments(parser)
+
+        return original(add_custom_arguments=both)
+
+    slime_arguments.parse_args = parse_args
+    sys.argv = [script, *_launcher_argv(argv)]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    runpy.run_path(script, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,15 @@
+from megatron.training.global_vars import get_args
+
+from .checkpoint import save_checkpoint
+
+
+def save(iteration, model, optimizer, opt_param_scheduler) -> None:
+    """As slime's `save` (v0.2.x): the name `save_checkpoint` is looked up in this module."""
+    get_args()
+    save_checkpoint(
+        iteration, model, optimizer, opt_param_scheduler,
+        num_floating_point_operations_so_far=0,
+        checkpointing_context=None,
+        train_data_iterator=None,
+        preprocess_common_state_dict_fn=None,
+    )
