@@ -80,30 +80,30 @@ def test_megatron_backend_is_left_alone(ray_cluster, tmp_path):
         ray.kill(a)
 
 
-def test_failing_actor_error_reaches_the_driver(ray_cluster, tmp_path):
+def _second_save_fails(tmp_path, fault, expected):
+    """Iteration 1 saves; iteration 2 fails on actor 1; tracker and iteration 1 stay current."""
     save_dir = str(tmp_path)
     group = RayTrainGroup(_args(save_dir), 2, SPEC, env_vars=repo_env())
     group.save_model(1)
-    ray.get(group._actor_handlers[1].arm_fault.remote({"after_bytes": 10_000, "errno": errno.ENOSPC}))
-    with pytest.raises(ray.exceptions.RayTaskError) as info:
+    ray.get(group._actor_handlers[1].arm_fault.remote(fault))
+    with pytest.raises(expected) as info:
         group.save_model(2)
-    assert "CheckpointError" in str(info.value) or "WriteError" in str(info.value)
-    assert "rank 1" in str(info.value) and "No space left" in str(info.value)
     assert _tracker(save_dir) == "1" and not os.path.exists(os.path.join(save_dir, "iter_0000002"))
     for a in group._actor_handlers:
         ray.kill(a)
+    return save_dir, info.value
+
+
+def test_failing_actor_error_reaches_the_driver(ray_cluster, tmp_path):
+    _, error = _second_save_fails(tmp_path, {"after_bytes": 10_000, "errno": errno.ENOSPC},
+                                  ray.exceptions.RayTaskError)
+    assert "CheckpointError" in str(error) or "WriteError" in str(error)
+    assert "rank 1" in str(error) and "No space left" in str(error)
 
 
 def test_killed_actor_leaves_the_previous_checkpoint_current(ray_cluster, tmp_path):
-    save_dir = str(tmp_path)
-    group = RayTrainGroup(_args(save_dir), 2, SPEC, env_vars=repo_env())
-    group.save_model(1)
-    ray.get(group._actor_handlers[1].arm_fault.remote({"after_bytes": 10_000, "kill_signal": signal.SIGKILL}))
-    with pytest.raises((ray.exceptions.RayActorError, ray.exceptions.RayTaskError)):
-        group.save_model(2)
-    assert _tracker(save_dir) == "1" and not os.path.exists(os.path.join(save_dir, "iter_0000002"))
-    for a in group._actor_handlers:
-        ray.kill(a)
+    save_dir, _ = _second_save_fails(tmp_path, {"after_bytes": 10_000, "kill_signal": signal.SIGKILL},
+                                     (ray.exceptions.RayActorError, ray.exceptions.RayTaskError))
     # the previous checkpoint still loads, with stock Megatron, in a fresh group of actors
     fresh = RayTrainGroup(_args(save_dir), 2, SPEC, env_vars=repo_env())
     assert all(m == [] for m, _ in ray.get([a.check_load.remote(1) for a in fresh._actor_handlers]))
