@@ -217,12 +217,18 @@ class _Job:
         self._log_summary(result)
         return result
 
+    def _all_layouts(self):
+        """Every rank's layout (a pure function of the plan), computed at most once."""
+        if getattr(self, "_layouts", None) is None:
+            self._layouts = lay_out(self.global_plan, self.options.io_threads)
+        return self._layouts
+
     def _total_file_bytes(self) -> int:
-        return sum(layout.file_bytes for layout in lay_out(self.global_plan, self.options.io_threads))
+        return sum(layout.file_bytes for layout in self._all_layouts())
 
     def _commit(self, checksums: list) -> None:
         """Rank 0, after every rank's files are durable: index, config, manifest, publish."""
-        layouts = lay_out(self.global_plan, self.options.io_threads)
+        layouts = self._all_layouts()
         small = {METADATA_FILE: metadata_bytes(build_metadata(self.global_plan, layouts, self.checkpoint_dir,
                                                                self.save_id))}
         if not self.sharded_only:
