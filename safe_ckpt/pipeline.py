@@ -68,7 +68,7 @@ class RankWriter:
     """Runs the write phase in background threads; `join()` returns stats or raises."""
 
     def __init__(self, work: RankWork, sink: Sink, stager: Stager, *, crc32: bool, progress: Progress,
-                 checksums: bool = False) -> None:
+                 checksums: bool = False, lanes: int | None = None) -> None:
         self.work = work
         self.checksums = checksums
         self._hasher: ThreadPoolExecutor | None = None
@@ -81,7 +81,9 @@ class RankWriter:
         self._staged = threading.Event()
         self._errors: list[ItemWriteFailed] = []
         self._lock = threading.Lock()
-        self._queues = [queue.Queue() for _ in work.layout.files]
+        # One writer thread ("lane") per group of files: file i goes to lane i % lanes.
+        self._lanes = max(1, min(lanes or len(work.layout.files), len(work.layout.files)))
+        self._queues = [queue.Queue() for _ in range(self._lanes)]
         self._threads: list[threading.Thread] = []
         self._t0 = 0.0
         self._staged_at = 0.0
@@ -91,12 +93,13 @@ class RankWriter:
     def start(self) -> None:
         self._t0 = time.perf_counter()
         if self.checksums and self.work.layout.files:
-            # Checksums run on their own threads beside the writes (zlib releases the GIL).
-            self._hasher = ThreadPoolExecutor(len(self.work.layout.files), thread_name_prefix="safe_ckpt-crc")
-        for i, spec in enumerate(self.work.layout.files):
-            t = threading.Thread(target=self._write_file, args=(i,), name=f"safe_ckpt-write-{spec.relative_path}")
-            t.daemon = True
-            self._threads.append(t)
+            # Checksums run on their own threads beside the writes.
+            self._hasher = ThreadPoolExecutor(self._lanes, thread_name_prefix="safe_ckpt-sum")
+        if self.work.layout.files:
+            for lane in range(self._lanes):
+                t = threading.Thread(target=self._write_lane, args=(lane,), name=f"safe_ckpt-write-{lane}")
+                t.daemon = True
+                self._threads.append(t)
         stager = threading.Thread(target=self._stage_all, name="safe_ckpt-stage", daemon=True)
         self._threads.append(stager)
         for t in self._threads:
@@ -142,16 +145,19 @@ class RankWriter:
 
     # ----------------------------------------------------------------- staging
     def _interleaved(self):
-        files = self.work.layout.files
-        longest = max((len(f.items) for f in files), default=0)
+        """(lane, file index, item), round robin over lanes, each lane's files in order."""
+        per_lane = [[] for _ in range(self._lanes)]
+        for i, f in enumerate(self.work.layout.files):
+            per_lane[i % self._lanes].extend((i, item) for item in f.items)
+        longest = max((len(entries) for entries in per_lane), default=0)
         for k in range(longest):
-            for i, f in enumerate(files):
-                if k < len(f.items):
-                    yield i, f.items[k]
+            for lane, entries in enumerate(per_lane):
+                if k < len(entries):
+                    yield lane, entries[k][0], entries[k][1]
 
     def _stage_all(self) -> None:
         try:
-            for file_index, item in self._interleaved():
+            for lane, file_index, item in self._interleaved():
                 if self._abort.is_set():
                     break
                 try:
@@ -159,7 +165,7 @@ class RankWriter:
                 except BaseException as exc:
                     self._fail(item.fqn, exc)
                     break
-                self._queues[file_index].put((item, staged))
+                self._queues[lane].put((file_index, item, staged))
             self.stager.wait_copies()
         except BaseException as exc:
             self._fail(None, exc)
@@ -177,19 +183,18 @@ class RankWriter:
         return self.stager.stage(chunk_view(source, chunk.shard_box.offsets, chunk.shard_box.sizes), self._abort)
 
     # ----------------------------------------------------------------- writing
-    def _write_file(self, file_index: int) -> None:
-        spec = self.work.layout.files[file_index]
-        q = self._queues[file_index]
-        handle = None
-        try:
-            handle = self.sink.open(spec.relative_path, spec.size_bytes)
-        except BaseException as exc:
-            self._fail(None, exc)
+    def _write_lane(self, lane: int) -> None:
+        """Write this lane's files one after the other: open, items in order, sync, close."""
+        q = self._queues[lane]
+        handle, current = None, None
         while True:
             entry = q.get()
             if entry is None:
                 break
-            item, staged = entry
+            file_index, item, staged = entry
+            if file_index != current:
+                self._finish_file(handle)
+                handle, current = self._open_file(file_index), file_index
             if self._abort.is_set() or handle is None:
                 if isinstance(staged, StagedChunk):
                     staged.release()
@@ -198,14 +203,26 @@ class RankWriter:
                 self._write_item(handle, item, staged)
             except BaseException as exc:
                 self._fail(item.fqn, exc)
-        if handle is not None:
-            try:
-                if not self._abort.is_set():
-                    handle.sync()
-            except BaseException as exc:
-                self._fail(None, exc)
-            finally:
-                handle.close()
+        self._finish_file(handle)
+
+    def _open_file(self, file_index: int):
+        spec = self.work.layout.files[file_index]
+        try:
+            return self.sink.open(spec.relative_path, spec.size_bytes)
+        except BaseException as exc:
+            self._fail(None, exc)
+            return None
+
+    def _finish_file(self, handle) -> None:
+        if handle is None:
+            return
+        try:
+            if not self._abort.is_set():
+                handle.sync()
+        except BaseException as exc:
+            self._fail(None, exc)
+        finally:
+            handle.close()
 
     def _write(self, handle, item: PlacedItem, buffers: list) -> None:
         """One vectored write of an item; its checksum is computed meanwhile on another thread."""
