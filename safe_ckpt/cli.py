@@ -1,4 +1,4 @@
-"""The `safe-ckpt` command line: demo, verify, inspect, gc and bench.
+"""The `safe-ckpt` command line: demo, verify, inspect, gc, copy and bench.
 
 One job: parse arguments, set up logging, read environment variables (the edge), and
 call the library. Must not: contain save logic.
@@ -72,6 +72,18 @@ def _gc(args: argparse.Namespace) -> int:
     return 0
 
 
+def _copy(args: argparse.Namespace) -> int:
+    import json
+
+    from .tools.copy import copy
+
+    report = copy(args.src, args.dst, src_spec=json.loads(args.src_spec) if args.src_spec else None,
+                  dst_spec=json.loads(args.dst_spec) if args.dst_spec else None,
+                  replace="any" if args.replace else "checkpoint")
+    print(f"copied {report.files} files, {report.bytes / 1e9:.3f} GB")
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     from . import demo
 
@@ -107,6 +119,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("root")
     p.add_argument("--dry-run", action="store_true")
     p.set_defaults(func=_gc)
+
+    p = sub.add_parser("copy", help="copy a checkpoint between a directory and a kvstore (file://, gs://, s3://...)")
+    p.add_argument("src")
+    p.add_argument("dst")
+    p.add_argument("--src-spec", default=None, help="TensorStore kvstore spec (JSON) the SRC path lies in")
+    p.add_argument("--dst-spec", default=None, help="TensorStore kvstore spec (JSON) the DST path lies in")
+    p.add_argument("--replace", action="store_true", help="overwrite whatever DST holds")
+    p.set_defaults(func=_copy)
 
     p = sub.add_parser("bench", help="benchmark against stock Megatron and DCP (see safe-ckpt bench -h)",
                        add_help=False)

@@ -43,8 +43,11 @@ class SaveOptions:
         directory holding anything else (foreign or half-written); "any" replaces whatever
         is there; "never" refuses any non-empty target.
     progress_interval_s: period of progress log lines for long saves (0 disables).
-    sink_factory: builds the byte sink for a staging directory (tests inject faults here);
-        None means the POSIX sink.
+    sink_factory: builds the byte sink for a staging directory, or wraps the kvstore sink
+        (tests inject faults here); None means the POSIX (or kvstore) sink.
+    kvstore_spec: a TensorStore kvstore spec (e.g. {"driver": "gcs", "bucket": "b"}); the
+        checkpoint directory is then a path inside it. A checkpoint directory written as a
+        URL ("file:///...", "gs://...", "memory://...") selects the kvstore sink too.
     """
 
     chunk_bytes: int = 256 * MiB
@@ -58,6 +61,7 @@ class SaveOptions:
     replace: str = "checkpoint"
     progress_interval_s: float = 10.0
     sink_factory: Optional[Callable] = None
+    kvstore_spec: Optional[dict] = None
 
     def __post_init__(self) -> None:
         problems = []

@@ -15,11 +15,9 @@ Must not: contain stage logic (that lives in plan/residence/staging/encoding/sin
 
 from __future__ import annotations
 
-import atexit
 import json
 import logging
 import os
-import threading
 import time
 from dataclasses import dataclass
 
@@ -34,8 +32,11 @@ from .pipeline import ItemWriteFailed, RankWork, RankWriter
 from .plan import GlobalPlan, LocalState, Problem, RankPlan, build_global_plan, collect, rank_plan
 from .progress import Progress, human_bytes
 from .results import SaveResult, SaveTimings
+from . import kvcommit
 from .sinks.posix import PosixSink
+from .sinks.tensorstore import TensorStoreSink, is_kvstore_url, open_location
 from .staging.pool import shared_pool
+from .handle import SaveHandle, wait_for_previous
 from .staging.stager import Stager, record_producer_fence
 
 log = logging.getLogger("safe_ckpt")
@@ -63,7 +64,12 @@ class _Job:
     def __init__(self, sharded_state_dict, checkpoint_dir, process_group, options, content_metadata,
                  sharded_only: bool = False, post_commit=None):
         self.options = options or SaveOptions()
-        self.checkpoint_dir = os.path.abspath(os.fspath(checkpoint_dir))
+        target = os.fspath(checkpoint_dir)
+        # A URL ("file://", "gs://", "memory://", ...) or a kvstore spec selects the TensorStore sink.
+        self.kv = is_kvstore_url(target) or self.options.kvstore_spec is not None
+        self.checkpoint_dir = target if self.kv else os.path.abspath(target)
+        self.kv_sink = None
+        self.whole_files: dict = {}
         self.state = sharded_state_dict
         self.process_group = process_group
         self.content_metadata = content_metadata
@@ -105,11 +111,22 @@ class _Job:
             problems = [Problem("CheckpointError", "<planning>", (rank,), f"{type(exc).__name__}: {exc}")]
         self.state = None  # the job keeps only the sources it needs
         save_id = None
+        if self.kv and self.sharded_only:
+            problems.append(Problem("ValidationError", "<target>", (rank,),
+                                    "the Megatron strategy writes local directories only, not kvstores"))
+        elif self.kv:
+            try:
+                self.kv_sink = TensorStoreSink(open_location(self.checkpoint_dir, self.options.kvstore_spec))
+            except Exception as exc:
+                problems.append(Problem("WriteError", "<target>", (rank,), f"{type(exc).__name__}: {exc}"))
         if rank == 0:
             save_id = commit.new_save_id()
             try:
                 replace = "any" if self.sharded_only else self.options.replace
-                self.area = commit.prepare(self.checkpoint_dir, save_id, replace)
+                if self.kv_sink is not None:
+                    kvcommit.check_target(self.kv_sink, replace)
+                elif not self.kv:
+                    self.area = commit.prepare(self.checkpoint_dir, save_id, replace)
             except Exception as exc:
                 problems.append(Problem("CommitError", "<target>", (0,), f"{type(exc).__name__}: {exc}"))
         message = _PlanMessage(
@@ -127,7 +144,7 @@ class _Job:
         self.global_plan = global_plan
         self.staging_dir = messages[0].staging_dir
         self.save_id = messages[0].save_id
-        self.layout = lay_out_rank(global_plan, rank, self.options.io_threads)
+        self.layout = lay_out_rank(global_plan, rank, self.options.io_threads, **self._layout_kwargs())
         self._start_writes(local, residences, sources)
         self.t_planned = time.perf_counter()
 
@@ -137,22 +154,29 @@ class _Job:
         self.pool_allocations_before = self.pool.stats().allocations
         devices = {s.device.index for s in sources if s.device.type == "cuda"}
         fence = record_producer_fence(devices) if devices else None
-        sink = opts.sink_factory(self.staging_dir) if opts.sink_factory else PosixSink(self.staging_dir, opts.fsync)
+        root = self.staging_dir if not self.kv else None
+        if opts.sink_factory:
+            sink = opts.sink_factory(root if root is not None else self.kv_sink)
+        else:
+            sink = self.kv_sink if self.kv else PosixSink(self.staging_dir, opts.fsync)
         self.sink = sink
+        if self.kv and self.coord.rank == 0:
+            self.whole_files = dict(local.whole_files)  # kvstore: written at commit, in commit order
         work = RankWork(
             layout=self.layout,
             sources=sources,
             residences=residences,
             versions=[s._version for s in sources],
             object_payloads=local.object_payloads,
-            whole_files=local.whole_files,
+            whole_files={} if self.kv else local.whole_files,
         )
         payload = sum(i.length_bytes for i in self.layout.items)
         progress = Progress(payload, self.coord.rank, opts.progress_interval_s)
         self.writer = RankWriter(
-            work, sink, Stager(self.pool, fence), crc32=opts.zip_crc32, progress=progress, checksums=opts.checksums
+            work, sink, Stager(self.pool, fence), crc32=opts.zip_crc32, progress=progress, checksums=opts.checksums,
+            lanes=opts.io_threads,
         )
-        if not os.path.isdir(self.staging_dir):
+        if not self.kv and not os.path.isdir(self.staging_dir):
             self._write_failure = RankFailure(
                 self.coord.rank, "writing", "WriteError",
                 f"staging directory {self.staging_dir} is not visible here: all ranks must share the filesystem",
@@ -217,10 +241,15 @@ class _Job:
         self._log_summary(result)
         return result
 
+    def _layout_kwargs(self) -> dict:
+        if not self.kv:
+            return {}
+        return {"one_item_per_file": True, "tag": kvcommit.new_file_tag(self.save_id)}
+
     def _all_layouts(self):
         """Every rank's layout (a pure function of the plan), computed at most once."""
         if getattr(self, "_layouts", None) is None:
-            self._layouts = lay_out(self.global_plan, self.options.io_threads)
+            self._layouts = lay_out(self.global_plan, self.options.io_threads, **self._layout_kwargs())
         return self._layouts
 
     def _total_file_bytes(self) -> int:
@@ -233,6 +262,7 @@ class _Job:
                                                                self.save_id))}
         if not self.sharded_only:
             small[CONFIG_FILE] = json.dumps(compat.checkpointing_config_dict()).encode()
+        small.update(self.whole_files)  # kvstore: the common state goes in with the commit
         if self.options.checksums:
             whole = {c.relative_path: c.checksum for c in checksums if c.offset_bytes == 0 and c.fqn == c.relative_path}
             whole.update({name: checksum_of([data]) for name, data in small.items()})
@@ -240,6 +270,9 @@ class _Job:
             small = {MANIFEST_FILE: manifest_bytes(items, whole, save_id=self.save_id,
                                                    world_size=self.coord.world_size, version=__version__),
                      **small}
+        if self.kv:
+            kvcommit.publish(self.sink, small, {f.relative_path for lay in layouts for f in lay.files})
+            return
         for name, data in small.items():  # `.metadata` last: without it nothing here is a checkpoint
             if name != METADATA_FILE:
                 self.sink.write_file(name, data)
@@ -255,6 +288,8 @@ class _Job:
         if self.area is not None:
             commit.abort(self.area)
             self.area = None
+        if self.kv_sink is not None and getattr(self, "save_id", None) and self.coord.rank == 0:
+            kvcommit.abort(self.kv_sink, kvcommit.new_file_tag(self.save_id))
 
     def _log_summary(self, r: SaveResult) -> None:
         t = r.timings
@@ -268,77 +303,11 @@ class _Job:
         )
 
 
-# ------------------------------------------------------------------- in flight
-_inflight_lock = threading.Lock()
-_inflight: list["SaveHandle"] = []
-
-
-def _wait_for_previous() -> None:
-    with _inflight_lock:
-        previous = list(_inflight)
-    for handle in previous:
-        handle._thread.join()
-
-
-class SaveHandle:
-    """An asynchronous save whose device bytes are already staged.
-
-    `wait()` returns the `SaveResult` or raises the save's `CheckpointError`;
-    `done()` tells whether it has finished. Every rank must let its handle finish
-    (the remaining steps are collective).
-    """
-
-    def __init__(self, job: _Job, stall_s: float) -> None:
-        self.stall_s = stall_s
-        self._job = job
-        self._result: SaveResult | None = None
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="safe_ckpt-finish", daemon=True)
-        with _inflight_lock:
-            _inflight.append(self)
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            self._result = self._job.finish(stall_s=self.stall_s)
-        except BaseException as exc:
-            self._error = exc
-        finally:
-            self._job = None
-            with _inflight_lock:
-                if self in _inflight:
-                    _inflight.remove(self)
-
-    def done(self) -> bool:
-        return not self._thread.is_alive()
-
-    def wait(self, timeout: float | None = None) -> SaveResult:
-        self._thread.join(timeout)
-        if self._thread.is_alive():
-            raise TimeoutError(f"safe_ckpt: save still running after {timeout} s")
-        if self._error is not None:
-            raise self._error
-        return self._result
-
-    def exception(self, timeout: float | None = None) -> BaseException | None:
-        self._thread.join(timeout)
-        return self._error
-
-
-@atexit.register
-def _finish_inflight_at_exit() -> None:
-    with _inflight_lock:
-        pending = list(_inflight)
-    for handle in pending:
-        log.warning("safe_ckpt: waiting for an asynchronous save to finish before exit")
-        handle._thread.join()
-
-
 def start(sharded_state_dict: dict, checkpoint_dir, *, process_group=None, options: SaveOptions | None = None,
           content_metadata: dict | None = None, sharded_only: bool = False, post_commit=None) -> "_Job":
     """Plan and start writing (collective); for the adapters at the edges. The returned job
     is finished with `.finish()` or handed to `SaveHandle` after `.wait_staged()`."""
-    _wait_for_previous()
+    wait_for_previous()
     job = _Job(sharded_state_dict, checkpoint_dir, process_group, options, content_metadata,
                sharded_only=sharded_only, post_commit=post_commit)
     job.plan()

@@ -2,7 +2,8 @@
 how long training would be blocked and total is time until the checkpoint is durable
 (the call, plus finalisation for asynchronous savers).
 
-Peers: ``safe_sync``, ``safe_async`` (this library); ``megatron_sync``,
+Peers: ``safe_sync``, ``safe_async``, ``safe_sync_tensorstore`` (this library; the last
+through the TensorStore kvstore `file` driver); ``megatron_sync``,
 ``megatron_async`` (stock megatron-core torch_dist, mcore async strategy; need CUDA);
 ``dcp_sync`` (FileSystemWriter, same thread count); ``dcp_async_pinned``
 (`dcp.async_save` with a pinned `DefaultStager`, where the installed torch has it).
@@ -18,7 +19,8 @@ import time
 
 import torch
 
-PEERS = ("safe_sync", "safe_async", "megatron_sync", "megatron_async", "dcp_sync", "dcp_async_pinned")
+PEERS = ("safe_sync", "safe_async", "safe_sync_tensorstore", "megatron_sync", "megatron_async", "dcp_sync",
+         "dcp_async_pinned")
 
 
 class Unavailable(Exception):
@@ -31,11 +33,13 @@ def _fresh(path: str) -> str:
     return path
 
 
-def _safe(state, target, threads, budget_bytes, use_async: bool):
+def _safe(state, target, threads, budget_bytes, use_async: bool, kvstore: bool = False):
     import safe_ckpt
 
     opts = safe_ckpt.SaveOptions(io_threads=threads, staging_budget_bytes=budget_bytes)
     d = _fresh(target)
+    if kvstore:
+        d = "file://" + d  # the same target through TensorStore's kvstore `file` driver
     t0 = time.perf_counter()
     if use_async:
         handle = safe_ckpt.async_save(state.make_sharded(), d, options=opts)
@@ -54,6 +58,14 @@ def safe_sync(state, target, threads, budget_bytes):
 
 def safe_async(state, target, threads, budget_bytes):
     return _safe(state, target, threads, budget_bytes, use_async=True)
+
+
+def safe_sync_tensorstore(state, target, threads, budget_bytes):
+    import importlib.util
+
+    if importlib.util.find_spec("tensorstore") is None:
+        raise Unavailable("safe_sync_tensorstore: tensorstore is not installed")
+    return _safe(state, target, threads, budget_bytes, use_async=False, kvstore=True)
 
 
 def _need_cuda(name):

@@ -59,13 +59,28 @@ class RankLayout:
         return [item for f in self.files for item in f.items]
 
 
-def file_name(rank: int, index: int) -> str:
-    return f"__{rank}_{index}.distcp"
+def file_name(rank: int, index: int, tag: str = "") -> str:
+    return f"__{rank}_{index}{tag}.distcp"
 
 
-def lay_out_rank(plan: GlobalPlan, rank: int, files_per_rank: int) -> RankLayout:
+def lay_out_rank(plan: GlobalPlan, rank: int, files_per_rank: int, *, one_item_per_file: bool = False,
+                 tag: str = "") -> RankLayout:
+    """This rank's files. ``one_item_per_file`` is for stores that write whole values only
+    (kvstores); ``tag`` makes file names unique to one save (loaders follow `.metadata`,
+    so names are free)."""
     chunks = plan.chunks_of(rank)
     objects = plan.objects_of(rank)
+    if one_item_per_file:
+        files, n = [], 0
+        for entry in [*objects, *chunks]:
+            path = file_name(rank, n, tag)
+            if isinstance(entry, ChunkSpec):
+                placed = PlacedItem(entry.fqn, path, 0, item_bytes(entry), chunk=entry)
+            else:
+                placed = PlacedItem(entry.fqn, path, 0, entry.payload_bytes, obj=entry)
+            files.append(FileSpec(path, placed.length_bytes, [placed]))
+            n += 1
+        return RankLayout(rank, files)
     n_files = max(1, min(files_per_rank, len(chunks))) if (chunks or objects) else 0
     if n_files == 0:
         return RankLayout(rank, [])
@@ -85,7 +100,7 @@ def lay_out_rank(plan: GlobalPlan, rank: int, files_per_rank: int) -> RankLayout
     for index, entries in enumerate(per_file):
         if not entries:
             continue
-        path = file_name(rank, index)
+        path = file_name(rank, index, tag)
         offset = 0
         placed = []
         for entry in entries:
@@ -100,5 +115,7 @@ def lay_out_rank(plan: GlobalPlan, rank: int, files_per_rank: int) -> RankLayout
     return RankLayout(rank, files)
 
 
-def lay_out(plan: GlobalPlan, files_per_rank: int) -> list[RankLayout]:
-    return [lay_out_rank(plan, rank, files_per_rank) for rank in range(plan.world_size)]
+def lay_out(plan: GlobalPlan, files_per_rank: int, *, one_item_per_file: bool = False,
+            tag: str = "") -> list[RankLayout]:
+    return [lay_out_rank(plan, rank, files_per_rank, one_item_per_file=one_item_per_file, tag=tag)
+            for rank in range(plan.world_size)]

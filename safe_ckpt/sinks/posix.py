@@ -101,3 +101,14 @@ class PosixSink:
     def sync_root(self) -> None:
         if self.fsync:
             fsync_path(self.root, directory=True)
+
+    # ---- used by tools and tests (the same calls the kvstore sink offers) ----------------
+    def list(self) -> list[str]:
+        return sorted(n for n in os.listdir(self.root) if os.path.isfile(os.path.join(self.root, n)))
+
+    def read(self, relative_path: str) -> bytes:
+        with open(os.path.join(self.root, relative_path), "rb") as f:
+            return f.read()
+
+    def delete(self, relative_path: str) -> None:
+        os.unlink(os.path.join(self.root, relative_path))

@@ -13,7 +13,7 @@ import os
 import re
 from collections import defaultdict
 
-_DATA_FILE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
+_DATA_FILE = re.compile(r"^__(\d+)_(\d+)(?:-[0-9a-f]+)?\.distcp$")
 
 
 def inspect(directory: str) -> dict:
