@@ -105,3 +105,27 @@ def test_copy_local_to_kvstore_and_back(tmp_path):
     copy("memory://bucket/ck", back)
     assert verify(back, deep=True).ok
     assert sorted(os.listdir(back)) == sorted(os.listdir(src))
+
+
+def test_kvstore_spec_form_and_cli_copy(tmp_path):
+    """The spec form (as for gcs / s3, here with the `file` driver) and `safe-ckpt copy` on the command line."""
+    import subprocess
+    import sys
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from tests.test_integrity_tools import _state
+
+    spec = {"driver": "file", "path": str(tmp_path / "bucket") + "/"}
+    opts = safe_ckpt.SaveOptions(chunk_bytes=32 * 1024, io_threads=2, progress_interval_s=0, kvstore_spec=spec)
+    safe_ckpt.save(_state(9), "ckpts/iter_0000009", options=opts)
+    saved = tmp_path / "bucket" / "ckpts" / "iter_0000009"
+    assert {".metadata", "metadata.json", "safe_ckpt_manifest.json"} <= set(os.listdir(saved))
+    local = str(tmp_path / "local")
+    proc = subprocess.run([sys.executable, "-m", "safe_ckpt", "copy", "ckpts/iter_0000009", local,
+                           "--src-spec", __import__("json").dumps(spec)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = {"w": torch.empty(300, 100)}
+    dcp.load(out, checkpoint_id=local, no_dist=True)
+    assert torch.equal(out["w"], _state(9)["w"].data)
