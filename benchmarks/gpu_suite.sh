@@ -4,7 +4,8 @@
 #                 the GPU tests, and a small benchmark with memcpy counts;
 #   part "bench": the 8+ GB benchmark (tmpfs and disk) beside stock Megatron, DCP and ceilings.
 #   part "gputests": only the GPU tests.
-# Usage: bash benchmarks/gpu_suite.sh tests|gputests|bench|all   (results under $OUT)
+# Usage: bash benchmarks/gpu_suite.sh tests|gputests|bench|bench2|all   (results under $OUT)
+#   env: PRESET=anchor|qwen3-4b-dp8, GIB (size per rank; empty: the preset's own), REPS, PEER_REPS, RESIDENCES, PEERS
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PART=${1:-all}
@@ -44,9 +45,21 @@ if [ "$PART" = tests ] || [ "$PART" = all ]; then
     --label "smoke 1 GiB" --out "$OUT/bench_smoke" > "$OUT/bench_smoke.log" 2>&1
   grep '^|' "$OUT/bench_smoke.md"
 fi
+PRESET_ARGS="--preset ${PRESET:-anchor}"
+[ -n "${GIB:-8.6}" ] && PRESET_ARGS="$PRESET_ARGS --gib ${GIB:-8.6}"
 if [ "$PART" = bench ] || [ "$PART" = all ]; then
-  python3 -m safe_ckpt.bench --gib ${GIB:-8.6} --reps ${REPS:-3} --peer-reps ${PEER_REPS:-2} \
+  python3 -m safe_ckpt.bench $PRESET_ARGS --reps ${REPS:-3} --peer-reps ${PEER_REPS:-2} \
     --targets "$SHM,$DISK" --cache cold,warm --peer-cache ${PEER_CACHE:-cold} --residences ${RESIDENCES:-gpu} \
-    --peers ${PEERS:-all} --label "H200 ${GIB:-8.6} GiB one rank" --out "$OUT/bench_h200" > "$OUT/bench.log" 2>&1
+    --peers ${PEERS:-all} --label "H200 ${PRESET:-anchor} one rank" --out "$OUT/bench_h200" > "$OUT/bench.log" 2>&1
   tail -3 "$OUT/bench.log"; grep '^|' "$OUT/bench_h200.md"
+fi
+# part "bench2": the same across the GPUs of one host (nvidia-h200-x2), one rank per GPU, with torchrun.
+# (As Ray actors: `--ray-actors N` instead of torchrun; Ray is not on the GPU image and its wheel is too
+#  large to carry, so that variant runs where Ray is installed.)
+if [ "$PART" = bench2 ]; then
+  NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
+  python3 -m torch.distributed.run --nproc-per-node "$NGPU" -m safe_ckpt.bench $PRESET_ARGS --reps ${REPS:-3} \
+    --peer-reps ${PEER_REPS:-1} --targets "$SHM,$DISK" --cache cold --residences ${RESIDENCES:-gpu} \
+    --peers ${PEERS:-all} --label "${NGPU}x H200 ${PRESET:-anchor}" --out "$OUT/bench_h200x$NGPU" > "$OUT/bench2.log" 2>&1
+  tail -3 "$OUT/bench2.log"; grep '^|' "$OUT/bench_h200x$NGPU.md"
 fi

@@ -28,3 +28,30 @@ def test_bench_harness_smoke(tmp_path):
         assert "needs CUDA" in megatron["error"]
     md = (tmp_path / "bench.md").read_text()
     assert "| safe_sync |" in md
+
+
+def _multi_rank(tmp_path, launcher_cmd):
+    out = tmp_path / "bench"
+    cmd = [*launcher_cmd, "--gib", "0.02", "--reps", "1", "--threads", "2", "--targets", str(tmp_path / "t"),
+           "--peers", "safe_sync,safe_async,dcp_sync", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert report["meta"]["world_size"] == 2
+    rows = {s["peer"]: s for s in report["summary"]}
+    assert rows["safe_sync"]["runs"] == 1 and rows["safe_sync"]["total_s"] > 0
+    return report
+
+
+def test_bench_two_ranks_with_torchrun(tmp_path):
+    report = _multi_rank(tmp_path, [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                                    "-m", "safe_ckpt.bench"])
+    assert report["meta"]["launcher"] == "torchrun"
+
+
+def test_bench_two_ray_actors(tmp_path):
+    import pytest
+
+    pytest.importorskip("ray")
+    report = _multi_rank(tmp_path, [sys.executable, "-m", "safe_ckpt.bench", "--ray-actors", "2"])
+    assert report["meta"]["launcher"] == "ray"

@@ -61,7 +61,7 @@ def _f(v, fmt):
 def to_markdown(summary: list[dict], meta: dict) -> str:
     c = meta["ceilings"]
     lines = [f"# {meta.get('label', 'benchmark')}", "", meta.get("machine_line", ""), "",
-             f"State: {meta.get('state', '')}; world size {meta.get('world_size', 1)}; "
+             f"State: {meta.get('state', '')}; world size {meta.get('world_size', 1)} ({meta.get('launcher', '')}); "
              f"{meta.get('reps')} runs per row (median, [min-max]).", "",
              "Ceilings (same run): " + ", ".join(f"{k} {v:.2f}" for k, v in c.items() if v), "",
              "| residence | target | cache | peer | stall s | time-to-durable s | GB/s | vs write ceiling | "

@@ -15,6 +15,7 @@ import os
 import platform
 import shutil
 import socket
+import sys
 import time
 
 import torch
@@ -104,7 +105,10 @@ def run(args) -> str:
     rank, world = _init_dist()
     group = dist.new_group(backend="gloo") if world > 1 else None
     meta = machine()
-    meta.update(label=args.label, world_size=world, reps=args.reps, preset=args.preset, threads=args.threads)
+    launcher = os.environ.get("SAFE_CKPT_BENCH_LAUNCHER") or ("torchrun" if "TORCHELASTIC_RUN_ID" in os.environ
+                                                               else "single process")
+    meta.update(label=args.label, world_size=world, reps=args.reps, preset=args.preset, threads=args.threads,
+                launcher=launcher)
     if rank == 0:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)) or ".", exist_ok=True)
     targets = [t.rstrip("/") for t in args.targets.split(",")]
@@ -131,7 +135,11 @@ def run(args) -> str:
             os.makedirs(target, exist_ok=True)
             key = f"write_gbps[{target}]"
             if key not in meta["ceilings"]:
-                meta["ceilings"][key] = ceilings.write_gbps(target, state.nbytes, args.threads, reps=3)
+                # Every rank writes its share at once: the ceiling is the aggregate, like the saves'.
+                dist.barrier()
+                seconds = ceilings.write_seconds(os.path.join(target, f"rank{rank}"), state.nbytes, args.threads, 3)
+                slowest = _max_over_ranks({"s": seconds}, group)["s"]
+                meta["ceilings"][key] = state.nbytes // args.threads * args.threads * world / slowest / 1e9
                 if rank == 0:
                     print(f"ceiling write {target}: {meta['ceilings'][key]:.2f} GB/s", flush=True)
             for cache in args.cache.split(","):
@@ -211,11 +219,20 @@ def main(argv=None) -> int:
     ap.add_argument("--count-h2d", action="store_true", help="count memcpy events per peer with the profiler")
     ap.add_argument("--label", default=None)
     ap.add_argument("--out", default=None, help="output prefix (writes .json, .md, .png)")
+    ap.add_argument("--ray-actors", type=int, default=0,
+                    help="run as N Ray actors (one per GPU), as slime launches training, instead of in-process")
     args = ap.parse_args(argv)
     args.peer_reps = args.reps if args.peer_reps is None else args.peer_reps
     args.peer_cache = args.peer_cache or args.cache
     args.label = args.label or f"safe_ckpt bench {datetime.date.today().isoformat()}"
-    args.out = args.out or f"benchmarks/results/bench_{socket.gethostname()}_{int(time.time())}"
+    args.out = os.path.abspath(args.out or f"benchmarks/results/bench_{socket.gethostname()}_{int(time.time())}")
+    if args.ray_actors:
+        from .ray_launch import launch
+
+        rest = list(argv if argv is not None else sys.argv[1:])
+        i = rest.index("--ray-actors")
+        launch(args.ray_actors, rest[:i] + rest[i + 2:] + ["--out", args.out, "--label", args.label])
+        return 0
     try:
         run(args)
     finally:
