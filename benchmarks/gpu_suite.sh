@@ -46,7 +46,7 @@ if [ "$PART" = tests ] || [ "$PART" = all ]; then
   grep '^|' "$OUT/bench_smoke.md"
 fi
 PRESET_ARGS="--preset ${PRESET:-anchor}"
-[ -n "${GIB:-8.6}" ] && PRESET_ARGS="$PRESET_ARGS --gib ${GIB:-8.6}"
+[ -n "${GIB-8.6}" ] && PRESET_ARGS="$PRESET_ARGS --gib ${GIB-8.6}"
 if [ "$PART" = bench ] || [ "$PART" = all ]; then
   python3 -m safe_ckpt.bench $PRESET_ARGS --reps ${REPS:-3} --peer-reps ${PEER_REPS:-2} \
     --targets "$SHM,$DISK" --cache cold,warm --peer-cache ${PEER_CACHE:-cold} --residences ${RESIDENCES:-gpu} \
