@@ -10,6 +10,15 @@ import os
 import socket
 
 
+def host_rendezvous() -> tuple[str, int]:
+    """Pick a free local port for rank 0's rendezvous and export it (MASTER_ADDR/PORT)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    return "127.0.0.1", port
+
+
 class BenchActor:
     def __init__(self, world_size: int, rank: int, master_addr: str | None, master_port: int | None):
         self.rank = rank
@@ -18,11 +27,7 @@ class BenchActor:
             os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
 
     def rendezvous(self):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        return "127.0.0.1", port
+        return host_rendezvous()
 
     def run(self, argv: list[str]) -> str:
         from .run import main

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 from datetime import timedelta
 
 
@@ -38,11 +37,9 @@ class MegatronTrainRayActor:
         os.environ.update(WORLD_SIZE=str(world_size), RANK=str(rank), LOCAL_RANK="0")
 
     def get_master_addr_and_port(self):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        return "127.0.0.1", port
+        from safe_ckpt.bench.ray_launch import host_rendezvous
+
+        return host_rendezvous()
 
     def init(self, args, role, seed_spec):
         import torch.distributed as dist
