@@ -97,14 +97,24 @@ def _cpu_backup(tensor: torch.Tensor) -> torch.Tensor | None:
     getter = getattr(saver, "get_cpu_backup", None)
     if getter is None:  # 0.0.9 wheels have no backup access
         return None
+    # The saver answers for contiguous tensors only; a strided view (half of a fused weight,
+    # say) is asked as the contiguous byte range it spans and re-viewed over the backup.
+    if tensor.is_contiguous():
+        query = tensor
+    else:
+        query = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(
+            tensor.untyped_storage(), tensor.storage_offset() * tensor.element_size(), (_span_bytes(tensor),))
     try:
         try:
-            return getter(tensor, zero_copy=True)
+            backup = getter(query, zero_copy=True)
         except TypeError:  # versions before zero_copy always clone
-            return getter(tensor)
+            backup = getter(query)
     except Exception as exc:
         log.warning("safe_ckpt: torch_memory_saver.get_cpu_backup failed: %s", exc)
         return None
+    if backup is None or query is tensor:
+        return backup
+    return backup.view(tensor.dtype).as_strided(tensor.shape, tensor.stride(), 0)
 
 
 def classify(tensor: torch.Tensor, *, allow_cpu_backup: bool = False) -> Classified:
@@ -129,10 +139,10 @@ def classify(tensor: torch.Tensor, *, allow_cpu_backup: bool = False) -> Classif
         f"device memory at {start:#x}..{last:#x} on cuda:{tensor.device.index} is not mapped "
         f"(paused by a memory saver, or freed)"
     )
-    if allow_cpu_backup and tensor.is_contiguous():
+    if allow_cpu_backup:
         backup = _cpu_backup(tensor)
         if backup is not None:
-            return Classified(Residence.OFFLOAD_BACKUP.value, detail, backup.view(tensor.shape))
+            return Classified(Residence.OFFLOAD_BACKUP.value, detail, backup)
         detail += "; torch_memory_saver has no CPU backup for it"
     return Classified(Residence.CUDA_UNMAPPED.value, detail)
 
@@ -147,5 +157,6 @@ def _span_bytes(tensor: torch.Tensor) -> int:
 
 UNMAPPED_REMEDY = (
     "resume the memory saver (e.g. torch_memory_saver.resume()) before saving, or pass "
-    "SaveOptions(unmapped_policy='cpu_backup') to read the bytes from its CPU backup"
+    "SaveOptions(unmapped_policy='cpu_backup') (slime: --safe-ckpt-unmapped-policy cpu_backup) "
+    "to read the bytes from its CPU backup"
 )

@@ -214,16 +214,20 @@ def memory_saver_pause(rank, world, root) -> dict:
     with tms.region(tag="train", enable_cpu_backup=True):
         weight = torch.randn(256, 1024, device="cuda", generator=g).to(torch.bfloat16)
         state_t = torch.randn(1 << 20, device="cuda", generator=g)
-    reference = {"w": weight.cpu(), "s": state_t.cpu()}
+    half = weight[:, 512:]  # a strided view at a storage offset: backed up as the range it spans
+    reference = {"w": weight.cpu(), "s": state_t.cpu(), "h": half.cpu()}
 
     def sharded():
         return {"w": ShardedTensor.from_rank_offsets("w", weight, (0, rank, world)),
-                "s": ShardedTensor.from_rank_offsets("s", state_t, (0, rank, world))}
+                "s": ShardedTensor.from_rank_offsets("s", state_t, (0, rank, world)),
+                "h": ShardedTensor.from_rank_offsets("h", half, (0, rank, world))}
 
     def load(path):
         target = {"w": ShardedTensor.from_rank_offsets("w", torch.empty(256, 1024, dtype=torch.bfloat16),
                                                        (0, rank, world)),
-                  "s": ShardedTensor.from_rank_offsets("s", torch.empty(1 << 20), (0, rank, world))}
+                  "s": ShardedTensor.from_rank_offsets("s", torch.empty(1 << 20), (0, rank, world)),
+                  "h": ShardedTensor.from_rank_offsets("h", torch.empty(256, 512, dtype=torch.bfloat16),
+                                                       (0, rank, world))}
         got = dist_checkpointing.load(target, path)
         return all(bits_equal(got[k], reference[k]) for k in reference)
 
