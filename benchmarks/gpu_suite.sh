@@ -1,65 +1,113 @@
 #!/usr/bin/env bash
-# The whole GPU suite in one call on the GPU machine (see README "GPU machine"):
-#   part "tests": machine description, the CPU suite (megatron-core from .whl, e.g. 0.19),
-#                 the GPU tests, and a small benchmark with memcpy counts;
-#   part "bench": the 8+ GB benchmark (tmpfs and disk) beside stock Megatron, DCP and ceilings.
-#   part "gputests": only the GPU tests.
-# Usage: bash benchmarks/gpu_suite.sh tests|gputests|bench|bench2|all   (results under $OUT)
-#   env: PRESET=anchor|qwen3-4b-dp8, GIB (size per rank; empty: the preset's own), REPS, PEER_REPS, RESIDENCES, PEERS
+# The whole GPU suite on the GPU machine (see README "GPU machine"), in parts that each fit one call:
+#   tests    gputests, then smoke;
+#   gputests every GPU test (tests/test_gpu*.py: round trips per residence, profiler counts, unmapped
+#            memory, torch_memory_saver, pool reuse, real GPTModel resume, slime actors);
+#   smoke    a 1 GiB benchmark of every peer with memcpy counts, and the same as one Ray actor;
+#   bench    the 8+ GB benchmark, all on the GPU, tmpfs and disk, beside stock Megatron, DCP and ceilings;
+#   mixes    the same state with optimizer state in pinned and in pageable host memory, and the
+#            qwen3-4b-dp8 preset, on tmpfs;
+#   bench2   the bench part across every GPU of the host (nvidia-h200-x2 or larger), one rank per GPU;
+#   cpu      the CPU suite on this machine's Python / megatron-core (from .whl).
+# Usage: bash benchmarks/gpu_suite.sh PART [PART ...]   (results under $OUT)
+#   env: PRESET=anchor|qwen3-4b-dp8, GIB (size per rank; empty: the preset's own), REPS, PEER_REPS, PEERS,
+#        GPU_N (pytest-xdist workers for the GPU tests), GPU_K (pytest -k)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PART=${1:-all}
+# Results go to $RES; after each part they are packed into $OUT/results.tgz (the device tool
+# brings back only a few files from $OUT), so a part cut short still returns what the others wrote.
 OUT=${OUT:-/tmp/safe_ckpt_gpu_out}
-mkdir -p "$OUT"
+RES=${RES:-/tmp/safe_ckpt_results}
+mkdir -p "$OUT" "$RES"
 export PYTHONUNBUFFERED=1
+SITE=/tmp/site
 if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl \
     || exit 1
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD
 fi
+# Packages too large for a wheel in one call (Ray) travel as an xz tarball of the installed tree.
+for t in .whl/*.tar.xz; do [ -e "$t" ] && tar -xJf "$t" -C "$SITE"; done
+export PYTHONPATH=$SITE:$PWD
 # Megatron-LM's megatron.training (not on PyPI), for the real-model tests: carried as .mlm/
 [ -d .mlm/megatron/training ] && export PYTHONPATH=$PWD/.mlm:$PYTHONPATH
 DISK=${DISK:-/tmp/safe_ckpt_bench}
 SHM=${SHM:-/dev/shm/safe_ckpt_bench}
 PYTEST="python3 -m pytest -q -p no:cacheprovider -W ignore::UserWarning -W ignore::FutureWarning"
+GIB_ARG=""
+[ -n "${GIB-8.6}" ] && GIB_ARG="--gib ${GIB-8.6}"
+BENCH="python3 -m safe_ckpt.bench --preset ${PRESET:-anchor} $GIB_ARG"
 
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c "import torch, megatron.core as m; print('torch', torch.__version__, 'megatron-core', m.__version__)" 2>/dev/null
+  python3 -c "import ray; print('ray', ray.__version__)" 2>/dev/null
+  python3 -c "import torch_memory_saver as t; print('torch_memory_saver', getattr(t, '__version__', 'present'))" 2>/dev/null
   echo "cores $(getconf _NPROCESSORS_ONLN)"; free -g; df -hT /tmp /dev/shm; uname -r
   lscpu | grep -m1 'Model name'
-} > "$OUT/machine.txt" 2>&1
+} > "$RES/machine.txt" 2>&1
 
-if [ "$PART" = tests ] || [ "$PART" = all ]; then
-  $PYTEST -m "not gpu" tests --timeout 600 > "$OUT/cpu_suite_on_gpu_box.log" 2>&1
-  tail -3 "$OUT/cpu_suite_on_gpu_box.log"
-fi
-if [ "$PART" = tests ] || [ "$PART" = gputests ] || [ "$PART" = all ]; then
-  $PYTEST -m gpu tests/test_gpu.py -rA --timeout 300 ${GPU_K:+-k "$GPU_K"} > "$OUT/gpu_tests.log" 2>&1
-  grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log" | tail -20
-fi
-if [ "$PART" = tests ] || [ "$PART" = all ]; then
-  python3 -m safe_ckpt.bench --gib 1 --reps 2 --targets "$SHM" --cache cold --count-h2d \
-    --label "smoke 1 GiB" --out "$OUT/bench_smoke" > "$OUT/bench_smoke.log" 2>&1
-  grep '^|' "$OUT/bench_smoke.md"
-fi
-PRESET_ARGS="--preset ${PRESET:-anchor}"
-[ -n "${GIB-8.6}" ] && PRESET_ARGS="$PRESET_ARGS --gib ${GIB-8.6}"
-if [ "$PART" = bench ] || [ "$PART" = all ]; then
-  python3 -m safe_ckpt.bench $PRESET_ARGS --reps ${REPS:-3} --peer-reps ${PEER_REPS:-2} \
-    --targets "$SHM,$DISK" --cache cold,warm --peer-cache ${PEER_CACHE:-cold} --residences ${RESIDENCES:-gpu} \
-    --peers ${PEERS:-all} --label "H200 ${PRESET:-anchor} one rank" --out "$OUT/bench_h200" > "$OUT/bench.log" 2>&1
-  tail -3 "$OUT/bench.log"; grep '^|' "$OUT/bench_h200.md"
-fi
-# part "bench2": the same across the GPUs of one host (nvidia-h200-x2), one rank per GPU, with torchrun.
-# (As Ray actors: `--ray-actors N` instead of torchrun; Ray is not on the GPU image and its wheel is too
-#  large to carry, so that variant runs where Ray is installed.)
-if [ "$PART" = bench2 ]; then
+part_cpu() {
+  $PYTEST -m "not gpu" tests --timeout 600 > "$RES/cpu_suite_on_gpu_box.log" 2>&1
+  tail -3 "$RES/cpu_suite_on_gpu_box.log"
+}
+
+part_gputests() {
+  # GPU_N: pytest-xdist workers sharing the one GPU (every test spawns its own processes anyway)
+  $PYTEST -m gpu tests/test_gpu.py tests/test_gpu_slime.py -rA --durations=20 --timeout 400 \
+    ${GPU_N:+-n $GPU_N} ${GPU_K:+-k "$GPU_K"} > "$RES/gpu_tests.log" 2>&1
+  grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed" "$RES/gpu_tests.log" | tail -30
+}
+
+part_smoke() {
+  python3 -m safe_ckpt.bench --gib 1 --reps 3 --peer-reps 1 --targets "$SHM" --cache cold --count-h2d \
+    --peers safe_sync,safe_async,safe_sync_nosum,safe_sync_tensorstore,megatron_sync,megatron_async,dcp_sync,dcp_async_pinned \
+    --label "H200 1 GiB, memcpy counts" --out "$RES/bench_smoke" > "$RES/bench_smoke.log" 2>&1
+  grep '^|' "$RES/bench_smoke.md" | head -12
+  # slime's launch shape: the harness as a Ray actor holding the GPU
+  python3 -m safe_ckpt.bench --ray-actors 1 --gib 1 --reps 3 --peer-reps 1 --targets "$SHM" \
+    --peers safe_sync,safe_async,dcp_sync --label "H200 1 GiB, one Ray actor" --out "$RES/bench_ray" \
+    > "$RES/bench_ray.log" 2>&1
+  tail -2 "$RES/bench_ray.log"; grep '^|' "$RES/bench_ray.md" | head -6
+}
+
+part_tests() { part_gputests; part_smoke; }
+
+part_bench() {
+  $BENCH --reps ${REPS:-5} --peer-reps ${PEER_REPS:-3} --targets "$SHM,$DISK" --cache cold,warm \
+    --peer-cache cold --residences gpu --peers ${PEERS:-all} \
+    --label "H200 ${PRESET:-anchor} one rank" --out "$RES/bench_h200" > "$RES/bench.log" 2>&1
+  tail -3 "$RES/bench.log"; grep '^|' "$RES/bench_h200.md"
+}
+
+part_mixes() {
+  $BENCH --reps ${REPS:-3} --peer-reps ${PEER_REPS:-3} --targets "$SHM" --cache cold,warm --peer-cache cold \
+    --residences opt-pinned,opt-pageable --peers ${PEERS:-safe_sync,safe_async,safe_sync_nosum,megatron_sync,dcp_sync,dcp_async_pinned} \
+    --label "H200 ${PRESET:-anchor} one rank, host-resident optimizer state" --out "$RES/bench_mixes" \
+    > "$RES/bench_mixes.log" 2>&1
+  tail -2 "$RES/bench_mixes.log"; grep '^|' "$RES/bench_mixes.md"
+  python3 -m safe_ckpt.bench --preset qwen3-4b-dp8 --reps 3 --peer-reps 2 --targets "$SHM" --cache cold \
+    --residences gpu --peers safe_sync,safe_async,megatron_sync,dcp_sync \
+    --label "H200 qwen3-4b-dp8 one rank" --out "$RES/bench_qwen" > "$RES/bench_qwen.log" 2>&1
+  tail -2 "$RES/bench_qwen.log"; grep '^|' "$RES/bench_qwen.md"
+}
+
+# The bench part across the GPUs of one host, one rank per GPU, with torchrun. (As Ray actors:
+# `--ray-actors N` instead of torchrun, with Ray carried as in the tests part.)
+part_bench2() {
   NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
-  python3 -m torch.distributed.run --nproc-per-node "$NGPU" -m safe_ckpt.bench $PRESET_ARGS --reps ${REPS:-3} \
-    --peer-reps ${PEER_REPS:-1} --targets "$SHM,$DISK" --cache cold --residences ${RESIDENCES:-gpu} \
-    --peers ${PEERS:-all} --label "${NGPU}x H200 ${PRESET:-anchor}" --out "$OUT/bench_h200x$NGPU" > "$OUT/bench2.log" 2>&1
-  tail -3 "$OUT/bench2.log"; grep '^|' "$OUT/bench_h200x$NGPU.md"
-fi
+  python3 -m torch.distributed.run --nproc-per-node "$NGPU" -m safe_ckpt.bench --preset ${PRESET:-anchor} $GIB_ARG \
+    --reps ${REPS:-3} --peer-reps ${PEER_REPS:-3} --targets "$SHM,$DISK" --cache cold --residences gpu \
+    --peers ${PEERS:-all} --label "${NGPU}x H200 ${PRESET:-anchor}" --out "$RES/bench_h200x$NGPU" > "$RES/bench2.log" 2>&1
+  tail -3 "$RES/bench2.log"; grep '^|' "$RES/bench_h200x$NGPU.md"
+}
+
+[ $# -eq 0 ] && set -- tests
+for part in "$@"; do
+  case "$part" in
+    cpu|gputests|smoke|tests|bench|mixes|bench2) echo "== $part $(date +%T)"; "part_$part" ;;
+    all) part_tests; part_bench; part_mixes ;;
+    *) echo "unknown part: $part" >&2; exit 2 ;;
+  esac
+  tar -czf "$OUT/results.tgz" -C "$RES" .
+done
+echo "== done $(date +%T)"

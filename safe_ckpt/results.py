@@ -7,7 +7,9 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class SaveTimings:
-    """Seconds. ``stall_s`` is how long the caller was blocked (all of it for `save`)."""
+    """Seconds on this rank. ``plan_s``: from the call until its writers started; ``write_s``:
+    from then until its files were durable; ``commit_s``: from every rank's write vote to the
+    end; ``stall_s``: how long the caller was blocked (all of it for `save`)."""
 
     plan_s: float
     stall_s: float

@@ -146,7 +146,6 @@ class _Job:
         self.save_id = messages[0].save_id
         self.layout = lay_out_rank(global_plan, rank, self.options.io_threads, **self._layout_kwargs())
         self._start_writes(local, residences, sources)
-        self.t_planned = time.perf_counter()
 
     def _start_writes(self, local, residences, sources) -> None:
         opts = self.options
@@ -176,6 +175,7 @@ class _Job:
             work, sink, Stager(self.pool, fence), crc32=opts.zip_crc32, progress=progress, checksums=opts.checksums,
             lanes=opts.io_threads,
         )
+        self.t_planned = time.perf_counter()  # plan_s ends where write_s begins
         if not self.kv and not os.path.isdir(self.staging_dir):
             self._write_failure = RankFailure(
                 self.coord.rank, "writing", "WriteError",

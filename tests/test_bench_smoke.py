@@ -9,7 +9,7 @@ def test_bench_harness_smoke(tmp_path):
     out = tmp_path / "bench"
     cmd = [sys.executable, "-m", "safe_ckpt.bench", "--gib", "0.03", "--reps", "2", "--peer-reps", "1",
            "--targets", str(tmp_path / "target"), "--cache", "cold,warm", "--peer-cache", "cold",
-           "--peers", "safe_sync,safe_async,dcp_sync,megatron_sync", "--out", str(out)]
+           "--peers", "safe_sync,safe_async,dcp_sync,megatron_sync,safe_sync_nosum", "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((tmp_path / "bench.json").read_text())
@@ -18,6 +18,11 @@ def test_bench_harness_smoke(tmp_path):
         for cache in ("cold", "warm"):
             s = rows[(peer, cache)]
             assert s["runs"] == 2 and s["total_s"] > 0 and s["gbps"] > 0 and s["stall_s"] <= s["total_s"] + 1e-6
+            assert s["plan_s"] > 0 and s["write_s"] > 0 and s["commit_s"] > 0
+    for r in report["rows"]:  # each row's breakdown is of that save: the parts fit inside its time
+        if r["peer"].startswith("safe"):
+            assert r["plan_s"] + r["write_s"] + r["commit_s"] <= r["total_s"] + 2e-3, r
+    assert rows[("safe_sync_nosum", "cold")]["runs"] == 2
     assert rows[("dcp_sync", "cold")]["runs"] == 1 and ("dcp_sync", "warm") not in rows
     assert "vs_best_peer" in rows[("safe_sync", "cold")]
     assert report["meta"]["ceilings"][f"write_gbps[{tmp_path / 'target'}]"] > 0
@@ -27,7 +32,7 @@ def test_bench_harness_smoke(tmp_path):
     if not torch.cuda.is_available():
         assert "needs CUDA" in megatron["error"]
     md = (tmp_path / "bench.md").read_text()
-    assert "| safe_sync |" in md
+    assert "| safe_sync |" in md and "| plan s | write s | commit s |" in md
 
 
 def _multi_rank(tmp_path, launcher_cmd):

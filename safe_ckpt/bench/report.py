@@ -8,6 +8,8 @@ import json
 import statistics
 from collections import defaultdict
 
+BREAKDOWN = ("plan_s", "write_s", "commit_s")  # safe_ckpt rows: where the time-to-durable went
+
 
 def summarize(rows: list[dict], meta: dict) -> list[dict]:
     groups = defaultdict(list)
@@ -21,7 +23,7 @@ def summarize(rows: list[dict], meta: dict) -> list[dict]:
             s["error"] = rs[0].get("error", "no runs")
             out.append(s)
             continue
-        for field in ("stall_s", "total_s", "extra_rss_bytes", "pinned_alloc_bytes"):
+        for field in ("stall_s", "total_s", "extra_rss_bytes", "pinned_alloc_bytes") + BREAKDOWN:
             vals = [r[field] for r in ok if r.get(field) is not None]
             if vals:
                 s[field] = statistics.median(vals)
@@ -61,8 +63,10 @@ def _f(v, fmt):
 def to_markdown(summary: list[dict], meta: dict) -> str:
     c = meta["ceilings"]
     lines = [f"# {meta.get('label', 'benchmark')}", "", meta.get("machine_line", ""), "",
-             f"State: {meta.get('state', '')}; world size {meta.get('world_size', 1)} ({meta.get('launcher', '')}); "
-             f"{meta.get('reps')} runs per row (median, [min-max]).", "",
+             "State: " + "; ".join((meta.get("states") or {"": meta.get("state", "")}).values())
+             + f"; world size {meta.get('world_size', 1)} ({meta.get('launcher', '')}); "
+             f"{meta.get('reps')} runs per safe_ckpt row, {meta.get('peer_reps', meta.get('reps'))} per stock peer "
+             "(median, [min-max]).", "",
              "Ceilings (same run): " + ", ".join(f"{k} {v:.2f}" for k, v in c.items() if v), "",
              "| residence | target | cache | peer | stall s | time-to-durable s | GB/s | vs write ceiling | "
              "vs best peer | vs megatron sync | stall vs megatron async | ideal stall s | peak extra RSS MiB | "
@@ -82,6 +86,15 @@ def to_markdown(summary: list[dict], meta: dict) -> str:
             f"{_f(s.get('stall_vs_megatron_async'), '.3f')} | {_f(s.get('ideal_stall_s'), '.3f')} | "
             f"{_f(s.get('extra_rss_bytes', 0) / 2**20, '.0f')} | "
             f"{_f((s.get('pinned_alloc_bytes') or 0) / 2**20, '.0f')} |")
+    timed = [s for s in summary if all(f in s for f in BREAKDOWN)]
+    if timed:
+        lines += ["", "safe_ckpt rows, medians: plan (collect, exchange, validate, open the staging directory), "
+                  "write (stage + write + fsync of this rank's files), commit (votes, index, publish).", "",
+                  "| residence | target | cache | peer | plan s | write s | commit s | time-to-durable s |",
+                  "|" + "---|" * 8]
+        for s in timed:
+            lines.append(f"| {s['residence']} | {s['target']} | {s['cache']} | {s['peer']} | {s['plan_s']:.3f} | "
+                         f"{s['write_s']:.3f} | {s['commit_s']:.3f} | {s['total_s']:.3f} |")
     return "\n".join(lines) + "\n"
 
 

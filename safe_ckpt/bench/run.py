@@ -107,7 +107,8 @@ def run(args) -> str:
     meta = machine()
     launcher = os.environ.get("SAFE_CKPT_BENCH_LAUNCHER") or ("torchrun" if "TORCHELASTIC_RUN_ID" in os.environ
                                                                else "single process")
-    meta.update(label=args.label, world_size=world, reps=args.reps, preset=args.preset, threads=args.threads,
+    meta.update(label=args.label, world_size=world, reps=args.reps, peer_reps=args.peer_reps, preset=args.preset,
+                threads=args.threads,
                 launcher=launcher)
     if rank == 0:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)) or ".", exist_ok=True)
@@ -119,6 +120,7 @@ def run(args) -> str:
     for residence in args.residences.split(","):
         state = build(args.preset, args.gib, residence, rank, world)
         meta["state"] = state.description
+        meta.setdefault("states", {})[residence] = state.description
         if rank == 0:
             print(f"state: {state.description}", flush=True)
         if "d2h_gbps" not in meta["ceilings"]:
@@ -142,6 +144,7 @@ def run(args) -> str:
                 meta["ceilings"][key] = state.nbytes // args.threads * args.threads * world / slowest / 1e9
                 if rank == 0:
                     print(f"ceiling write {target}: {meta['ceilings'][key]:.2f} GB/s", flush=True)
+                    _save_meta(args.out, meta)
             for cache in args.cache.split(","):
                 for rep in range(args.reps):
                     order = list(chosen[rep % len(chosen):] + chosen[:rep % len(chosen)])
@@ -157,6 +160,7 @@ def run(args) -> str:
                                   flush=True)
                             with open(args.out + ".rows.jsonl", "a") as f:  # survives an interrupted run
                                 f.write(json.dumps(row) + "\n")
+                            _save_meta(args.out, meta)
             if args.count_h2d and torch.cuda.is_available():
                 meta.setdefault("memcpy_events", {})
                 for peer in chosen:
@@ -178,6 +182,23 @@ def run(args) -> str:
         print(md, flush=True)
     dist.barrier()
     return md
+
+
+def _save_meta(prefix: str, meta: dict) -> None:
+    """Keep what the report needs beside the rows, so a run cut short can still be reported
+    (`--rebuild PREFIX`)."""
+    with open(prefix + ".meta.json", "w") as f:
+        json.dump(meta, f, indent=1, default=str)
+
+
+def rebuild(prefix: str) -> str:
+    """The report of a run from its `.meta.json` and `.rows.jsonl` (e.g. one stopped at a time limit)."""
+    with open(prefix + ".meta.json") as f:
+        meta = json.load(f)
+    with open(prefix + ".rows.jsonl") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    meta["label"] = f"{meta.get('label', 'benchmark')} (rebuilt from {len(rows)} recorded rows)"
+    return report.write(prefix, meta, rows, report.summarize(rows, meta))
 
 
 def _one(peer, state, target, cache, residence, args, budget, group) -> dict:
@@ -209,7 +230,8 @@ def main(argv=None) -> int:
     ap.add_argument("--gib", type=float, default=None, help="state size per rank (default: the preset's)")
     ap.add_argument("--residences", default="gpu", help="comma list of gpu, opt-pinned, opt-pageable")
     ap.add_argument("--targets", default="/dev/shm/safe_ckpt_bench")
-    ap.add_argument("--peers", default="all", help=f"comma list of {', '.join(peers.PEERS)}")
+    ap.add_argument("--peers", default="all",
+                    help=f"comma list of {', '.join(peers.PEERS + peers.EXTRA_PEERS)} (all: the first {len(peers.PEERS)})")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--peer-reps", type=int, default=None, help="runs of the stock peers (default: --reps)")
     ap.add_argument("--cache", default="cold", help="cold, warm or cold,warm (pinned host cache)")
@@ -219,9 +241,14 @@ def main(argv=None) -> int:
     ap.add_argument("--count-h2d", action="store_true", help="count memcpy events per peer with the profiler")
     ap.add_argument("--label", default=None)
     ap.add_argument("--out", default=None, help="output prefix (writes .json, .md, .png)")
+    ap.add_argument("--rebuild", metavar="PREFIX", default=None,
+                    help="only write the report of an earlier run from PREFIX.meta.json and PREFIX.rows.jsonl")
     ap.add_argument("--ray-actors", type=int, default=0,
                     help="run as N Ray actors (one per GPU), as slime launches training, instead of in-process")
     args = ap.parse_args(argv)
+    if args.rebuild:
+        print(rebuild(os.path.abspath(args.rebuild)))
+        return 0
     args.peer_reps = args.reps if args.peer_reps is None else args.peer_reps
     args.peer_cache = args.peer_cache or args.cache
     args.label = args.label or f"safe_ckpt bench {datetime.date.today().isoformat()}"
