@@ -10,19 +10,32 @@ from tests.slime_mirror.backends.megatron_utils.actor import MegatronTrainRayAct
 
 
 class RayTrainGroup:
-    def __init__(self, args, num_actors, seed_spec, env_vars=None):
-        TrainRayActor = ray.remote(num_cpus=0.5, runtime_env={"env_vars": env_vars or {}})(MegatronTrainRayActor)
+    """``num_gpus_per_actor`` as slime's (a fraction shares one GPU; 0 hides the GPUs, as CPU
+    tests want); ``device`` (mirror only) is passed to each actor's init."""
+
+    def __init__(self, args, num_actors, seed_spec, env_vars=None, num_gpus_per_actor=0, device="cpu"):
+        TrainRayActor = ray.remote(num_cpus=0.5, num_gpus=num_gpus_per_actor,
+                                   runtime_env={"env_vars": env_vars or {}})(MegatronTrainRayActor)
         self._actor_handlers = []
         master_addr = master_port = None
         for rank in range(num_actors):
-            actor = TrainRayActor.options(num_cpus=0.5).remote(num_actors, rank, master_addr, master_port)
+            actor = TrainRayActor.options(num_cpus=0.5, num_gpus=num_gpus_per_actor).remote(
+                num_actors, rank, master_addr, master_port)
             if rank == 0:
                 master_addr, master_port = ray.get(actor.get_master_addr_and_port.remote())
             self._actor_handlers.append(actor)
-        ray.get([a.init.remote(args, "actor", seed_spec) for a in self._actor_handlers])
+        ray.get([a.init.remote(args, "actor", seed_spec, device=device) for a in self._actor_handlers])
 
     def save_model(self, rollout_id, force_sync=False):
         return ray.get([actor.save_model.remote(rollout_id, force_sync=force_sync) for actor in self._actor_handlers])
+
+    def onload(self):
+        """As slime's: every actor's wake_up."""
+        return ray.get([actor.wake_up.remote() for actor in self._actor_handlers])
+
+    def offload(self):
+        """As slime's: every actor's sleep."""
+        return ray.get([actor.sleep.remote() for actor in self._actor_handlers])
 
 
 def repo_env() -> dict:
