@@ -124,9 +124,13 @@ def test_real_gpt_distributed_optimizer_resume_is_bit_exact(tmp_path, variant):
     # the same files, plus safe_ckpt's integrity manifest (stock loaders ignore it; checksums=False drops it)
     assert [f for f in cmp["files_ours"] if f != MANIFEST_FILE] == cmp["files_stock"], cmp
     assert MANIFEST_FILE in cmp["files_ours"], cmp
-    # every stored tensor and object is byte-identical to stock Megatron's save of the same state
+    # every stored tensor and object is byte-identical to stock Megatron's save of the same state,
+    # except the common state's args.save, which the test points at another directory for the stock save
     content = saved[0]["content"]
-    assert content["differ"] == [] and content["tensors"] > 0, content
+    differ = [f for f in content["differ"] or ["<unreadable>"] if not (
+        f.startswith("common_state") and content["common_differ"] == ["args"]
+        and content["common_args_differ"] == ["save"])]
+    assert differ == [] and content["tensors"] > 0 and content["objects"] > 0, content
     for r_full, r_saved, r_resumed, r_stock in zip(full, saved, resumed, resumed_stock):
         counts = r_saved["save_memcpy"]
         assert counts["HtoD"] == 0 and counts["nccl"] == 0 and counts["DtoH"] > 0, counts
