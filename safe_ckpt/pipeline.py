@@ -3,9 +3,14 @@
 One job: write every item of this rank's layout. A staging thread walks the items
 (interleaved across files so every writer has work) and brings each payload to host
 memory: host chunks as views of their own memory, device chunks through the pinned
-pool. One writer thread per file wraps each payload in its container and writes
-prefix, payload and suffix with one vectored write, then fsyncs the file. While
-writer i writes chunk k, the staging thread is already copying chunk k+1.
+pool. Writer threads ("lanes", each owning some files) wrap each payload in its
+container and write prefix, payload and suffix with one vectored write, then fsync
+the file. While a writer writes chunk k, later chunks are already being copied.
+
+The writers start once the last device chunk's copy has been issued (or earlier, when
+the staging pool is full and only writing can free it): issuing a thousand small
+copies while eight writers compete for the GIL took 0.4-0.9 s on an H200 instead of
+0.13 s, and a writer has nothing to write before the first copy lands anyway.
 
 Must not: decide what goes where (the layout did), talk to other ranks, or publish.
 """
@@ -26,7 +31,7 @@ from .encoding.layout import PlacedItem, RankLayout
 from .errors import CheckpointError, SourceModifiedError
 from .integrity import ItemChecksum, checksum_of
 from .progress import Progress
-from .residence import HOST_RESIDENCES
+from .residence import HOST_RESIDENCES, Residence
 from .sinks.base import Sink
 from .staging.stager import Stager, StagedChunk, chunk_view
 
@@ -49,7 +54,7 @@ class WriteStats:
     file_bytes: int
     bytes_by_residence: dict[str, int]
     device_bytes: int
-    staged_s: float  # from start until every payload was staged
+    staged_s: float  # from start until every device payload was in host memory
     written_s: float  # from start until every file was durable
     files: list[str]
     checksums: list[ItemChecksum]  # empty unless checksums were asked for
@@ -79,6 +84,7 @@ class RankWriter:
         self.progress = progress
         self._abort = threading.Event()
         self._staged = threading.Event()
+        self._writers_go = threading.Event()
         self._errors: list[ItemWriteFailed] = []
         self._lock = threading.Lock()
         # One writer thread ("lane") per group of files: file i goes to lane i % lanes.
@@ -155,9 +161,22 @@ class RankWriter:
                 if k < len(entries):
                     yield lane, entries[k][0], entries[k][1]
 
+    def _on_device(self, item: PlacedItem) -> bool:
+        return item.chunk is not None and self.work.residences[item.chunk.local_index] == Residence.CUDA.value
+
+    def _mark_staged(self) -> None:
+        if not self._staged.is_set():
+            self._staged_at = time.perf_counter()
+            self._staged.set()
+
     def _stage_all(self) -> None:
         try:
-            for lane, file_index, item in self._interleaved():
+            entries = list(self._interleaved())
+            last_device = max((k for k, (_, _, item) in enumerate(entries) if self._on_device(item)), default=-1)
+            if last_device < 0:
+                self._writers_go.set()
+                self._mark_staged()
+            for k, (lane, file_index, item) in enumerate(entries):
                 if self._abort.is_set():
                     break
                 try:
@@ -166,27 +185,36 @@ class RankWriter:
                     self._fail(item.fqn, exc)
                     break
                 self._queues[lane].put((file_index, item, staged))
-            self.stager.wait_copies()
+                if k == last_device:
+                    self._writers_go.set()
+                    self.stager.wait_copies()
+                    self._mark_staged()  # every device byte is in host memory: async_save may return
         except BaseException as exc:
             self._fail(None, exc)
         finally:
-            self._staged_at = time.perf_counter()
-            self._staged.set()
-            for q in self._queues:
-                q.put(None)
+            self._writers_go.set()
+            try:
+                self.stager.wait_copies()
+            finally:
+                self._mark_staged()
+                for q in self._queues:
+                    q.put(None)
 
     def _stage(self, item: PlacedItem):
         if item.obj is not None:
             return self.work.object_payloads[item.fqn]
         chunk = item.chunk
         source = self.work.sources[chunk.local_index]
-        return self.stager.stage(chunk_view(source, chunk.shard_box.offsets, chunk.shard_box.sizes), self._abort)
+        # A full pool is emptied only by writing: let the writers start before waiting for it.
+        return self.stager.stage(chunk_view(source, chunk.shard_box.offsets, chunk.shard_box.sizes), self._abort,
+                                 on_wait=self._writers_go.set)
 
     # ----------------------------------------------------------------- writing
     def _write_lane(self, lane: int) -> None:
         """Write this lane's files one after the other: open, items in order, sync, close."""
         q = self._queues[lane]
         handle, current = None, None
+        self._writers_go.wait()
         while True:
             entry = q.get()
             if entry is None:

@@ -143,3 +143,53 @@ def test_retention_from_megatron_args():
     assert retention_from_args(argparse.Namespace(save_retain_interval=5)) == Retention(keep_last=1, keep_every=5)
     assert retention_from_args(argparse.Namespace(safe_ckpt_keep_last=3)) == Retention(keep_last=3)
     assert not retention_from_args(argparse.Namespace()).active
+
+
+def _as_device(monkeypatch):
+    """Report every source as mapped device memory, so that the write phase holds its writers
+    until the last "device" chunk is staged; the stager still copies them as host tensors."""
+    from safe_ckpt import residence
+
+    monkeypatch.setattr(residence, "classify", lambda t, **kw: residence.Classified(residence.Residence.CUDA.value))
+
+
+def test_writers_wait_for_device_staging_and_start_when_the_pool_is_full(tmp_path, monkeypatch):
+    """Strided chunks with small runs go through pool leases; a pool for two of them at a time
+    fills up long before the last "device" chunk, so only the writers can make room: the gate
+    must open then (else this save never ends), and every byte must still land."""
+    _as_device(monkeypatch)
+    g = torch.Generator().manual_seed(4)
+    tensors = {f"w{i}": torch.randn(64, 256, generator=g)[:, ::2] for i in range(12)}  # 32 KiB each
+    state = {k: _st(k, v) for k, v in tensors.items()}
+    path = str(tmp_path / "ck")
+    result = safe_ckpt.save(state, path, options=_opts(staging_budget_bytes=64 * 1024 + 8192, io_threads=3,
+                                                       collective_timeout_s=60))
+    assert result.bytes_by_residence == {"cuda": 12 * 64 * 128 * 4}
+    loaded = _dcp_load(path, {k: (tuple(v.shape), v.dtype) for k, v in tensors.items()})
+    for k, v in tensors.items():
+        assert bits_equal(loaded[k], v), k
+
+
+def test_no_write_starts_before_the_last_device_chunk_is_staged(tmp_path, monkeypatch):
+    """With room for everything, the first write follows the staging of every device chunk."""
+    import safe_ckpt.pipeline as pipeline
+
+    _as_device(monkeypatch)
+    events = []
+    stage, write = pipeline.RankWriter._stage, pipeline.RankWriter._write_item
+    def slow_stage(self, item):  # a slow stager gives ungated writers every chance to start early
+        events.append("stage")
+        time.sleep(0.02)
+        return stage(self, item)
+
+    monkeypatch.setattr(pipeline.RankWriter, "_stage", slow_stage)
+    monkeypatch.setattr(pipeline.RankWriter, "_write_item",
+                        lambda self, h, item, staged: (events.append("write"), write(self, h, item, staged))[1])
+    g = torch.Generator().manual_seed(5)
+    tensors = {f"w{i}": torch.randn(32, 64, generator=g) for i in range(10)}
+    path = str(tmp_path / "ck")
+    safe_ckpt.save({k: _st(k, v) for k, v in tensors.items()}, path, options=_opts(io_threads=4))
+    assert events.count("stage") == events.count("write") >= 10
+    assert events.index("write") > max(i for i, e in enumerate(events) if e == "stage"), events
+    loaded = _dcp_load(path, {k: (tuple(v.shape), v.dtype) for k, v in tensors.items()})
+    assert all(bits_equal(loaded[k], v) for k, v in tensors.items())

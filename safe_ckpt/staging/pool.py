@@ -94,31 +94,47 @@ class PinnedPool:
         with self._cond:
             self._ensure_buffer()
 
-    def lease(self, nbytes: int, timeout_s: float | None = None, cancel: threading.Event | None = None) -> Lease:
-        """Block until ``nbytes`` are free; give up at ``timeout_s`` or once ``cancel`` is set."""
+    def lease(self, nbytes: int, timeout_s: float | None = None, cancel: threading.Event | None = None,
+              on_wait=None) -> Lease:
+        """Block until ``nbytes`` are free; give up at ``timeout_s`` or once ``cancel`` is set.
+        ``on_wait()`` runs once, outside the pool's lock, before the first wait."""
         reserved = max(_ALIGN_BYTES, -(-nbytes // _ALIGN_BYTES) * _ALIGN_BYTES)
         if reserved > self.capacity_bytes:
             raise CheckpointError(f"a chunk of {nbytes} bytes does not fit the staging pool of {self.capacity_bytes}")
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        if on_wait is not None:
+            with self._cond:
+                self._ensure_buffer()
+                lease = self._take(nbytes, reserved)
+            if lease is not None:
+                return lease
+            on_wait()
         with self._cond:
             self._ensure_buffer()
             while True:
-                for entry in self._free_list:
-                    if entry[1] >= reserved:
-                        offset = entry[0]
-                        entry[0] += reserved
-                        entry[1] -= reserved
-                        if entry[1] == 0:
-                            self._free_list.remove(entry)
-                        self._leased += reserved
-                        self._peak = max(self._peak, self._leased)
-                        return Lease(self, offset, nbytes, reserved)
+                lease = self._take(nbytes, reserved)
+                if lease is not None:
+                    return lease
                 if cancel is not None and cancel.is_set():
                     raise CheckpointError("staging cancelled")
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     raise CheckpointError(f"timed out waiting for {nbytes} bytes of staging memory")
                 self._cond.wait(0.1 if remaining is None else min(remaining, 0.1))
+
+    def _take(self, nbytes: int, reserved: int) -> Lease | None:
+        """First fit; the caller holds the lock."""
+        for entry in self._free_list:
+            if entry[1] >= reserved:
+                offset = entry[0]
+                entry[0] += reserved
+                entry[1] -= reserved
+                if entry[1] == 0:
+                    self._free_list.remove(entry)
+                self._leased += reserved
+                self._peak = max(self._peak, self._leased)
+                return Lease(self, offset, nbytes, reserved)
+        return None
 
     def _free(self, offset: int, size: int) -> None:
         with self._cond:

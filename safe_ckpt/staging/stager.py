@@ -149,7 +149,8 @@ class Stager:
                 self._streams[index] = stream
             return stream
 
-    def stage(self, chunk: torch.Tensor, cancel: threading.Event | None = None) -> StagedChunk:
+    def stage(self, chunk: torch.Tensor, cancel: threading.Event | None = None, on_wait=None) -> StagedChunk:
+        """``on_wait`` is called once if the pool has no room yet and the lease must wait."""
         nbytes = chunk.numel() * chunk.element_size()
         contiguous = chunk.is_contiguous() or nbytes == 0
         split = None if contiguous else _run_split(chunk)
@@ -157,9 +158,9 @@ class Stager:
         if chunk.device.type == "cpu":
             if contiguous or runs is not None:
                 return StagedChunk(nbytes, keep=chunk, runs=runs)
-            lease = self.pool.lease(nbytes, self.lease_timeout_s, cancel)
+            lease = self.pool.lease(nbytes, self.lease_timeout_s, cancel, on_wait)
             return StagedChunk(nbytes, keep=chunk, lease=lease, pending_copy=chunk)
-        lease = self.pool.lease(nbytes, self.lease_timeout_s, cancel)
+        lease = self.pool.lease(nbytes, self.lease_timeout_s, cancel, on_wait)
         if nbytes == 0:
             return StagedChunk(0, keep=chunk, lease=lease)
         stream = self._stream(chunk.device.index)
