@@ -108,10 +108,10 @@ def run(args) -> str:
     launcher = os.environ.get("SAFE_CKPT_BENCH_LAUNCHER") or ("torchrun" if "TORCHELASTIC_RUN_ID" in os.environ
                                                                else "single process")
     meta.update(label=args.label, world_size=world, reps=args.reps, peer_reps=args.peer_reps, preset=args.preset,
-                threads=args.threads,
-                launcher=launcher)
+                threads=args.threads, launcher=launcher)
     if rank == 0:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)) or ".", exist_ok=True)
+        open(args.out + ".rows.jsonl", "w").close()  # this run's rows only
     targets = [t.rstrip("/") for t in args.targets.split(",")]
     meta["targets"] = {t: _fs_type(t) for t in targets}
     chosen = peers.PEERS if args.peers == "all" else tuple(args.peers.split(","))
