@@ -9,7 +9,8 @@ def test_bench_harness_smoke(tmp_path):
     out = tmp_path / "bench"
     cmd = [sys.executable, "-m", "safe_ckpt.bench", "--gib", "0.03", "--reps", "2", "--peer-reps", "1",
            "--targets", str(tmp_path / "target"), "--cache", "cold,warm", "--peer-cache", "cold",
-           "--peers", "safe_sync,safe_async,dcp_sync,megatron_sync,safe_sync_nosum", "--out", str(out)]
+           "--peers", "safe_sync,safe_async,dcp_sync,megatron_sync,safe_sync_nosum", "--ceiling-each-rep",
+           "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((tmp_path / "bench.json").read_text())
@@ -26,6 +27,8 @@ def test_bench_harness_smoke(tmp_path):
     assert rows[("dcp_sync", "cold")]["runs"] == 1 and ("dcp_sync", "warm") not in rows
     assert "vs_best_peer" in rows[("safe_sync", "cold")]
     assert report["meta"]["ceilings"][f"write_gbps[{tmp_path / 'target'}]"] > 0
+    assert len(report["meta"]["write_samples_gbps"][str(tmp_path / "target")]) == 2 * 2  # a run per round
+    assert rows[("safe_sync", "cold")]["vs_write_ceiling_median"] > 0
     megatron = rows[("megatron_sync", "cold")]
     import torch
 

@@ -34,6 +34,9 @@ def summarize(rows: list[dict], meta: dict) -> list[dict]:
         ceiling = meta["ceilings"].get(f"write_gbps[{target}]")
         if ceiling:
             s["vs_write_ceiling"] = s["gbps"] / ceiling
+        samples = (meta.get("write_samples_gbps") or {}).get(target)
+        if samples:
+            s["vs_write_ceiling_median"] = s["gbps"] / statistics.median(samples)
         d2h = meta["ceilings"].get("d2h_gbps")
         dev = ok[0].get("device_bytes", 0)
         if d2h and dev:
@@ -68,6 +71,8 @@ def to_markdown(summary: list[dict], meta: dict) -> str:
              f"{meta.get('reps')} runs per safe_ckpt row, {meta.get('peer_reps', meta.get('reps'))} per stock peer "
              "(median, [min-max]).", "",
              "Ceilings (same run): " + ", ".join(f"{k} {v:.2f}" for k, v in c.items() if v), "",
+             *[f"Write ceiling measured between rounds, {t}: median {statistics.median(v):.2f} GB/s "
+               f"[{min(v):.2f}-{max(v):.2f}], {len(v)} runs" for t, v in (meta.get("write_samples_gbps") or {}).items()],
              "| residence | target | cache | peer | stall s | time-to-durable s | GB/s | vs write ceiling | "
              "vs best peer | vs megatron sync | stall vs megatron async | ideal stall s | peak extra RSS MiB | "
              "pinned alloc MiB |",

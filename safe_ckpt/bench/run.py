@@ -147,6 +147,8 @@ def run(args) -> str:
                     _save_meta(args.out, meta)
             for cache in args.cache.split(","):
                 for rep in range(args.reps):
+                    if args.ceiling_each_rep:
+                        _ceiling_sample(meta, target, state, args, rank, world, group)
                     order = list(chosen[rep % len(chosen):] + chosen[:rep % len(chosen)])
                     for peer in order:
                         stock = not peer.startswith("safe")
@@ -182,6 +184,16 @@ def run(args) -> str:
         print(md, flush=True)
     dist.barrier()
     return md
+
+
+def _ceiling_sample(meta, target, state, args, rank, world, group) -> None:
+    """One more write-ceiling run among the savers' runs, so that drift of the target during
+    the run shows beside the best-of-three ceiling (rates in GB/s, aggregate over ranks)."""
+    dist.barrier()
+    seconds = ceilings.write_seconds(os.path.join(target, f"rank{rank}"), state.nbytes, args.threads, 1)
+    slowest = _max_over_ranks({"s": seconds}, group)["s"]
+    rate = state.nbytes // args.threads * args.threads * world / slowest / 1e9
+    meta.setdefault("write_samples_gbps", {}).setdefault(target, []).append(rate)
 
 
 def _save_meta(prefix: str, meta: dict) -> None:
@@ -239,6 +251,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=8)
     ap.add_argument("--budget-gib", type=float, default=None, help="safe_ckpt staging budget")
     ap.add_argument("--count-h2d", action="store_true", help="count memcpy events per peer with the profiler")
+    ap.add_argument("--ceiling-each-rep", action="store_true",
+                    help="also measure the write ceiling once per round of runs (reports its median beside the best)")
     ap.add_argument("--label", default=None)
     ap.add_argument("--out", default=None, help="output prefix (writes .json, .md, .png)")
     ap.add_argument("--rebuild", metavar="PREFIX", default=None,
