@@ -170,6 +170,7 @@ class RankWriter:
             self._staged.set()
 
     def _stage_all(self) -> None:
+        waiter = None
         try:
             entries = list(self._interleaved())
             last_device = max((k for k, (_, _, item) in enumerate(entries) if self._on_device(item)), default=-1)
@@ -187,18 +188,28 @@ class RankWriter:
                 self._queues[lane].put((file_index, item, staged))
                 if k == last_device:
                     self._writers_go.set()
-                    self.stager.wait_copies()
-                    self._mark_staged()  # every device byte is in host memory: async_save may return
+                    # Host items keep flowing to the writers while the last copies land.
+                    waiter = threading.Thread(target=self._await_device_copies, name="safe_ckpt-staged", daemon=True)
+                    waiter.start()
         except BaseException as exc:
             self._fail(None, exc)
         finally:
             self._writers_go.set()
-            try:
-                self.stager.wait_copies()
-            finally:
-                self._mark_staged()
-                for q in self._queues:
-                    q.put(None)
+            if waiter is not None:
+                waiter.join()
+            else:
+                self._await_device_copies()  # a failure before the last device chunk: let issued copies land
+            for q in self._queues:
+                q.put(None)
+
+    def _await_device_copies(self) -> None:
+        """Every device-to-host copy issued so far has landed (or failed): async_save may return."""
+        try:
+            self.stager.wait_copies()
+        except BaseException as exc:
+            self._fail(None, exc)
+        finally:
+            self._mark_staged()
 
     def _stage(self, item: PlacedItem):
         if item.obj is not None:

@@ -90,3 +90,22 @@ def test_strided_host_chunks_are_written_in_place_as_runs():
     assert bytes(view) == t.contiguous().numpy().tobytes()
     staged.release()
     assert pool.stats().allocations == 1
+
+
+def test_pool_calls_on_wait_only_before_a_real_wait_and_outside_its_lock():
+    import threading
+
+    from safe_ckpt.staging.pool import PinnedPool
+
+    pool = PinnedPool(64 * 1024, pinned=False)
+    calls = []
+
+    def on_wait():
+        calls.append(pool._cond._is_owned())  # must be False: the callback may take other locks
+
+    first = pool.lease(48 * 1024, on_wait=on_wait)
+    assert calls == []  # room was there: no wait, no call
+    threading.Timer(0.2, first.release).start()
+    second = pool.lease(48 * 1024, timeout_s=10, on_wait=on_wait)
+    assert calls == [False]  # called once, before waiting, without the pool's lock
+    second.release()

@@ -153,6 +153,7 @@ def _as_device(monkeypatch):
     monkeypatch.setattr(residence, "classify", lambda t, **kw: residence.Classified(residence.Residence.CUDA.value))
 
 
+@pytest.mark.timeout(60)
 def test_writers_wait_for_device_staging_and_start_when_the_pool_is_full(tmp_path, monkeypatch):
     """Strided chunks with small runs go through pool leases; a pool for two of them at a time
     fills up long before the last "device" chunk, so only the writers can make room: the gate
@@ -193,3 +194,69 @@ def test_no_write_starts_before_the_last_device_chunk_is_staged(tmp_path, monkey
     assert events.index("write") > max(i for i, e in enumerate(events) if e == "stage"), events
     loaded = _dcp_load(path, {k: (tuple(v.shape), v.dtype) for k, v in tensors.items()})
     assert all(bits_equal(loaded[k], v) for k, v in tensors.items())
+
+
+def _as_device_only(monkeypatch, tensors):
+    """Report only the given tensors as mapped device memory (the rest by their real residence)."""
+    from safe_ckpt import residence
+
+    real = residence.classify
+    ptrs = {t.data_ptr() for t in tensors}
+    monkeypatch.setattr(residence, "classify", lambda t, **kw: residence.Classified(residence.Residence.CUDA.value)
+                        if t.data_ptr() in ptrs else real(t, **kw))
+
+
+def test_host_items_are_written_while_device_copies_land(tmp_path, monkeypatch):
+    """The wait for the last device copies must not hold back the host items behind them."""
+    import safe_ckpt.pipeline as pipeline
+    from safe_ckpt.staging.stager import Stager
+
+    g = torch.Generator().manual_seed(6)
+    dev = torch.randn(64, 64, generator=g)
+    host = {f"h{i}": torch.randn(32, 64, generator=g) for i in range(8)}
+    _as_device_only(monkeypatch, [dev])
+    times = {}
+    real_wait = Stager.wait_copies
+
+    def slow_wait(self):  # the device copies take a while to land
+        time.sleep(0.5)
+        real_wait(self)
+
+    monkeypatch.setattr(Stager, "wait_copies", slow_wait)
+    mark, write = pipeline.RankWriter._mark_staged, pipeline.RankWriter._write_item
+    monkeypatch.setattr(pipeline.RankWriter, "_mark_staged",
+                        lambda self: (times.setdefault("staged", time.perf_counter()), mark(self))[1])
+
+    def timed_write(self, handle, item, staged):
+        times.setdefault(item.fqn, time.perf_counter())
+        return write(self, handle, item, staged)
+
+    monkeypatch.setattr(pipeline.RankWriter, "_write_item", timed_write)
+    state = {"dev": _st("dev", dev), **{k: _st(k, v) for k, v in host.items()}}
+    path = str(tmp_path / "ck")
+    safe_ckpt.save(state, path, options=_opts(chunk_bytes=1 << 20, io_threads=2))
+    assert any(times[k] < times["staged"] for k in host), times
+    loaded = _dcp_load(path, {k: (tuple(v.shape), v.dtype) for k, v in {"dev": dev, **host}.items()})
+    assert all(bits_equal(loaded[k], v) for k, v in {"dev": dev, **host}.items())
+
+
+def test_a_failure_waiting_for_device_copies_fails_the_save(tmp_path, monkeypatch):
+    from safe_ckpt.staging.stager import Stager
+
+    _as_device(monkeypatch)
+    calls = []
+    real_wait = Stager.wait_copies
+
+    def failing_wait(self):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        real_wait(self)
+
+    monkeypatch.setattr(Stager, "wait_copies", failing_wait)
+    g = torch.Generator().manual_seed(7)
+    state = {f"w{i}": _st(f"w{i}", torch.randn(16, 16, generator=g)) for i in range(4)}
+    path = str(tmp_path / "ck")
+    with pytest.raises(safe_ckpt.CheckpointError, match="illegal memory access"):
+        safe_ckpt.save(state, path, options=_opts())
+    assert not os.path.exists(path)
