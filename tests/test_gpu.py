@@ -105,6 +105,7 @@ def test_real_gpt_distributed_optimizer_resume_is_bit_exact(tmp_path, variant):
     import torch
 
     from tests import gpu_megatron_cases as g
+    from tests.megatron_evidence import diff_digests
 
     world = min(2, torch.cuda.device_count())
     root = str(tmp_path)
@@ -115,7 +116,7 @@ def test_real_gpt_distributed_optimizer_resume_is_bit_exact(tmp_path, variant):
     for r_full, r_saved, r_resumed, r_stock in zip(full, saved, resumed, resumed_stock):  # evidence first
         print(variant, "losses full", r_full["losses"], "resumed", r_resumed["losses"], "from stock",
               r_stock["losses"], "step repair", r_resumed.get("adam_step_repair"), "save memcpy",
-              r_saved.get("save_memcpy"), "digest diff", g.diff_digests(r_saved["opt_digest"], r_resumed["opt_digest"])[:5],
+              r_saved.get("save_memcpy"), "digest diff", diff_digests(r_saved["opt_digest"], r_resumed["opt_digest"])[:5],
               "content", {k: v for k, v in saved[0].get("content", {}).items() if k != "traceback"})
     cmp = saved[0]["compare"]
     assert saved[0]["tracker"] == str(g.FIRST)
@@ -137,8 +138,8 @@ def test_real_gpt_distributed_optimizer_resume_is_bit_exact(tmp_path, variant):
         assert r_saved["losses"] == r_full["losses"][:g.FIRST]
         assert r_resumed["start_iteration"] == r_stock["start_iteration"] == g.FIRST
         # the optimizer resumes with exactly the state that was saved (main params, moments, step, lr)
-        assert g.diff_digests(r_saved["opt_digest"], r_resumed["opt_digest"]) == [], r_resumed["adam_step_repair"]
-        assert g.diff_digests(r_saved["opt_digest"], r_stock["opt_digest"]) == []
+        assert diff_digests(r_saved["opt_digest"], r_resumed["opt_digest"]) == [], r_resumed["adam_step_repair"]
+        assert diff_digests(r_saved["opt_digest"], r_stock["opt_digest"]) == []
         # safe_ckpt's checkpoint resumes exactly like stock Megatron's own checkpoint
         assert r_resumed["losses"] == r_stock["losses"], (r_resumed["losses"], r_stock["losses"])
         assert r_resumed["losses"] == r_full["losses"][g.FIRST:], (r_resumed["losses"], r_full["losses"])
