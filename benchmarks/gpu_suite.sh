@@ -8,6 +8,7 @@
 #   mixes    the same state with optimizer state in pinned and in pageable host memory, and the
 #            qwen3-4b-dp8 preset, on tmpfs;
 #   bench2   the bench part across every GPU of the host (nvidia-h200-x2 or larger), one rank per GPU;
+#   diag     where time goes: benchmarks/diag_ttd.py (anchor, then qwen3-4b-dp8) and diag_staging.py;
 #   cpu      the CPU suite on this machine's Python / megatron-core (from .whl).
 # Usage: bash benchmarks/gpu_suite.sh PART [PART ...]   (results under $OUT)
 #   env: PRESET=anchor|qwen3-4b-dp8, GIB (size per rank; empty: the preset's own), REPS, PEER_REPS, PEERS,
@@ -72,6 +73,17 @@ part_smoke() {
 
 part_tests() { part_gputests; part_smoke; }
 
+part_diag() {
+  python3 benchmarks/diag_ttd.py --preset anchor --gib 8.6 --reps ${REPS:-3} --target "$SHM" ${ONLY:+--only "$ONLY"} \
+    > "$RES/diag_ttd_anchor.txt" 2> "$RES/diag_ttd_anchor.err"
+  grep case "$RES/diag_ttd_anchor.txt" | cut -c1-160
+  python3 benchmarks/diag_ttd.py --preset qwen3-4b-dp8 --gib "" --reps ${REPS:-3} --target "$SHM" \
+    --only write_8,d2h,pipe,safe_sync,safe_async > "$RES/diag_ttd_qwen.txt" 2> "$RES/diag_ttd_qwen.err"
+  grep case "$RES/diag_ttd_qwen.txt" | cut -c1-160
+  python3 benchmarks/diag_staging.py --target "$SHM" > "$RES/diag_staging.txt" 2> "$RES/diag_staging.err"
+  cat "$RES/diag_staging.txt" | cut -c1-200
+}
+
 # TARGETS: the targets of one run (default both; tmpfs and disk with every peer at 3 runs and
 # the per-round ceilings take about 10 minutes, so run TARGETS=$SHM and TARGETS=$DISK as two calls).
 part_bench() {
@@ -106,7 +118,7 @@ part_bench2() {
 [ $# -eq 0 ] && set -- tests
 for part in "$@"; do
   case "$part" in
-    cpu|gputests|smoke|tests|bench|mixes|bench2) echo "== $part $(date +%T)"; "part_$part" ;;
+    cpu|gputests|smoke|tests|bench|mixes|bench2|diag) echo "== $part $(date +%T)"; "part_$part" ;;
     all) part_tests; part_bench; part_mixes ;;
     *) echo "unknown part: $part" >&2; exit 2 ;;
   esac
