@@ -49,7 +49,9 @@ def _spans(nbytes: int, parts: int) -> list[range]:
     return [range(i * per, min(nbytes, (i + 1) * per)) for i in range(parts)]
 
 
-def _write_lanes(target: str, mv: memoryview, threads: int, piece: int, hash_mode: str | None = None) -> float:
+def _write_lanes(target: str, mv: memoryview, threads: int, piece: int, hash_mode: str | None = None,
+                 reuse_bytes: int = 0) -> float:
+    """``reuse_bytes``: read every piece from the first that many bytes (the old ceiling's 1 GiB buffer)."""
     d = _fresh(target)
     hasher = ThreadPoolExecutor(threads) if hash_mode == "beside" else None
 
@@ -57,7 +59,9 @@ def _write_lanes(target: str, mv: memoryview, threads: int, piece: int, hash_mod
         fd = os.open(os.path.join(d, f"f{i}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             for off in range(span.start, span.stop, piece):
-                buf = mv[off:min(off + piece, span.stop)]
+                n = min(piece, span.stop - off)
+                src = off % (reuse_bytes - n + 1) if reuse_bytes else off
+                buf = mv[src:src + n]
                 pending = hasher.submit(checksum_of, [buf]) if hasher else None
                 if hash_mode == "fused":
                     checksum_of([buf])
@@ -212,15 +216,22 @@ def main() -> None:
         "write_hash_beside": lambda: _write_lanes(args.target, mv, 8, 64 * MiB, "beside"),
         "write_hash_fused": lambda: _write_lanes(args.target, mv, 8, 4 * MiB, "fused"),
         "write_8_4mib": lambda: _write_lanes(args.target, mv, 8, 4 * MiB),
+        "write_8_reused1g": lambda: _write_lanes(args.target, mv, 8, 64 * MiB, reuse_bytes=1 << 30),
+        "write_16_reused1g": lambda: _write_lanes(args.target, mv, 16, 64 * MiB, reuse_bytes=1 << 30),
         "d2h": lambda: _d2h(sources, pinned, stream),
         "d2h_beside_write": d2h_beside_write,
         "pipe_chunk": lambda: _pipeline(args.target, sources, pinned, stream, 8, None),
         "pipe_piece": lambda: _pipeline(args.target, sources, pinned, stream, 8, 32 * MiB),
+        "pipe16_piece": lambda: _pipeline(args.target, sources, pinned, stream, 16, 32 * MiB),
         "safe_sync": lambda: _safe(state, args.target, budget, "sync"),
         "safe_async": lambda: _safe(state, args.target, budget, "async"),
         "safe_sync_nosum": lambda: _safe(state, args.target, budget, "sync", checksums=False),
         "safe_sync_io16": lambda: _safe(state, args.target, budget, "sync", io_threads=16),
-        "safe_sync_chunk64": lambda: _safe(state, args.target, budget, "sync", chunk_bytes=64 * MiB),
+        "safe_sync_chunk256": lambda: _safe(state, args.target, budget, "sync", chunk_bytes=256 * MiB),
+        "safe_sync_io16_chunk256": lambda: _safe(state, args.target, budget, "sync", io_threads=16, chunk_bytes=256 * MiB),
+        "safe_sync_io16_chunk32": lambda: _safe(state, args.target, budget, "sync", io_threads=16, chunk_bytes=32 * MiB),
+        "safe_sync_io16_nosum": lambda: _safe(state, args.target, budget, "sync", io_threads=16, checksums=False),
+        "safe_async_io16": lambda: _safe(state, args.target, budget, "async", io_threads=16),
     }
     only = [p for p in args.only.split(",") if p]
     selected = {k: f for k, f in cases.items() if (not only or any(k.startswith(p) for p in only))

@@ -12,6 +12,7 @@
 #   cpu      the CPU suite on this machine's Python / megatron-core (from .whl).
 # Usage: bash benchmarks/gpu_suite.sh PART [PART ...]   (results under $OUT)
 #   env: PRESET=anchor|qwen3-4b-dp8, GIB (size per rank; empty: the preset's own), REPS, PEER_REPS, PEERS,
+#        THREADS (writer threads of every saver and the ceiling, default 8), ONLY (diag_ttd cases), DIAG_QWEN=0,
 #        GPU_N (pytest-xdist workers for the GPU tests), GPU_K (pytest -k)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -77,6 +78,7 @@ part_diag() {
   python3 benchmarks/diag_ttd.py --preset anchor --gib 8.6 --reps ${REPS:-3} --target "$SHM" ${ONLY:+--only "$ONLY"} \
     > "$RES/diag_ttd_anchor.txt" 2> "$RES/diag_ttd_anchor.err"
   grep case "$RES/diag_ttd_anchor.txt" | cut -c1-160
+  [ "${DIAG_QWEN:-1}" = 1 ] || return 0
   python3 benchmarks/diag_ttd.py --preset qwen3-4b-dp8 --gib "" --reps ${REPS:-3} --target "$SHM" \
     --only write_8,d2h,pipe,safe_sync,safe_async > "$RES/diag_ttd_qwen.txt" 2> "$RES/diag_ttd_qwen.err"
   grep case "$RES/diag_ttd_qwen.txt" | cut -c1-160
@@ -88,7 +90,7 @@ part_diag() {
 # the per-round ceilings take about 10 minutes, so run TARGETS=$SHM and TARGETS=$DISK as two calls).
 part_bench() {
   $BENCH --reps ${REPS:-5} --peer-reps ${PEER_REPS:-3} --targets "${TARGETS:-$SHM,$DISK}" --cache cold,warm \
-    --peer-cache cold --residences gpu --peers ${PEERS:-all} --ceiling-each-rep \
+    --peer-cache cold --residences gpu --peers ${PEERS:-all} --ceiling-each-rep --threads ${THREADS:-8} \
     --label "H200 ${PRESET:-anchor} one rank" --out "$RES/bench_h200" > "$RES/bench.log" 2>&1
   tail -3 "$RES/bench.log"; grep '^|\|^Write ceiling' "$RES/bench_h200.md"
 }

@@ -50,7 +50,7 @@ class SaveOptions:
         URL ("file:///...", "gs://...", "memory://...") selects the kvstore sink too.
     """
 
-    chunk_bytes: int = 256 * MiB
+    chunk_bytes: int = 64 * MiB
     io_threads: int = 8
     fsync: bool = True
     staging_budget_bytes: int = 2 * GiB

@@ -137,14 +137,14 @@ class _Job:
         except CheckpointError:
             self._abort()
             raise
-        global_plan = build_global_plan([m.plan for m in messages], self.options.chunk_bytes)
+        global_plan = build_global_plan([m.plan for m in messages], self.options.chunk_bytes, self.options.io_threads)
         if not isinstance(global_plan, GlobalPlan):
             self._abort()
             raise _problems_error("planning", global_plan)
         self.global_plan = global_plan
         self.staging_dir = messages[0].staging_dir
         self.save_id = messages[0].save_id
-        self.layout = lay_out_rank(global_plan, rank, self.options.io_threads, **self._layout_kwargs())
+        self.layout = lay_out_rank(global_plan, rank, **self._layout_kwargs())
         self._start_writes(local, residences, sources)
 
     def _start_writes(self, local, residences, sources) -> None:
@@ -249,7 +249,7 @@ class _Job:
     def _all_layouts(self):
         """Every rank's layout (a pure function of the plan), computed at most once."""
         if getattr(self, "_layouts", None) is None:
-            self._layouts = lay_out(self.global_plan, self.options.io_threads, **self._layout_kwargs())
+            self._layouts = lay_out(self.global_plan, **self._layout_kwargs())
         return self._layouts
 
     def _total_file_bytes(self) -> int:

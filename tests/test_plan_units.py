@@ -5,7 +5,9 @@ import itertools
 import pytest
 import torch
 
-from safe_ckpt.plan.chunking import split_box
+from safe_ckpt.encoding.layout import lay_out_rank
+from safe_ckpt.plan import build_global_plan
+from safe_ckpt.plan.chunking import balanced_cuts, cut_rows, split_box
 from safe_ckpt.plan.records import Box, ObjectRef, RankPlan, ShardRef
 from safe_ckpt.plan.validate import validate
 
@@ -35,8 +37,59 @@ def test_split_box_tiles_and_bounds(sizes, itemsize, max_bytes):
         ) or not sizes
 
 
-def _shard(key, rank, offsets, sizes, shape, dtype=torch.float32, main=True):
-    return ShardRef(key, rank, 0, dtype, shape, Box(offsets, sizes), main, "pageable", key)
+def _shard(key, rank, offsets, sizes, shape, dtype=torch.float32, main=True, local_index=0):
+    return ShardRef(key, rank, local_index, dtype, shape, Box(offsets, sizes), main, "pageable", key)
+
+
+@pytest.mark.parametrize("sizes,itemsize,cuts", [
+    ((10, 7), 4, [1, 28, 29, 200]), ((1, 1, 33), 2, [3, 30]), ((5,), 8, [8, 16, 39]), ((4, 3), 4, []), ((), 4, [2]),
+])
+def test_cut_rows_tiles_at_row_boundaries_after_each_cut(sizes, itemsize, cuts):
+    pieces = cut_rows(sizes, itemsize, cuts)
+    assert _covers_exactly(sizes, pieces) or not sizes
+    axis = next((i for i, s in enumerate(sizes) if s > 1), 0)
+    row_bytes = itemsize
+    for s in sizes[axis + 1:]:
+        row_bytes *= s
+    starts = [p.offsets[axis] * row_bytes for p in pieces[1:]]
+    for c in cuts:  # every cut inside the box has a piece starting at the first row boundary >= it
+        if sizes and 0 < -(-c // row_bytes) < sizes[axis]:
+            assert -(-c // row_bytes) * row_bytes in starts
+
+
+def test_balanced_cuts_skip_pieces_below_the_minimum():
+    assert balanced_cuts([100, 100], 2, 1) == [[], []]  # the boundary is a shard edge
+    assert balanced_cuts([300], 3, 1) == [[100, 200]]
+    assert balanced_cuts([95, 105], 2, 10) == [[], []]  # 5 bytes left before the cut: too small
+    assert balanced_cuts([10, 290], 3, 1) == [[], [90, 190]]
+
+
+def _layout_file_bytes(shards, files, chunk_bytes):
+    plan = build_global_plan([RankPlan(0, shards, [], [])], chunk_bytes, files)
+    layout = lay_out_rank(plan, 0)
+    return plan, [f.size_bytes for f in layout.files]
+
+
+@pytest.mark.parametrize("preset", ["anchor", "many_small"])
+def test_layout_balances_file_bytes_and_tiles_every_shard(preset):
+    if preset == "anchor":  # the anchor preset's shapes: 8 bf16 weights, 12 fp32 optimizer buckets
+        specs = [((18_000, 4096), torch.bfloat16)] * 8 + [((168_000_000,), torch.float32)] * 12
+    else:  # qwen-like: many small pieces of uneven sizes
+        g = torch.Generator().manual_seed(3)
+        specs = [((int(n),), torch.float32) for n in torch.randint(1_000, 3_000_000, (300,), generator=g)]
+    shards = [_shard(f"t{i}", 0, (0,) * len(shape), shape, shape, dtype, local_index=i)
+              for i, (shape, dtype) in enumerate(specs)]
+    plan, sizes = _layout_file_bytes(shards, 8, 256 << 20)
+    assert len(sizes) == 8
+    assert max(sizes) / (sum(sizes) / len(sizes)) < 1.01, sizes
+    for i, s in enumerate(shards):
+        boxes = [c.shard_box for c in plan.chunks if c.local_index == i]
+        assert sum(b.numel for b in boxes) == s.box.numel
+        assert all(b.numel * s.dtype.itemsize <= 256 << 20 for b in boxes)
+        assert [b.offsets for b in boxes] == sorted(b.offsets for b in boxes)
+    small = [_shard("a", 0, (0,), (1000,), (1000,)), _shard("b", 0, (0,), (10,), (10,), local_index=1)]
+    plan, sizes = _layout_file_bytes(small, 8, 1 << 20)  # fewer whole chunks than files: one file each, no cuts
+    assert len(sizes) == 2 and len(plan.chunks) == 2
 
 
 def test_validate_accepts_irregular_tiling_and_non_main_overlap():

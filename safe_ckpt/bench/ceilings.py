@@ -1,8 +1,10 @@
 """The machine's ceilings, measured in the same run as the savers.
 
 - ``d2h``: device-to-host copy into one reused pinned buffer (GB/s);
-- ``write``: N threads `pwrite` 64 MiB pieces of one in-memory buffer into N files and
-  fsync them (GB/s): the best any saver can do to that target;
+- ``write``: N threads `pwrite` 64 MiB pieces of an in-memory buffer into N files and
+  fsync them (GB/s): the best any saver can do to that target. The source holds as many
+  distinct bytes as the state (`source_buffer`), as a save reads them; N is each of the
+  run's thread counts and the best counts;
 - ``memcpy``: host-to-host copy (GB/s).
 Each is the fastest of ``reps`` runs (a ceiling is the best the machine did). Must not: leave files behind.
 """
@@ -39,10 +41,22 @@ def write_gbps(target: str, nbytes: int, threads: int, reps: int = 3) -> float:
     return nbytes // threads * threads / write_seconds(target, nbytes, threads, reps) / 1e9
 
 
-def write_seconds(target: str, nbytes: int, threads: int, reps: int = 3) -> float:
-    """Fastest of ``reps`` runs of writing ``nbytes`` with ``threads`` threads + fsync."""
-    buf = torch.empty(min(nbytes, 1 << 30), dtype=torch.uint8).random_(generator=torch.Generator().manual_seed(5))
-    mv = memoryview(buf.numpy())
+def thread_counts(saver_threads: int) -> list[int]:
+    """The saver's own thread count and one writer per core (up to 32): the best is the ceiling."""
+    return sorted({saver_threads, min(32, os.cpu_count() or 1)})
+
+
+def source_buffer(nbytes: int, limit_bytes: int = 32 << 30) -> memoryview:
+    """Seeded random bytes to write from, as many as the state (up to ``limit_bytes``)."""
+    buf = torch.empty(min(nbytes, limit_bytes), dtype=torch.uint8)
+    buf.random_(generator=torch.Generator().manual_seed(5))
+    return memoryview(buf.numpy())
+
+
+def write_seconds(target: str, nbytes: int, threads: int, reps: int = 3, source: memoryview | None = None) -> float:
+    """Fastest of ``reps`` runs of writing ``nbytes`` with ``threads`` threads + fsync, from
+    ``source`` (default: a 1 GiB buffer, read over and over)."""
+    mv = source if source is not None else source_buffer(min(nbytes, 1 << 30))
     per = nbytes // threads
     piece = 64 << 20
     times = []

@@ -71,8 +71,13 @@ def to_markdown(summary: list[dict], meta: dict) -> str:
              f"{meta.get('reps')} runs per safe_ckpt row, {meta.get('peer_reps', meta.get('reps'))} per stock peer "
              "(median, [min-max]).", "",
              "Ceilings (same run): " + ", ".join(f"{k} {v:.2f}" for k, v in c.items() if v), "",
+             *[f"Write ceiling by writer threads, {t}: "
+               + ", ".join(f"{n} threads {r:.2f} GB/s" for n, r in by.items()) + " (the best is the ceiling); "
+               f"from {meta.get('ceiling_source', 'an in-memory buffer')}" for t, by in
+               (meta.get("write_gbps_by_threads") or {}).items()],
              *[f"Write ceiling measured between rounds, {t}: median {statistics.median(v):.2f} GB/s "
                f"[{min(v):.2f}-{max(v):.2f}], {len(v)} runs" for t, v in (meta.get("write_samples_gbps") or {}).items()],
+             "",
              "| residence | target | cache | peer | stall s | time-to-durable s | GB/s | vs write ceiling | "
              "vs best peer | vs megatron sync | stall vs megatron async | ideal stall s | peak extra RSS MiB | "
              "pinned alloc MiB |",

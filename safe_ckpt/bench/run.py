@@ -117,6 +117,7 @@ def run(args) -> str:
     chosen = peers.PEERS if args.peers == "all" else tuple(args.peers.split(","))
     rows: list[dict] = []
     meta["ceilings"] = {}
+    source = None  # the write ceiling's source bytes, built once
     for residence in args.residences.split(","):
         state = build(args.preset, args.gib, residence, rank, world)
         meta["state"] = state.description
@@ -137,18 +138,24 @@ def run(args) -> str:
             os.makedirs(target, exist_ok=True)
             key = f"write_gbps[{target}]"
             if key not in meta["ceilings"]:
-                # Every rank writes its share at once: the ceiling is the aggregate, like the saves'.
-                dist.barrier()
-                seconds = ceilings.write_seconds(os.path.join(target, f"rank{rank}"), state.nbytes, args.threads, 3)
-                slowest = _max_over_ranks({"s": seconds}, group)["s"]
-                meta["ceilings"][key] = state.nbytes // args.threads * args.threads * world / slowest / 1e9
+                if source is None:
+                    source = ceilings.source_buffer(state.nbytes)
+                    meta["ceiling_source"] = f"{len(source) / 1e9:.2f} GB of distinct random bytes in host memory"
+                by_threads = {n: _ceiling_rate(target, state, n, 3, source, rank, world, group)
+                              for n in ceilings.thread_counts(args.threads)}
+                meta.setdefault("write_gbps_by_threads", {})[target] = by_threads
+                meta.setdefault("ceiling_threads", {})[target] = max(by_threads, key=by_threads.get)
+                meta["ceilings"][key] = max(by_threads.values())
                 if rank == 0:
-                    print(f"ceiling write {target}: {meta['ceilings'][key]:.2f} GB/s", flush=True)
+                    print(f"ceiling write {target}: {meta['ceilings'][key]:.2f} GB/s (by threads: "
+                          f"{ {n: round(r, 2) for n, r in by_threads.items()} })", flush=True)
                     _save_meta(args.out, meta)
             for cache in args.cache.split(","):
                 for rep in range(args.reps):
                     if args.ceiling_each_rep:
-                        _ceiling_sample(meta, target, state, args, rank, world, group)
+                        rate = _ceiling_rate(target, state, meta["ceiling_threads"][target], 1, source, rank, world,
+                                             group)
+                        meta.setdefault("write_samples_gbps", {}).setdefault(target, []).append(rate)
                     order = list(chosen[rep % len(chosen):] + chosen[:rep % len(chosen)])
                     for peer in order:
                         stock = not peer.startswith("safe")
@@ -186,14 +193,13 @@ def run(args) -> str:
     return md
 
 
-def _ceiling_sample(meta, target, state, args, rank, world, group) -> None:
-    """One more write-ceiling run among the savers' runs, so that drift of the target during
-    the run shows beside the best-of-three ceiling (rates in GB/s, aggregate over ranks)."""
+def _ceiling_rate(target, state, threads, reps, source, rank, world, group) -> float:
+    """Aggregate write-ceiling rate (GB/s) of every rank writing its share at once, as the saves do.
+    Once per round of runs (``--ceiling-each-rep``), it shows drift of the target beside the best."""
     dist.barrier()
-    seconds = ceilings.write_seconds(os.path.join(target, f"rank{rank}"), state.nbytes, args.threads, 1)
+    seconds = ceilings.write_seconds(os.path.join(target, f"rank{rank}"), state.nbytes, threads, reps, source)
     slowest = _max_over_ranks({"s": seconds}, group)["s"]
-    rate = state.nbytes // args.threads * args.threads * world / slowest / 1e9
-    meta.setdefault("write_samples_gbps", {}).setdefault(target, []).append(rate)
+    return state.nbytes // threads * threads * world / slowest / 1e9
 
 
 def _save_meta(prefix: str, meta: dict) -> None:

@@ -8,7 +8,6 @@ and identical on every rank. Must not: touch tensor data or files.
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -63,7 +62,7 @@ def file_name(rank: int, index: int, tag: str = "") -> str:
     return f"__{rank}_{index}{tag}.distcp"
 
 
-def lay_out_rank(plan: GlobalPlan, rank: int, files_per_rank: int, *, one_item_per_file: bool = False,
+def lay_out_rank(plan: GlobalPlan, rank: int, *, one_item_per_file: bool = False,
                  tag: str = "") -> RankLayout:
     """This rank's files. ``one_item_per_file`` is for stores that write whole values only
     (kvstores); ``tag`` makes file names unique to one save (loaders follow `.metadata`,
@@ -81,21 +80,13 @@ def lay_out_rank(plan: GlobalPlan, rank: int, files_per_rank: int, *, one_item_p
             files.append(FileSpec(path, placed.length_bytes, [placed]))
             n += 1
         return RankLayout(rank, files)
-    n_files = max(1, min(files_per_rank, len(chunks))) if (chunks or objects) else 0
-    if n_files == 0:
+    if not (chunks or objects):
         return RankLayout(rank, [])
-    # Largest first onto the least-loaded file balances bytes; ties go to the lower index.
-    load = [(0, i) for i in range(n_files)]
-    assigned: dict[int, int] = {}
-    order = sorted(range(len(chunks)), key=lambda i: (-chunks[i].payload_bytes, i))
-    for i in order:
-        size, f = heapq.heappop(load)
-        assigned[i] = f
-        heapq.heappush(load, (size + chunks[i].payload_bytes, f))
-    per_file: list[list] = [[] for _ in range(n_files)]
+    # The plan balanced the chunks over file slots by bytes; objects (small) go to file 0.
+    per_file: list[list] = [[] for _ in range(1 + max((c.file_slot for c in chunks), default=0))]
     per_file[0].extend(objects)
-    for i, chunk in enumerate(chunks):
-        per_file[assigned[i]].append(chunk)
+    for chunk in chunks:
+        per_file[chunk.file_slot].append(chunk)
     files = []
     for index, entries in enumerate(per_file):
         if not entries:
@@ -115,7 +106,7 @@ def lay_out_rank(plan: GlobalPlan, rank: int, files_per_rank: int, *, one_item_p
     return RankLayout(rank, files)
 
 
-def lay_out(plan: GlobalPlan, files_per_rank: int, *, one_item_per_file: bool = False,
+def lay_out(plan: GlobalPlan, *, one_item_per_file: bool = False,
             tag: str = "") -> list[RankLayout]:
-    return [lay_out_rank(plan, rank, files_per_rank, one_item_per_file=one_item_per_file, tag=tag)
+    return [lay_out_rank(plan, rank, one_item_per_file=one_item_per_file, tag=tag)
             for rank in range(plan.world_size)]

@@ -7,7 +7,7 @@ Must not: touch CUDA or files.
 
 from __future__ import annotations
 
-from .chunking import split_box
+from .chunking import balanced_cuts, cut_rows, slot_of, split_box
 from .collect import DraftShard, LocalState, collect
 from .records import (
     Box,
@@ -40,8 +40,9 @@ def rank_plan(local: LocalState, residences: list[str], extra_problems: list[Pro
     return RankPlan(local.rank, shards, list(local.objects), list(local.problems) + list(extra_problems))
 
 
-def build_global_plan(plans: list[RankPlan], chunk_bytes: int) -> GlobalPlan | list[Problem]:
-    """The checkpoint's items, or the problems that prevent it (identical on every rank)."""
+def build_global_plan(plans: list[RankPlan], chunk_bytes: int, files_per_rank: int = 1) -> GlobalPlan | list[Problem]:
+    """The checkpoint's items, or the problems that prevent it (identical on every rank).
+    Each rank's chunks are spread over up to ``files_per_rank`` file slots of equal bytes."""
     problems = validate(plans)
     if problems:
         return problems
@@ -51,15 +52,31 @@ def build_global_plan(plans: list[RankPlan], chunk_bytes: int) -> GlobalPlan | l
     for plan in plans:
         for s in plan.shards:
             tensors.setdefault(s.key, TensorSpec(s.key, s.dtype, s.global_shape))
-            if not s.is_main:
-                continue
-            for sub in split_box(s.box.sizes, s.dtype.itemsize, chunk_bytes):
-                global_offsets = tuple(o + d for o, d in zip(s.box.offsets, sub.offsets))
-                chunks.append(
-                    ChunkSpec(s.key, s.dtype, s.rank, s.local_index, Box(global_offsets, sub.sizes), sub)
-                )
+        chunks.extend(_rank_chunks([s for s in plan.shards if s.is_main], chunk_bytes, files_per_rank))
         for o in plan.objects:
             if o.is_main:
                 objects.append(ObjectSpec(o.fqn, o.rank, o.payload_bytes))
     ordered = [tensors[k] for k in sorted(tensors)]
     return GlobalPlan(len(plans), ordered, chunks, objects)
+
+
+def _rank_chunks(shards: list[ShardRef], chunk_bytes: int, files_per_rank: int) -> list[ChunkSpec]:
+    sizes = [s.box.numel * s.dtype.itemsize for s in shards]
+    whole = sum(len(split_box(s.box.sizes, s.dtype.itemsize, chunk_bytes)) for s in shards)
+    slots = max(1, min(files_per_rank, whole))
+    total = sum(sizes)
+    # A cut costs one more item; pieces of chunk_bytes/256 (1 MiB by default) still write at full speed.
+    cuts = balanced_cuts(sizes, slots, max(1, chunk_bytes // 256)) if slots > 1 else [[] for _ in shards]
+    chunks, pos = [], 0
+    for s, shard_cuts in zip(shards, cuts):
+        for piece in cut_rows(s.box.sizes, s.dtype.itemsize, shard_cuts):
+            piece_bytes = piece.numel * s.dtype.itemsize
+            # By its middle: an uncut shard across a run's end goes where most of it lies.
+            slot = slot_of(pos + piece_bytes // 2, total, slots)
+            for sub in split_box(piece.sizes, s.dtype.itemsize, chunk_bytes):
+                in_shard = tuple(p + d for p, d in zip(piece.offsets, sub.offsets))
+                global_offsets = tuple(o + d for o, d in zip(s.box.offsets, in_shard))
+                chunks.append(ChunkSpec(s.key, s.dtype, s.rank, s.local_index, Box(global_offsets, sub.sizes),
+                                        Box(in_shard, sub.sizes), slot))
+            pos += piece_bytes
+    return chunks

@@ -96,6 +96,7 @@ class ChunkSpec:
     local_index: int
     global_box: Box  # where the chunk sits in the global tensor
     shard_box: Box  # where it sits inside the shard (prepended axes included)
+    file_slot: int = 0  # which of the writing rank's files (balanced by bytes) it goes to
 
     @property
     def payload_bytes(self) -> int:
