@@ -11,7 +11,8 @@ attributed:
 - ``d2h_beside_write``: that copy while 8 threads write a separate host copy of the bytes;
 - ``pipe_chunk`` / ``pipe_piece``: the minimal staging pipeline (D2H on one stream, 8 lanes
   wait for each copy and write it), per chunk and per 32 MiB piece issued round robin over lanes;
-- ``safe_*``: `safe_ckpt.save` / `async_save` with the defaults and with one option changed.
+- ``safe_*``: `safe_ckpt.save` / `async_save` with the defaults and with options changed
+  (``io16``: 16 writer threads, ``sumN``: N checksum threads, 0 = in the writers, ``chunkN``: N MiB chunks).
 Prints one JSON line per case (median, min, max of --reps). Usage:
 python benchmarks/diag_ttd.py [--preset anchor] [--gib 8.6] [--target /dev/shm/safe_ckpt_diag]
 """
@@ -155,7 +156,19 @@ def _pipeline(target: str, sources: list[torch.Tensor], pinned: torch.Tensor, st
     return dt
 
 
-def _safe(state, target: str, budget: int, mode: str, **opts) -> float:
+def _safe(state, target: str, budget: int, mode: str, piece_bytes: int | None = None, **opts) -> float:
+    from safe_ckpt import pipeline
+
+    default_piece = pipeline.FUSED_PIECE_BYTES
+    if piece_bytes:
+        pipeline.FUSED_PIECE_BYTES = piece_bytes
+    try:
+        return _safe_once(state, target, budget, mode, **opts)
+    finally:
+        pipeline.FUSED_PIECE_BYTES = default_piece
+
+
+def _safe_once(state, target: str, budget: int, mode: str, **opts) -> float:
     shutil.rmtree(target, ignore_errors=True)
     options = safe_ckpt.SaveOptions(staging_budget_bytes=budget, **opts)
     t0 = time.perf_counter()
@@ -174,7 +187,7 @@ def main() -> None:
     ap.add_argument("--gib", type=lambda v: float(v) if v else None, default=8.6, help="empty: the preset's own size")
     ap.add_argument("--target", default="/dev/shm/safe_ckpt_diag")
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--only", default="", help="comma-separated case prefixes to run (default: all)")
+    ap.add_argument("--only", default="", help="comma-separated cases to run, NAME* for a prefix (default: all)")
     args = ap.parse_args()
     state = build(args.preset, args.gib, "gpu")
     cuda = torch.cuda.is_available()
@@ -232,9 +245,19 @@ def main() -> None:
         "safe_sync_io16_chunk32": lambda: _safe(state, args.target, budget, "sync", io_threads=16, chunk_bytes=32 * MiB),
         "safe_sync_io16_nosum": lambda: _safe(state, args.target, budget, "sync", io_threads=16, checksums=False),
         "safe_async_io16": lambda: _safe(state, args.target, budget, "async", io_threads=16),
+        "safe_sync_io16_sum0": lambda: _safe(state, args.target, budget, "sync", io_threads=16, checksum_threads=0),
+        "safe_sync_io16_sum0_p1m": lambda: _safe(state, args.target, budget, "sync", MiB, io_threads=16,
+                                                 checksum_threads=0),
+        "safe_sync_io16_sum0_p4m": lambda: _safe(state, args.target, budget, "sync", 4 * MiB, io_threads=16,
+                                                 checksum_threads=0),
+        "safe_sync_io16_sum4": lambda: _safe(state, args.target, budget, "sync", io_threads=16, checksum_threads=4),
+        "safe_sync_io16_sum16": lambda: _safe(state, args.target, budget, "sync", io_threads=16, checksum_threads=16),
+        "safe_sync_io12_sum4": lambda: _safe(state, args.target, budget, "sync", io_threads=12, checksum_threads=4),
+        "safe_sync_sum0": lambda: _safe(state, args.target, budget, "sync", checksum_threads=0),
     }
     only = [p for p in args.only.split(",") if p]
-    selected = {k: f for k, f in cases.items() if (not only or any(k.startswith(p) for p in only))
+    selected = {k: f for k, f in cases.items()
+                if (not only or any(k == p or (p.endswith("*") and k.startswith(p[:-1])) for p in only))
                 and (cuda or not k.startswith(("d2h", "pipe")))}
     runs = {k: [] for k in selected}
     for _ in range(args.reps):  # rounds interleave the cases, so drift hits all alike

@@ -12,7 +12,8 @@
 #   cpu      the CPU suite on this machine's Python / megatron-core (from .whl).
 # Usage: bash benchmarks/gpu_suite.sh PART [PART ...]   (results under $OUT)
 #   env: PRESET=anchor|qwen3-4b-dp8, GIB (size per rank; empty: the preset's own), REPS, PEER_REPS, PEERS,
-#        THREADS (writer threads of every saver and the ceiling, default 8), ONLY (diag_ttd cases), DIAG_QWEN=0,
+#        THREADS (writer threads of every saver and the ceiling, default 8), CACHE (bench: cold,warm),
+#        ONLY (diag_ttd cases), DIAG_QWEN=0,
 #        GPU_N (pytest-xdist workers for the GPU tests), GPU_K (pytest -k)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -80,7 +81,7 @@ part_diag() {
   grep case "$RES/diag_ttd_anchor.txt" | cut -c1-160
   [ "${DIAG_QWEN:-1}" = 1 ] || return 0
   python3 benchmarks/diag_ttd.py --preset qwen3-4b-dp8 --gib "" --reps ${REPS:-3} --target "$SHM" \
-    --only write_8,d2h,pipe,safe_sync,safe_async > "$RES/diag_ttd_qwen.txt" 2> "$RES/diag_ttd_qwen.err"
+    --only 'write_8,d2h,pipe*,safe_sync,safe_async' > "$RES/diag_ttd_qwen.txt" 2> "$RES/diag_ttd_qwen.err"
   grep case "$RES/diag_ttd_qwen.txt" | cut -c1-160
   python3 benchmarks/diag_staging.py --target "$SHM" > "$RES/diag_staging.txt" 2> "$RES/diag_staging.err"
   cat "$RES/diag_staging.txt" | cut -c1-200
@@ -89,7 +90,7 @@ part_diag() {
 # TARGETS: the targets of one run (default both; tmpfs and disk with every peer at 3 runs and
 # the per-round ceilings take about 10 minutes, so run TARGETS=$SHM and TARGETS=$DISK as two calls).
 part_bench() {
-  $BENCH --reps ${REPS:-5} --peer-reps ${PEER_REPS:-3} --targets "${TARGETS:-$SHM,$DISK}" --cache cold,warm \
+  $BENCH --reps ${REPS:-5} --peer-reps ${PEER_REPS:-3} --targets "${TARGETS:-$SHM,$DISK}" --cache ${CACHE:-cold,warm} \
     --peer-cache cold --residences gpu --peers ${PEERS:-all} --ceiling-each-rep --threads ${THREADS:-8} \
     --label "H200 ${PRESET:-anchor} one rank" --out "$RES/bench_h200" > "$RES/bench.log" 2>&1
   tail -3 "$RES/bench.log"; grep '^|\|^Write ceiling' "$RES/bench_h200.md"
@@ -97,12 +98,12 @@ part_bench() {
 
 part_mixes() {
   $BENCH --reps ${REPS:-3} --peer-reps ${PEER_REPS:-3} --targets "$SHM" --cache cold,warm --peer-cache cold \
-    --residences opt-pinned,opt-pageable --peers ${PEERS:-safe_sync,safe_async,safe_sync_nosum,megatron_sync,dcp_sync,dcp_async_pinned} \
+    --threads ${THREADS:-8} --residences opt-pinned,opt-pageable --peers ${PEERS:-safe_sync,safe_async,safe_sync_nosum,megatron_sync,dcp_sync,dcp_async_pinned} \
     --label "H200 ${PRESET:-anchor} one rank, host-resident optimizer state" --out "$RES/bench_mixes" \
     > "$RES/bench_mixes.log" 2>&1
   tail -2 "$RES/bench_mixes.log"; grep '^|' "$RES/bench_mixes.md"
   python3 -m safe_ckpt.bench --preset qwen3-4b-dp8 --reps 3 --peer-reps 2 --targets "$SHM" --cache cold \
-    --residences gpu --peers safe_sync,safe_async,megatron_sync,dcp_sync \
+    --threads ${THREADS:-8} --residences gpu --peers safe_sync,safe_async,megatron_sync,dcp_sync \
     --label "H200 qwen3-4b-dp8 one rank" --out "$RES/bench_qwen" > "$RES/bench_qwen.log" 2>&1
   tail -2 "$RES/bench_qwen.log"; grep '^|' "$RES/bench_qwen.md"
 }
@@ -113,6 +114,7 @@ part_bench2() {
   NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
   python3 -m torch.distributed.run --nproc-per-node "$NGPU" -m safe_ckpt.bench --preset ${PRESET:-anchor} $GIB_ARG \
     --reps ${REPS:-3} --peer-reps ${PEER_REPS:-3} --targets "$SHM,$DISK" --cache cold --residences gpu \
+    --threads ${THREADS:-8} \
     --peers ${PEERS:-all} --label "${NGPU}x H200 ${PRESET:-anchor}" --out "$RES/bench_h200x$NGPU" > "$RES/bench2.log" 2>&1
   tail -3 "$RES/bench2.log"; grep '^|' "$RES/bench_h200x$NGPU.md"
 }

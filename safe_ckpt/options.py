@@ -35,7 +35,11 @@ class SaveOptions:
     zip_crc32: compute the zip CRC-32 of every payload (stock readers do not check it).
     checksums: record a checksum (xxh3-64, or CRC-32 without the xxhash package) of every
         stored item in the sidecar manifest (`safe_ckpt_manifest.json`, ignored by stock
-        loaders) for `safe-ckpt verify`; computed on separate threads beside the writes.
+        loaders) for `safe-ckpt verify`.
+    checksum_threads: threads that compute the checksums beside the writers; 0 computes each
+        one in its writer thread, 2 MiB at a time just before writing it (no extra threads, and
+        the write reads bytes the hash just brought into cache); None (default) uses as many
+        threads as writers while cores are spare, and 0 once the writers alone use every core.
     unmapped_policy: "error" refuses tensors whose device memory is paused; "cpu_backup"
         reads their bytes from torch_memory_saver's CPU backup where one exists.
     replace: what may already be at the target: "checkpoint" (default) atomically
@@ -57,6 +61,7 @@ class SaveOptions:
     collective_timeout_s: float = 600.0
     zip_crc32: bool = False
     checksums: bool = True
+    checksum_threads: Optional[int] = None
     unmapped_policy: str = "error"
     replace: str = "checkpoint"
     progress_interval_s: float = 10.0
@@ -73,6 +78,8 @@ class SaveOptions:
             problems.append(
                 f"staging_budget_bytes={self.staging_budget_bytes} must be at least chunk_bytes={self.chunk_bytes}"
             )
+        if self.checksum_threads is not None and not (0 <= self.checksum_threads <= 256):
+            problems.append(f"checksum_threads={self.checksum_threads} must be None or within [0, 256]")
         if not self.collective_timeout_s > 0:
             problems.append(f"collective_timeout_s={self.collective_timeout_s} must be positive")
         if self.replace not in REPLACE_POLICIES:

@@ -18,6 +18,7 @@ Must not: decide what goes where (the layout did), talk to other ranks, or publi
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -29,13 +30,48 @@ import torch
 from .encoding import torchzip
 from .encoding.layout import PlacedItem, RankLayout
 from .errors import CheckpointError, SourceModifiedError
-from .integrity import ItemChecksum, checksum_of
+from .integrity import ALGORITHM, Hasher, ItemChecksum, checksum_of
 from .progress import Progress
 from .residence import HOST_RESIDENCES, Residence
 from .sinks.base import Sink
 from .staging.stager import Stager, StagedChunk, chunk_view
 
 log = logging.getLogger(__name__)
+
+
+FUSED_PIECE_BYTES = 2 << 20  # hashed, then written while still in the core's cache
+
+
+def _checksum_threads(asked: int | None, lanes: int) -> int:
+    """Beside-the-writes hashing needs idle cores; where the writers take them all, hashing
+    in the writer threads costs less than twice as many threads fighting for the cores (on a
+    16-core H200 host, 16 writers + 16 hashers took 0.52 s where 16 writers without
+    checksums took 0.40 s)."""
+    if asked is not None:
+        return asked
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    spare = cores - lanes
+    return min(lanes, spare) if spare > 0 else 0
+
+
+def _pieces(buffers: list, limit_bytes: int):
+    """The buffers regrouped, in order, into lists of at most ``limit_bytes`` (or one buffer slice)."""
+    group, size = [], 0
+    for buf in buffers:
+        view = memoryview(buf).cast("B") if not isinstance(buf, memoryview) else buf.cast("B")
+        while len(view):
+            take = min(len(view), limit_bytes - size)
+            group.append(view[:take])
+            size += take
+            view = view[take:]
+            if size == limit_bytes:
+                yield group
+                group, size = [], 0
+    if group:
+        yield group
 
 
 @dataclass(frozen=True)
@@ -73,7 +109,7 @@ class RankWriter:
     """Runs the write phase in background threads; `join()` returns stats or raises."""
 
     def __init__(self, work: RankWork, sink: Sink, stager: Stager, *, crc32: bool, progress: Progress,
-                 checksums: bool = False, lanes: int | None = None) -> None:
+                 checksums: bool = False, lanes: int | None = None, checksum_threads: int | None = None) -> None:
         self.work = work
         self.checksums = checksums
         self._hasher: ThreadPoolExecutor | None = None
@@ -90,6 +126,7 @@ class RankWriter:
         # One writer thread ("lane") per group of files: file i goes to lane i % lanes.
         self._lanes = max(1, min(lanes or len(work.layout.files), len(work.layout.files)))
         self._queues = [queue.Queue() for _ in range(self._lanes)]
+        self._checksum_threads = _checksum_threads(checksum_threads, self._lanes) if checksums else 0
         self._threads: list[threading.Thread] = []
         self._t0 = 0.0
         self._staged_at = 0.0
@@ -98,9 +135,8 @@ class RankWriter:
     # ----------------------------------------------------------------- control
     def start(self) -> None:
         self._t0 = time.perf_counter()
-        if self.checksums and self.work.layout.files:
-            # Checksums run on their own threads beside the writes.
-            self._hasher = ThreadPoolExecutor(self._lanes, thread_name_prefix="safe_ckpt-sum")
+        if self._checksum_threads and self.work.layout.files:
+            self._hasher = ThreadPoolExecutor(self._checksum_threads, thread_name_prefix="safe_ckpt-sum")
         if self.work.layout.files:
             for lane in range(self._lanes):
                 t = threading.Thread(target=self._write_lane, args=(lane,), name=f"safe_ckpt-write-{lane}")
@@ -264,12 +300,26 @@ class RankWriter:
             handle.close()
 
     def _write(self, handle, item: PlacedItem, buffers: list) -> None:
-        """One vectored write of an item; its checksum is computed meanwhile on another thread."""
-        pending = self._hasher.submit(checksum_of, buffers) if self._hasher is not None else None
-        try:
+        """One vectored write of an item, its checksum computed meanwhile on another thread;
+        or, without checksum threads, piece by piece: hash a piece, then write it."""
+        crc = None
+        if self._hasher is not None:
+            pending = self._hasher.submit(checksum_of, buffers)
+            try:
+                handle.write_at(item.offset_bytes, buffers)
+            finally:
+                crc = pending.result()
+        elif self.checksums:
+            hasher = Hasher(ALGORITHM)
+            offset = item.offset_bytes
+            for group in _pieces(buffers, FUSED_PIECE_BYTES):
+                for buf in group:
+                    hasher.update(buf)
+                handle.write_at(offset, group)
+                offset += sum(len(b) for b in group)
+            crc = hasher.value()
+        else:
             handle.write_at(item.offset_bytes, buffers)
-        finally:
-            crc = pending.result() if pending is not None else None
         if crc is not None:
             with self._lock:
                 self._sums.append(ItemChecksum(item.relative_path, item.offset_bytes, item.length_bytes, crc, item.fqn))

@@ -173,7 +173,7 @@ class _Job:
         progress = Progress(payload, self.coord.rank, opts.progress_interval_s)
         self.writer = RankWriter(
             work, sink, Stager(self.pool, fence), crc32=opts.zip_crc32, progress=progress, checksums=opts.checksums,
-            lanes=opts.io_threads,
+            lanes=opts.io_threads, checksum_threads=opts.checksum_threads,
         )
         self.t_planned = time.perf_counter()  # plan_s ends where write_s begins
         if not self.kv and not os.path.isdir(self.staging_dir):
