@@ -4,7 +4,8 @@
 #   gputests every GPU test (tests/test_gpu*.py: round trips per residence, profiler counts, unmapped
 #            memory, torch_memory_saver, pool reuse, real GPTModel resume, slime actors);
 #   smoke    a 1 GiB benchmark of every peer with memcpy counts, and the same as one Ray actor;
-#   bench    the 8+ GB benchmark, all on the GPU, tmpfs and disk, beside stock Megatron, DCP and ceilings;
+#   bench    the 8+ GB benchmark, all on the GPU, tmpfs and disk, beside stock Megatron, DCP and ceilings
+#            (the TensorStore sink is in smoke: 9 GB through it takes 15 s a run on tmpfs);
 #   mixes    the same state with optimizer state in pinned and in pageable host memory, and the
 #            qwen3-4b-dp8 preset, on tmpfs;
 #   bench2   the bench part across every GPU of the host (nvidia-h200-x2 or larger), one rank per GPU;
@@ -91,7 +92,8 @@ part_diag() {
 # the per-round ceilings take about 10 minutes, so run TARGETS=$SHM and TARGETS=$DISK as two calls).
 part_bench() {
   $BENCH --reps ${REPS:-5} --peer-reps ${PEER_REPS:-3} --targets "${TARGETS:-$SHM,$DISK}" --cache ${CACHE:-cold,warm} \
-    --peer-cache cold --residences gpu --peers ${PEERS:-all} --ceiling-each-rep --threads ${THREADS:-8} \
+    --peer-cache cold --residences gpu --ceiling-each-rep --threads ${THREADS:-8} \
+    --peers ${PEERS:-safe_sync,safe_async,safe_sync_nosum,megatron_sync,megatron_async,dcp_sync,dcp_async_pinned} \
     --label "H200 ${PRESET:-anchor} one rank" --out "$RES/bench_h200" > "$RES/bench.log" 2>&1
   tail -3 "$RES/bench.log"; grep '^|\|^Write ceiling' "$RES/bench_h200.md"
 }

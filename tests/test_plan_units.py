@@ -162,3 +162,23 @@ def test_pool_calls_on_wait_only_before_a_real_wait_and_outside_its_lock():
     second = pool.lease(48 * 1024, timeout_s=10, on_wait=on_wait)
     assert calls == [False]  # called once, before waiting, without the pool's lock
     second.release()
+
+
+def test_checksum_threads_beside_the_writers_only_while_cores_are_spare(monkeypatch):
+    from safe_ckpt import pipeline
+
+    monkeypatch.setattr(pipeline.os, "sched_getaffinity", lambda pid: set(range(16)))
+    assert pipeline._checksum_threads(None, 8) == 8
+    assert pipeline._checksum_threads(None, 12) == 4
+    assert pipeline._checksum_threads(None, 16) == 0
+    assert pipeline._checksum_threads(None, 32) == 0
+    assert pipeline._checksum_threads(3, 16) == 3 and pipeline._checksum_threads(0, 2) == 0
+
+
+def test_write_ceiling_thread_counts_include_one_writer_per_core(monkeypatch):
+    from safe_ckpt.bench import ceilings
+
+    monkeypatch.setattr(ceilings.os, "cpu_count", lambda: 16)
+    assert ceilings.thread_counts(8) == [8, 16] and ceilings.thread_counts(16) == [16]
+    monkeypatch.setattr(ceilings.os, "cpu_count", lambda: 64)
+    assert ceilings.thread_counts(8) == [8, 32]
