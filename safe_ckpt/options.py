@@ -47,6 +47,9 @@ class SaveOptions:
         directory holding anything else (foreign or half-written); "any" replaces whatever
         is there; "never" refuses any non-empty target.
     progress_interval_s: period of progress log lines for long saves (0 disables).
+    gc_freeze: during the save, keep Python's cyclic garbage collector off the objects that
+        existed when it began (`gc.freeze()`, undone when the save ends), so collections the
+        save's own allocations trigger do not walk the whole training process's heap.
     sink_factory: builds the byte sink for a staging directory, or wraps the kvstore sink
         (tests inject faults here); None means the POSIX (or kvstore) sink.
     kvstore_spec: a TensorStore kvstore spec (e.g. {"driver": "gcs", "bucket": "b"}); the
@@ -65,6 +68,7 @@ class SaveOptions:
     unmapped_policy: str = "error"
     replace: str = "checkpoint"
     progress_interval_s: float = 10.0
+    gc_freeze: bool = True
     sink_factory: Optional[Callable] = None
     kvstore_spec: Optional[dict] = None
 

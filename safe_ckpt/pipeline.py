@@ -61,7 +61,7 @@ def _pieces(buffers: list, limit_bytes: int):
     """The buffers regrouped, in order, into lists of at most ``limit_bytes`` (or one buffer slice)."""
     group, size = [], 0
     for buf in buffers:
-        view = memoryview(buf).cast("B") if not isinstance(buf, memoryview) else buf.cast("B")
+        view = memoryview(buf).cast("B")
         while len(view):
             take = min(len(view), limit_bytes - size)
             group.append(view[:take])

@@ -21,7 +21,7 @@ import os
 import time
 from dataclasses import dataclass
 
-from . import commit, compat, dist, residence
+from . import commit, compat, dist, gcfreeze, residence
 from .encoding.layout import lay_out, lay_out_rank
 from .encoding.metadata import METADATA_FILE, build_metadata, metadata_bytes
 from .errors import CheckpointError, RankFailure, combine, failure_from_exception
@@ -78,6 +78,7 @@ class _Job:
         self.sharded_only = sharded_only
         self.post_commit = post_commit  # collective step after a successful commit (tracker file)
         self.area: commit.StagingArea | None = None
+        self.gc_hold = gcfreeze.Hold(False)  # start() puts the save's hold here
         self.t0 = time.perf_counter()
 
     # ------------------------------------------------------------------ plan
@@ -192,6 +193,12 @@ class _Job:
 
     # ---------------------------------------------------------------- finish
     def finish(self, stall_s: float | None = None) -> SaveResult:
+        try:
+            return self._finish(stall_s)
+        finally:
+            self.gc_hold.release()
+
+    def _finish(self, stall_s: float | None) -> SaveResult:
         rank = self.coord.rank
         failure, stats = self._write_failure, None
         if failure is None:
@@ -308,9 +315,15 @@ def start(sharded_state_dict: dict, checkpoint_dir, *, process_group=None, optio
     """Plan and start writing (collective); for the adapters at the edges. The returned job
     is finished with `.finish()` or handed to `SaveHandle` after `.wait_staged()`."""
     wait_for_previous()
-    job = _Job(sharded_state_dict, checkpoint_dir, process_group, options, content_metadata,
-               sharded_only=sharded_only, post_commit=post_commit)
-    job.plan()
+    hold = gcfreeze.Hold((options or SaveOptions()).gc_freeze)
+    try:
+        job = _Job(sharded_state_dict, checkpoint_dir, process_group, options, content_metadata,
+                   sharded_only=sharded_only, post_commit=post_commit)
+        job.gc_hold = hold
+        job.plan()
+    except BaseException:
+        hold.release()
+        raise
     return job
 
 

@@ -182,3 +182,27 @@ def test_write_ceiling_thread_counts_include_one_writer_per_core(monkeypatch):
     assert ceilings.thread_counts(8) == [8, 16] and ceilings.thread_counts(16) == [16]
     monkeypatch.setattr(ceilings.os, "cpu_count", lambda: 64)
     assert ceilings.thread_counts(8) == [8, 32]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_balanced_chunks_tile_random_shards_within_bounds(seed):
+    g = torch.Generator().manual_seed(seed)
+    dtypes = [torch.float32, torch.bfloat16, torch.int8, torch.float64]
+    shards = []
+    for i in range(int(torch.randint(1, 30, (1,), generator=g))):
+        ndim = int(torch.randint(0, 4, (1,), generator=g))
+        shape = tuple(int(s) for s in torch.randint(0, 40, (ndim,), generator=g))
+        shards.append(_shard(f"t{i}", 0, (0,) * ndim, shape, shape, dtypes[i % 4], local_index=i))
+    chunk_bytes = int(torch.randint(4, 4096, (1,), generator=g))
+    files = int(torch.randint(1, 17, (1,), generator=g))
+    plan = build_global_plan([RankPlan(0, shards, [], [])], chunk_bytes, files)
+    layout = lay_out_rank(plan, 0)
+    assert all(0 <= c.file_slot < files for c in plan.chunks)
+    for i, s in enumerate(shards):
+        boxes = [c.shard_box for c in plan.chunks if c.local_index == i]
+        if s.box.numel:
+            assert _covers_exactly(s.box.sizes, boxes)
+        assert all(b.numel * s.dtype.itemsize <= max(chunk_bytes, s.dtype.itemsize) for b in boxes)
+    for f in layout.files:  # items back to back from offset 0
+        ends = [0] + [it.offset_bytes + it.length_bytes for it in f.items]
+        assert [it.offset_bytes for it in f.items] == ends[:-1] and ends[-1] == f.size_bytes

@@ -260,3 +260,70 @@ def test_a_failure_waiting_for_device_copies_fails_the_save(tmp_path, monkeypatc
     with pytest.raises(safe_ckpt.CheckpointError, match="illegal memory access"):
         safe_ckpt.save(state, path, options=_opts())
     assert not os.path.exists(path)
+
+
+class _FreezeProbe(PosixSink):
+    """Records the collector's frozen-object count while the save writes."""
+
+    seen: list
+
+    def open(self, relative_path, size_bytes):
+        self.seen.append(__import__("gc").get_freeze_count())
+        return super().open(relative_path, size_bytes)
+
+
+def _probe_factory(seen):
+    def factory(root):
+        sink = _FreezeProbe(root)
+        sink.seen = seen
+        return sink
+    return factory
+
+
+@pytest.mark.parametrize("mode", ["sync", "async", "fault", "off", "user_froze"])
+def test_gc_freeze_holds_during_the_save_only(tmp_path, mode):
+    import gc
+
+    gc.unfreeze()
+    seen = []
+    factory = _probe_factory(seen)
+    if mode == "fault":
+        factory = lambda d: FaultySink(_probe_factory(seen)(d), Fault(after_bytes=1))  # noqa: E731
+    opts = _opts(gc_freeze=mode != "off", sink_factory=factory)
+    state = {"w": _st("w", torch.randn(64, 64)), "b": _st("b", torch.randn(300))}
+    if mode == "user_froze":
+        gc.freeze()
+    try:
+        before = gc.get_freeze_count()
+        if mode == "async":
+            safe_ckpt.async_save(state, str(tmp_path / "ck"), options=opts).wait()
+        elif mode == "fault":
+            with pytest.raises(safe_ckpt.CheckpointError):
+                safe_ckpt.save(state, str(tmp_path / "ck"), options=opts)
+        else:
+            safe_ckpt.save(state, str(tmp_path / "ck"), options=opts)
+        assert seen
+        if mode in ("sync", "async", "fault"):
+            assert before == 0 and min(seen) > 0 and gc.get_freeze_count() == 0
+        else:  # off, or the process's own freeze: left as it was
+            assert set(seen) == {before} and gc.get_freeze_count() == before
+    finally:
+        gc.unfreeze()
+
+
+def test_gc_freeze_released_when_planning_fails(tmp_path, monkeypatch):
+    import gc
+
+    from safe_ckpt import saving
+
+    gc.unfreeze()
+    during = []
+
+    def failing_plan(job):
+        during.append(gc.get_freeze_count())
+        raise safe_ckpt.CheckpointError("planning failed")
+
+    monkeypatch.setattr(saving._Job, "plan", failing_plan)
+    with pytest.raises(safe_ckpt.CheckpointError, match="planning failed"):
+        safe_ckpt.save({"w": _st("w", torch.randn(4, 4))}, str(tmp_path / "ck"), options=_opts())
+    assert during and during[0] > 0 and gc.get_freeze_count() == 0
