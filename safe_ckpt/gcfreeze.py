@@ -7,8 +7,9 @@ triggers each walked the whole heap: on a 2-core VM with torch and megatron-core
 every save of 2000 items met a 0.17-0.24 s generation-2 pause, none with the freeze
 (benchmarks/gc_pauses.py). The
 collector still runs; it only skips what was already there, and garbage among those
-objects is collected after the save. Nothing is done if the collector is disabled or the
-process froze objects itself (fork-based data loaders do), since unfreezing would undo that.
+objects is collected after the save (for an async save, that can be some training steps
+later). Nothing is done if the collector is disabled or the process froze objects itself
+(fork-based data loaders do), before or during the save, since unfreezing would undo that.
 
 Must not: disable the collector, or leave objects frozen after the last save ends.
 """
@@ -29,13 +30,15 @@ class _Freezer:
         self._lock = threading.Lock()
         self._holders = 0
         self._ours = False
+        self._frozen = 0
 
     def acquire(self) -> None:
         with self._lock:
             if self._holders == 0 and gc.isenabled() and gc.get_freeze_count() == 0:
                 gc.freeze()
                 self._ours = True
-                log.debug("safe_ckpt: froze %d objects for the save", gc.get_freeze_count())
+                self._frozen = gc.get_freeze_count()
+                log.debug("safe_ckpt: froze %d objects for the save", self._frozen)
             self._holders += 1
 
     def release(self) -> None:
@@ -44,8 +47,13 @@ class _Freezer:
                 return
             self._holders -= 1
             if self._holders == 0 and self._ours:
-                gc.unfreeze()
                 self._ours = False
+                # More frozen than we froze: the process froze objects itself meanwhile (an
+                # async save spans training steps); unfreezing would undo that, so leave it.
+                # (Only freezing raises the count; frozen objects that die lower it, so a
+                # freeze that added fewer objects than died goes unnoticed and is undone.)
+                if gc.get_freeze_count() <= self._frozen:
+                    gc.unfreeze()
 
     @property
     def frozen_by_us(self) -> bool:

@@ -109,7 +109,9 @@ class RankWriter:
     """Runs the write phase in background threads; `join()` returns stats or raises."""
 
     def __init__(self, work: RankWork, sink: Sink, stager: Stager, *, crc32: bool, progress: Progress,
-                 checksums: bool = False, lanes: int | None = None, checksum_threads: int | None = None) -> None:
+                 checksums: bool = False, lanes: int | None = None, checksum_threads: int | None = None,
+                 whole_writes: bool = False) -> None:
+        """``whole_writes``: the sink takes each item in one `write_at` (kvstore values)."""
         self.work = work
         self.checksums = checksums
         self._hasher: ThreadPoolExecutor | None = None
@@ -127,6 +129,7 @@ class RankWriter:
         self._lanes = max(1, min(lanes or len(work.layout.files), len(work.layout.files)))
         self._queues = [queue.Queue() for _ in range(self._lanes)]
         self._checksum_threads = _checksum_threads(checksum_threads, self._lanes) if checksums else 0
+        self._whole_writes = whole_writes
         self._threads: list[threading.Thread] = []
         self._t0 = 0.0
         self._staged_at = 0.0
@@ -309,6 +312,9 @@ class RankWriter:
                 handle.write_at(item.offset_bytes, buffers)
             finally:
                 crc = pending.result()
+        elif self.checksums and self._whole_writes:
+            crc = checksum_of(buffers)
+            handle.write_at(item.offset_bytes, buffers)
         elif self.checksums:
             hasher = Hasher(ALGORITHM)
             offset = item.offset_bytes

@@ -48,6 +48,25 @@ class _PlanMessage:
     plan: RankPlan
     staging_dir: str | None
     save_id: str | None
+    layout_options: dict  # the options every rank's share of the global plan depends on
+
+
+def _layout_options(options: SaveOptions) -> dict:
+    return {"chunk_bytes": options.chunk_bytes, "io_threads": options.io_threads}
+
+
+def _option_mismatches(messages: list[_PlanMessage]) -> list[Problem]:
+    """Ranks whose layout options differ from rank 0's: their chunks would not match `.metadata`."""
+    problems = []
+    reference = messages[0].layout_options
+    for name, value in reference.items():
+        odd = tuple(r for r, m in enumerate(messages) if m.layout_options.get(name) != value)
+        if odd:
+            seen = sorted({messages[r].layout_options.get(name) for r in odd})
+            problems.append(Problem("ValidationError", f"<SaveOptions.{name}>", odd,
+                                    f"SaveOptions.{name} must be equal on every rank: rank 0 has {value}, "
+                                    f"rank(s) {', '.join(map(str, odd))} have {', '.join(map(str, seen))}"))
+    return problems
 
 
 def _problems_error(stage: str, problems: list[Problem]) -> CheckpointError:
@@ -131,14 +150,16 @@ class _Job:
             except Exception as exc:
                 problems.append(Problem("CommitError", "<target>", (0,), f"{type(exc).__name__}: {exc}"))
         message = _PlanMessage(
-            rank_plan(local, residences, problems), self.area.staging_dir if self.area else None, save_id
+            rank_plan(local, residences, problems), self.area.staging_dir if self.area else None, save_id,
+            _layout_options(self.options),
         )
         try:
             messages = self.coord.exchange("planning", message)
         except CheckpointError:
             self._abort()
             raise
-        global_plan = build_global_plan([m.plan for m in messages], self.options.chunk_bytes, self.options.io_threads)
+        global_plan = _option_mismatches(messages) or build_global_plan(
+            [m.plan for m in messages], self.options.chunk_bytes, self.options.io_threads)
         if not isinstance(global_plan, GlobalPlan):
             self._abort()
             raise _problems_error("planning", global_plan)
@@ -174,7 +195,7 @@ class _Job:
         progress = Progress(payload, self.coord.rank, opts.progress_interval_s)
         self.writer = RankWriter(
             work, sink, Stager(self.pool, fence), crc32=opts.zip_crc32, progress=progress, checksums=opts.checksums,
-            lanes=opts.io_threads, checksum_threads=opts.checksum_threads,
+            lanes=opts.io_threads, checksum_threads=opts.checksum_threads, whole_writes=self.kv,
         )
         self.t_planned = time.perf_counter()  # plan_s ends where write_s begins
         if not self.kv and not os.path.isdir(self.staging_dir):
@@ -187,8 +208,12 @@ class _Job:
         self.writer.start()
 
     def wait_staged(self) -> float:
-        if self._write_failure is None:
-            self.writer.wait_staged()
+        try:
+            if self._write_failure is None:
+                self.writer.wait_staged()
+        except BaseException:  # no handle will finish this job: do not leave the collector frozen
+            self.gc_hold.release()
+            raise
         return time.perf_counter() - self.t0
 
     # ---------------------------------------------------------------- finish

@@ -175,12 +175,14 @@ def hostile_state(case: str, rank: int, world: int) -> tuple[dict, str, list[int
         return {**good, "x": _st("x", _rows(10, 2), (2 * max(world - 1, 1), 4), off)}, "x", [0, 1]
     if case == "object_two_main":
         return {**good, "o": ShardedObject("o", {"r": rank}, (1,), (0,), replica_id=0)}, "o", list(range(world))
+    if case == "options_disagree":  # the last rank asks for other writer threads (see `hostile`)
+        return good, "<SaveOptions.io_threads>", [last]
     raise ValueError(case)
 
 
 HOSTILE_CASES = [
     "overlap", "gap", "dtype_disagree", "shape_disagree", "lying_local_shape", "out_of_bounds",
-    "data_none", "meta_tensor", "two_main_replicas", "object_two_main",
+    "data_none", "meta_tensor", "two_main_replicas", "object_two_main", "options_disagree",
 ]
 
 
@@ -196,7 +198,8 @@ def hostile(rank, world, root) -> dict:
         target = os.path.join(root, case)
         record = {"key": key, "expected_ranks": ranks}
         try:
-            safe_ckpt.save(state, target, options=small_options())
+            odd = case == "options_disagree" and rank == world - 1
+            safe_ckpt.save(state, target, options=small_options(io_threads=5) if odd else small_options())
             record["error"] = None
         except BaseException as exc:
             record["error"] = describe_exception(exc)

@@ -178,9 +178,9 @@ def test_checksum_threads_beside_the_writers_only_while_cores_are_spare(monkeypa
 def test_write_ceiling_thread_counts_include_one_writer_per_core(monkeypatch):
     from safe_ckpt.bench import ceilings
 
-    monkeypatch.setattr(ceilings.os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(ceilings.os, "sched_getaffinity", lambda pid: set(range(16)))
     assert ceilings.thread_counts(8) == [8, 16] and ceilings.thread_counts(16) == [16]
-    monkeypatch.setattr(ceilings.os, "cpu_count", lambda: 64)
+    monkeypatch.setattr(ceilings.os, "sched_getaffinity", lambda pid: set(range(64)))
     assert ceilings.thread_counts(8) == [8, 32]
 
 

@@ -327,3 +327,42 @@ def test_gc_freeze_released_when_planning_fails(tmp_path, monkeypatch):
     with pytest.raises(safe_ckpt.CheckpointError, match="planning failed"):
         safe_ckpt.save({"w": _st("w", torch.randn(4, 4))}, str(tmp_path / "ck"), options=_opts())
     assert during and during[0] > 0 and gc.get_freeze_count() == 0
+
+
+def test_gc_freeze_released_when_waiting_for_staging_fails(tmp_path, monkeypatch):
+    import gc
+
+    from safe_ckpt import pipeline
+
+    gc.unfreeze()
+
+    def interrupted(self, timeout_s=None):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pipeline.RankWriter, "wait_staged", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        safe_ckpt.async_save({"w": _st("w", torch.randn(8, 8))}, str(tmp_path / "ck"), options=_opts())
+    assert gc.get_freeze_count() == 0
+
+
+def test_gc_freeze_keeps_a_freeze_the_process_made_during_the_save(tmp_path):
+    import gc
+
+    gc.unfreeze()
+
+    kept = []
+
+    class FreezingSink(PosixSink):
+        def open(self, relative_path, size_bytes):
+            # New objects, then a freeze: e.g. a data loader about to fork while an async save
+            # runs. (Frozen objects that die meanwhile lower the count; these outnumber them.)
+            kept.append([{} for _ in range(100_000)])
+            gc.freeze()
+            return super().open(relative_path, size_bytes)
+
+    opts = _opts(sink_factory=lambda d: FreezingSink(d))
+    try:
+        safe_ckpt.async_save({"w": _st("w", torch.randn(64, 64))}, str(tmp_path / "ck"), options=opts).wait()
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()

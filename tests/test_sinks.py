@@ -129,3 +129,26 @@ def test_kvstore_spec_form_and_cli_copy(tmp_path):
     out = {"w": torch.empty(300, 100)}
     dcp.load(out, checkpoint_id=local, no_dist=True)
     assert torch.equal(out["w"], _state(9)["w"].data)
+
+
+@pytest.mark.parametrize("checksum_threads", [None, 0, 1])
+def test_kvstore_items_larger_than_a_hash_piece_in_every_checksum_mode(tmp_path, checksum_threads):
+    """Hashing in the writers goes piece by piece; a kvstore value must still be one write."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    from safe_ckpt.tools.copy import copy
+    from safe_ckpt.tools.verify import verify
+
+    g = torch.Generator().manual_seed(12)
+    w = torch.randn(1024, 1536, generator=g)  # 6 MiB: three 2 MiB pieces
+    opts = safe_ckpt.SaveOptions(io_threads=2, progress_interval_s=0, checksum_threads=checksum_threads)
+    url = f"memory://bucket/big{checksum_threads}"
+    safe_ckpt.save({"w": ShardedTensor.from_rank_offsets("w", w)}, url, options=opts)
+    local = str(tmp_path / "local")
+    copy(url, local)
+    assert verify(local, deep=True).ok
+    out = {"w": torch.empty_like(w)}
+    dcp.load(out, checkpoint_id=local, no_dist=True)
+    assert torch.equal(out["w"].view(torch.int32), w.view(torch.int32))

@@ -43,7 +43,11 @@ def write_gbps(target: str, nbytes: int, threads: int, reps: int = 3) -> float:
 
 def thread_counts(saver_threads: int) -> list[int]:
     """The saver's own thread count and one writer per core (up to 32): the best is the ceiling."""
-    return sorted({saver_threads, min(32, os.cpu_count() or 1)})
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return sorted({saver_threads, min(32, cores)})
 
 
 def source_buffer(nbytes: int, limit_bytes: int = 32 << 30) -> memoryview:

@@ -3,7 +3,8 @@
 Call order, per save: the pipeline calls `open(name, size_bytes)` once per data file
 (each file is then used by one thread only), `write_at` any number of times with
 non-overlapping ranges in any order, `sync()` once all its bytes are written, then
-`close()`. `write_file` writes a whole small file (metadata, common state) and makes it
+`close()` (a sink whose files are whole values, with ``one_item_per_file``, takes exactly
+one `write_at` at offset 0 per file). `write_file` writes a whole small file (metadata, common state) and makes it
 durable. `sync_root()` makes the directory entries durable, after every file is synced.
 A sink must raise `OSError` (or a `CheckpointError`) on any failure and never return
 short. Sinks know nothing about tensors or checkpoints.
