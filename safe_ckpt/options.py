@@ -21,7 +21,8 @@ REPLACE_POLICIES = ("checkpoint", "any", "never")
 
 @dataclass(frozen=True)
 class SaveOptions:
-    """Settings of one save; every rank of a collective save should pass equal options.
+    """Settings of one save; every rank of a collective save should pass equal options
+    (ranks whose `chunk_bytes` or `io_threads` differ are refused: the plan depends on them).
 
     chunk_bytes: largest payload of one stored item; bigger shards are split into
         several chunks (each a standalone torch.save archive). Bounds loader memory too.

@@ -350,19 +350,22 @@ def test_gc_freeze_keeps_a_freeze_the_process_made_during_the_save(tmp_path):
 
     gc.unfreeze()
 
-    kept = []
+    kept, grew = [], []
 
     class FreezingSink(PosixSink):
         def open(self, relative_path, size_bytes):
             # New objects, then a freeze: e.g. a data loader about to fork while an async save
             # runs. (Frozen objects that die meanwhile lower the count; these outnumber them.)
-            kept.append([{} for _ in range(100_000)])
+            kept.append([[i] for i in range(100_000)])  # lists are always tracked (empty dicts are not)
+            before = gc.get_freeze_count()
             gc.freeze()
+            grew.append(gc.get_freeze_count() - before)
             return super().open(relative_path, size_bytes)
 
     opts = _opts(sink_factory=lambda d: FreezingSink(d))
     try:
         safe_ckpt.async_save({"w": _st("w", torch.randn(64, 64))}, str(tmp_path / "ck"), options=opts).wait()
+        assert grew and min(grew) >= 100_000
         assert gc.get_freeze_count() > 0
     finally:
         gc.unfreeze()

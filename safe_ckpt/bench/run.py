@@ -146,6 +146,8 @@ def run(args) -> str:
                 meta.setdefault("write_gbps_by_threads", {})[target] = by_threads
                 meta.setdefault("ceiling_threads", {})[target] = max(by_threads, key=by_threads.get)
                 meta["ceilings"][key] = max(by_threads.values())
+                if not args.ceiling_each_rep:
+                    source = None  # the savers should not run beside a state-sized buffer they never read
                 if rank == 0:
                     print(f"ceiling write {target}: {meta['ceilings'][key]:.2f} GB/s (by threads: "
                           f"{ {n: round(r, 2) for n, r in by_threads.items()} })", flush=True)
