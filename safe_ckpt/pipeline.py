@@ -30,7 +30,7 @@ import torch
 from .encoding import torchzip
 from .encoding.layout import PlacedItem, RankLayout
 from .errors import CheckpointError, SourceModifiedError
-from .integrity import ALGORITHM, Hasher, ItemChecksum, checksum_of
+from .integrity import ALGORITHM, GRID_ALGORITHM, GRID_ROW_BYTES, Hasher, ItemChecksum, checksum_of, grid_fold
 from .progress import Progress
 from .residence import HOST_RESIDENCES, Residence
 from .sinks.base import Sink
@@ -306,16 +306,18 @@ class RankWriter:
         """One vectored write of an item, its checksum computed meanwhile on another thread;
         or, without checksum threads, piece by piece: hash a piece, then write it."""
         crc = None
-        if self._hasher is not None:
+        if not self.checksums:
+            handle.write_at(item.offset_bytes, buffers)
+        elif self._hasher is not None:
             pending = self._hasher.submit(checksum_of, buffers)
             try:
                 handle.write_at(item.offset_bytes, buffers)
             finally:
                 crc = pending.result()
-        elif self.checksums and self._whole_writes:
+        elif self._whole_writes:
             crc = checksum_of(buffers)
             handle.write_at(item.offset_bytes, buffers)
-        elif self.checksums:
+        else:
             hasher = Hasher(ALGORITHM)
             offset = item.offset_bytes
             for group in _pieces(buffers, FUSED_PIECE_BYTES):
@@ -324,11 +326,22 @@ class RankWriter:
                 handle.write_at(offset, group)
                 offset += sum(len(b) for b in group)
             crc = hasher.value()
-        else:
-            handle.write_at(item.offset_bytes, buffers)
         if crc is not None:
-            with self._lock:
-                self._sums.append(ItemChecksum(item.relative_path, item.offset_bytes, item.length_bytes, crc, item.fqn))
+            self._record(ItemChecksum(item.relative_path, item.offset_bytes, item.length_bytes, crc, item.fqn))
+
+    def _record(self, checksum: ItemChecksum) -> None:
+        with self._lock:
+            self._sums.append(checksum)
+
+    def _write_gridded(self, handle, item: PlacedItem, prefix: bytes, payload: memoryview, sums: memoryview,
+                       suffix: bytes) -> None:
+        """An item whose payload was summed on the device: fold the sums, write it unhashed."""
+        n = len(payload)
+        tail = payload[n // GRID_ROW_BYTES * GRID_ROW_BYTES:]
+        crc = grid_fold(prefix, n, sums, tail, suffix)
+        handle.write_at(item.offset_bytes, [prefix, payload, suffix])
+        self._record(ItemChecksum(item.relative_path, item.offset_bytes, item.length_bytes, crc, item.fqn,
+                                  GRID_ALGORITHM, len(prefix), n))
 
     def _write_item(self, handle, item: PlacedItem, staged) -> None:
         if item.obj is not None:
@@ -344,7 +357,11 @@ class RankWriter:
                 )
             payload = staged.ready()
             crc = torchzip.payload_crc32(payload) if self.crc32 else 0
-            self._write(handle, item, [container.prefix, *payload, container.suffix(crc)])
+            sums = staged.grid() if self.checksums else None
+            if sums is not None:
+                self._write_gridded(handle, item, container.prefix, payload[0], sums, container.suffix(crc))
+            else:
+                self._write(handle, item, [container.prefix, *payload, container.suffix(crc)])
         finally:
             staged.release()
         residence = self.work.residences[chunk.local_index]

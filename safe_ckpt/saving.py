@@ -194,7 +194,7 @@ class _Job:
         payload = sum(i.length_bytes for i in self.layout.items)
         progress = Progress(payload, self.coord.rank, opts.progress_interval_s)
         self.writer = RankWriter(
-            work, sink, Stager(self.pool, fence), crc32=opts.zip_crc32, progress=progress, checksums=opts.checksums,
+            work, sink, Stager(self.pool, fence, grid=opts.checksums and opts.device_checksums), crc32=opts.zip_crc32, progress=progress, checksums=opts.checksums,
             lanes=opts.io_threads, checksum_threads=opts.checksum_threads, whole_writes=self.kv,
         )
         self.t_planned = time.perf_counter()  # plan_s ends where write_s begins

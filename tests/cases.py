@@ -250,3 +250,37 @@ def failing_write(rank, world, root, fail_rank, fault_kw) -> dict:
 
 
 ENOSPC = errno.ENOSPC
+
+
+# ------------------------------------------------------------------ grid checksums without a GPU
+
+
+def _host_grid_stager():
+    """A `Stager` that treats large contiguous host chunks the way the real one treats device
+    chunks (copy into a pool lease, grid sums beside it), so the CPU suite exercises the writer,
+    manifest and verify path of device checksums; it stands for the CUDA copy stream, which the
+    GPU test `test_device_checksums` exercises for real."""
+    from safe_ckpt.integrity import grid_bytes, grid_sums
+    from safe_ckpt.staging.stager import Stager, StagedChunk
+
+    class HostGridStager(Stager):
+        def stage(self, chunk, cancel=None, on_wait=None):
+            nbytes = chunk.numel() * chunk.element_size()
+            at = self._sums_offset(chunk, nbytes, chunk.is_contiguous())
+            if chunk.device.type != "cpu" or at is None:
+                return super().stage(chunk, cancel, on_wait)
+            total = at + grid_bytes(nbytes)
+            lease = self.pool.lease(total, self.lease_timeout_s, cancel, on_wait)
+            lease.tensor[:nbytes].copy_(chunk.reshape(-1).view(torch.uint8))
+            sums = grid_sums(chunk)
+            lease.tensor[at:total].view(torch.int32).copy_(sums)
+            return StagedChunk(nbytes, keep=chunk, lease=lease, sums=sums, sums_at=at)
+
+    return HostGridStager
+
+
+def gridded_roundtrip(rank, world, tp, load_tp, ckpt_dir, spec_kwargs, options_kwargs) -> dict:
+    from safe_ckpt import saving
+
+    saving.Stager = _host_grid_stager()
+    return roundtrip(rank, world, tp, load_tp, ckpt_dir, spec_kwargs, options_kwargs)

@@ -275,3 +275,58 @@ def pool_reuse(rank, world, root) -> dict:
             "device_bytes": res.bytes_by_residence.get("cuda", 0),
         })
     return out
+
+
+def device_checksums(rank, world, ckpt_dir) -> dict:
+    """Saves of a GPU state with large chunks, some 4-byte aligned and some not, with device
+    checksums on (sync, async) and off: memcpy counts, the manifest's algorithms, verify from the
+    files on the host (which recomputes the sums with numpy), stock load, and a corrupted copy."""
+    import collections
+    import shutil
+
+    from megatron.core import dist_checkpointing
+    from torch.profiler import ProfilerActivity, profile
+
+    from safe_ckpt.integrity import MANIFEST_FILE, Manifest
+    from safe_ckpt.tools.verify import verify
+
+    torch.cuda.set_device(0)
+    spec = StateSpec(**dict(GPU_SPEC, hidden=517, ffn=2068, vocab=4100, bucket_numel=300_001))
+    refs = reference_tensors(spec, world)
+    out = {}
+    for mode in ("sync", "async", "off"):
+        state = build_state(rank, world, tp=world, spec=spec, device="cuda", references=refs)
+        opts = small_options(chunk_bytes=3 << 19, staging_budget_bytes=64 << 20, device_checksums=mode != "off")
+        path = f"{ckpt_dir}_{mode}"
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            if mode == "async":
+                safe_ckpt.async_save(state, path, options=opts).wait(timeout=300)
+            else:
+                safe_ckpt.save(state, path, options=opts)
+            torch.cuda.synchronize()
+        manifest = Manifest.parse(open(os.path.join(path, MANIFEST_FILE), "rb").read())
+        report = verify(path, deep=True)
+        target = build_state(rank, world, tp=world, spec=spec, layout="alt", empty=True, references=refs,
+                             saved_tp=world)
+        expected = build_state(rank, world, tp=world, spec=spec, layout="alt", references=refs, saved_tp=world)
+        out[mode] = {
+            "counts": _memcpy_counts(prof),
+            "algorithms": dict(collections.Counter(i.algorithm or manifest.algorithm for i in manifest.items)),
+            "verify_ok": report.ok, "findings": [f.message for f in report.findings][:5],
+            "checksummed": report.checksummed_items, "items": report.items_checked,
+            "mismatches": compare_loaded(dist_checkpointing.load(target, path), expected),
+        }
+        if mode == "sync":
+            item = next(i for i in manifest.items if i.algorithm.startswith("grid32+"))
+            bad = f"{ckpt_dir}_corrupt"
+            shutil.copytree(path, bad)
+            with open(os.path.join(bad, item.relative_path), "r+b") as f:
+                at = item.offset_bytes + item.payload_offset_bytes + item.payload_length_bytes // 2
+                f.seek(at)
+                byte = f.read(1)
+                f.seek(at)
+                f.write(bytes([byte[0] ^ 1]))
+            out["corrupt_findings"] = [(f.path, f.message) for f in verify(bad).findings if f.severity == "error"]
+            out["corrupt_item"] = f"{item.relative_path}@{item.offset_bytes}"
+    return out

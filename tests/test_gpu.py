@@ -143,3 +143,20 @@ def test_real_gpt_distributed_optimizer_resume_is_bit_exact(tmp_path, variant):
         # safe_ckpt's checkpoint resumes exactly like stock Megatron's own checkpoint
         assert r_resumed["losses"] == r_stock["losses"], (r_resumed["losses"], r_stock["losses"])
         assert r_resumed["losses"] == r_full["losses"][g.FIRST:], (r_resumed["losses"], r_full["losses"])
+
+
+def test_device_checksums(tmp_path):
+    (r,) = values(run_world(1, _cases().device_checksums, (str(tmp_path / "ck"),)))
+    for mode in ("sync", "async", "off"):
+        m = r[mode]
+        assert m["mismatches"] == [], (mode, m["mismatches"][:5])
+        assert m["verify_ok"] and m["checksummed"] == m["items"], (mode, m["findings"])
+        assert m["counts"]["HtoD"] == 0 and m["counts"]["nccl"] == 0, (mode, m["counts"])
+        grid = sum(n for a, n in m["algorithms"].items() if a.startswith("grid32+"))
+        host = sum(n for a, n in m["algorithms"].items() if not a.startswith("grid32+"))
+        if mode == "off":
+            assert grid == 0, m["algorithms"]
+        else:  # large aligned chunks summed on the device; unaligned and small ones hashed on the host
+            assert grid > 0 and host > 0, (mode, m["algorithms"])
+    assert [p for p, _ in r["corrupt_findings"]] == [r["corrupt_item"]], r["corrupt_findings"]
+    assert "checksum mismatch" in r["corrupt_findings"][0][1]

@@ -5,7 +5,10 @@ memoryview of exactly the chunk's bytes:
 - contiguous host chunk: the source's own memory, no copy;
 - non-contiguous host chunk: copied into a pool lease (in the writer's thread);
 - device chunk: copied device-to-host into a pool lease on a dedicated stream that
-  first waits on an event recorded on the producer's stream when the save started.
+  first waits on an event recorded on the producer's stream when the save started;
+  with grid sums asked for, a large contiguous chunk's row and column sums (see
+  `integrity`) are computed on that stream first and copied beside the payload, so the
+  host never reads the payload to checksum it.
 
 Must not: allocate host memory per save, synchronize a whole device or stream, copy
 anything host-to-device, or write files.
@@ -19,7 +22,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ..integrity import grid_bytes, grid_sums
 from .pool import Lease, PinnedPool
+
+GRID_MIN_PAYLOAD_BYTES = 1 << 20  # below this, two more kernel launches cost more than hashing on the host
 
 
 def host_memoryview(tensor: torch.Tensor) -> memoryview:
@@ -76,13 +82,16 @@ class StagedChunk:
 
     def __init__(self, nbytes: int, *, keep: torch.Tensor, lease: Lease | None = None,
                  pending_copy: torch.Tensor | None = None, event=None,
-                 runs: list[torch.Tensor] | None = None) -> None:
+                 runs: list[torch.Tensor] | None = None, sums: torch.Tensor | None = None,
+                 sums_at: int = 0) -> None:
         self.nbytes = nbytes
         self._keep = keep  # the source stays alive until the bytes are written
         self._lease = lease
         self._pending_copy = pending_copy
         self._event = event
         self._runs = runs
+        self._sums = sums  # on the device until the copy of them has landed
+        self._sums_at = sums_at
 
     def ready(self) -> list[memoryview]:
         """The payload as memoryviews, in order (several for a strided host chunk)."""
@@ -96,7 +105,13 @@ class StagedChunk:
         if self._pending_copy is not None:
             _typed(self._lease, self._pending_copy).copy_(self._pending_copy)
             self._pending_copy = None
-        return [host_memoryview(self._lease.tensor)]
+        return [host_memoryview(self._lease.tensor[:self.nbytes])]
+
+    def grid(self) -> memoryview | None:
+        """The payload's grid sums as bytes (after `ready()`), or None where the host must hash it."""
+        if self._sums is None or self._lease is None:
+            return None
+        return host_memoryview(self._lease.tensor[self._sums_at:self._sums_at + grid_bytes(self.nbytes)])
 
     def release(self) -> None:
         if self._lease is not None:
@@ -104,10 +119,11 @@ class StagedChunk:
             self._lease = None
         self._keep = None
         self._pending_copy = None
+        self._sums = None
 
 
 def _typed(lease: Lease, like: torch.Tensor) -> torch.Tensor:
-    return lease.tensor.view(like.dtype).view(like.shape)
+    return lease.tensor[:like.numel() * like.element_size()].view(like.dtype).view(like.shape)
 
 
 @dataclass(frozen=True)
@@ -129,8 +145,11 @@ def record_producer_fence(devices: set[int]) -> ProducerFence:
 class Stager:
     """Stages chunks for one save; device copies go on one side stream per device."""
 
-    def __init__(self, pool: PinnedPool, fence: ProducerFence | None = None, lease_timeout_s: float | None = None):
+    def __init__(self, pool: PinnedPool, fence: ProducerFence | None = None, lease_timeout_s: float | None = None,
+                 grid: bool = False):
+        """``grid``: compute grid sums on the device for the chunks where that pays (`StagedChunk.grid`)."""
         self.pool = pool
+        self.grid = grid
         self.fence = fence or ProducerFence({})
         self.lease_timeout_s = lease_timeout_s
         self._streams: dict[int, object] = {}
@@ -160,11 +179,20 @@ class Stager:
                 return StagedChunk(nbytes, keep=chunk, runs=runs)
             lease = self.pool.lease(nbytes, self.lease_timeout_s, cancel, on_wait)
             return StagedChunk(nbytes, keep=chunk, lease=lease, pending_copy=chunk)
-        lease = self.pool.lease(nbytes, self.lease_timeout_s, cancel, on_wait)
+        sums_at = self._sums_offset(chunk, nbytes, contiguous)
+        total = nbytes if sums_at is None else sums_at + grid_bytes(nbytes)
+        lease = self.pool.lease(total, self.lease_timeout_s, cancel, on_wait)
         if nbytes == 0:
             return StagedChunk(0, keep=chunk, lease=lease)
         stream = self._stream(chunk.device.index)
+        sums = None
         with torch.cuda.stream(stream):
+            if sums_at is not None:
+                try:
+                    sums = grid_sums(chunk)
+                    lease.tensor[sums_at:total].view(torch.int32).copy_(sums, non_blocking=True)
+                except torch.cuda.OutOfMemoryError:  # no room for the sums: the host hashes this chunk
+                    sums = None
             if runs is None:
                 # A strided copy makes torch build a contiguous temporary on the device first.
                 _typed(lease, chunk).copy_(chunk, non_blocking=True)
@@ -178,7 +206,14 @@ class Stager:
             done.record(stream)
         self.device_bytes += nbytes
         self._last_copy[chunk.device.index] = done
-        return StagedChunk(nbytes, keep=chunk, lease=lease, event=done)
+        return StagedChunk(nbytes, keep=chunk, lease=lease, event=done, sums=sums, sums_at=sums_at or 0)
+
+    def _sums_offset(self, chunk: torch.Tensor, nbytes: int, contiguous: bool) -> int | None:
+        """Where in the lease the grid sums of this device chunk go, or None to hash it on the host."""
+        if not (self.grid and contiguous and nbytes >= GRID_MIN_PAYLOAD_BYTES and chunk.data_ptr() % 4 == 0):
+            return None
+        at = -(-nbytes // 16) * 16
+        return at if at + grid_bytes(nbytes) <= self.pool.capacity_bytes - 4096 else None
 
     def wait_copies(self) -> None:
         """Block until every device-to-host copy issued so far has landed (copies on one
