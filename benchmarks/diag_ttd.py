@@ -12,7 +12,8 @@ attributed:
 - ``pipe_chunk`` / ``pipe_piece``: the minimal staging pipeline (D2H on one stream, 8 lanes
   wait for each copy and write it), per chunk and per 32 MiB piece issued round robin over lanes;
 - ``safe_*``: `safe_ckpt.save` / `async_save` with the defaults and with options changed
-  (``io16``: 16 writer threads, ``sumN``: N checksum threads, 0 = in the writers, ``chunkN``: N MiB chunks).
+  (``io16``: 16 writer threads, ``sumN``: N checksum threads, 0 = in the writers, ``chunkN``: N MiB chunks,
+  ``hostsum``: device checksums off, every byte hashed on the host).
 Prints one JSON line per case (median, min, max of --reps). Usage:
 python benchmarks/diag_ttd.py [--preset anchor] [--gib 8.6] [--target /dev/shm/safe_ckpt_diag]
 """
@@ -244,6 +245,11 @@ def main() -> None:
         "safe_sync_io16_chunk256": lambda: _safe(state, args.target, budget, "sync", io_threads=16, chunk_bytes=256 * MiB),
         "safe_sync_io16_chunk32": lambda: _safe(state, args.target, budget, "sync", io_threads=16, chunk_bytes=32 * MiB),
         "safe_sync_io16_nosum": lambda: _safe(state, args.target, budget, "sync", io_threads=16, checksums=False),
+        "safe_sync_io16_hostsum": lambda: _safe(state, args.target, budget, "sync", io_threads=16,
+                                                device_checksums=False),
+        "safe_sync_hostsum": lambda: _safe(state, args.target, budget, "sync", device_checksums=False),
+        "safe_async_io16_hostsum": lambda: _safe(state, args.target, budget, "async", io_threads=16,
+                                                 device_checksums=False),
         "safe_async_io16": lambda: _safe(state, args.target, budget, "async", io_threads=16),
         "safe_sync_io16_sum0": lambda: _safe(state, args.target, budget, "sync", io_threads=16, checksum_threads=0),
         "safe_sync_io16_sum0_p1m": lambda: _safe(state, args.target, budget, "sync", MiB, io_threads=16,
