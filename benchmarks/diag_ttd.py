@@ -13,7 +13,8 @@ attributed:
   wait for each copy and write it), per chunk and per 32 MiB piece issued round robin over lanes;
 - ``safe_*``: `safe_ckpt.save` / `async_save` with the defaults and with options changed
   (``io16``: 16 writer threads, ``sumN``: N checksum threads, 0 = in the writers, ``chunkN``: N MiB chunks,
-  ``hostsum``: device checksums off, every byte hashed on the host).
+  ``hostsum``: device checksums off, every byte hashed on the host; ``gridminN``: device checksums
+  only for chunks of N MiB or more).
 Prints one JSON line per case (median, min, max of --reps). Usage:
 python benchmarks/diag_ttd.py [--preset anchor] [--gib 8.6] [--target /dev/shm/safe_ckpt_diag]
 """
@@ -157,16 +158,20 @@ def _pipeline(target: str, sources: list[torch.Tensor], pinned: torch.Tensor, st
     return dt
 
 
-def _safe(state, target: str, budget: int, mode: str, piece_bytes: int | None = None, **opts) -> float:
+def _safe(state, target: str, budget: int, mode: str, piece_bytes: int | None = None,
+          grid_min_bytes: int | None = None, **opts) -> float:
     from safe_ckpt import pipeline
+    from safe_ckpt.staging import stager
 
-    default_piece = pipeline.FUSED_PIECE_BYTES
+    default_piece, default_grid_min = pipeline.FUSED_PIECE_BYTES, stager.GRID_MIN_PAYLOAD_BYTES
     if piece_bytes:
         pipeline.FUSED_PIECE_BYTES = piece_bytes
+    if grid_min_bytes:
+        stager.GRID_MIN_PAYLOAD_BYTES = grid_min_bytes
     try:
         return _safe_once(state, target, budget, mode, **opts)
     finally:
-        pipeline.FUSED_PIECE_BYTES = default_piece
+        pipeline.FUSED_PIECE_BYTES, stager.GRID_MIN_PAYLOAD_BYTES = default_piece, default_grid_min
 
 
 def _safe_once(state, target: str, budget: int, mode: str, **opts) -> float:
@@ -248,6 +253,8 @@ def main() -> None:
         "safe_sync_io16_hostsum": lambda: _safe(state, args.target, budget, "sync", io_threads=16,
                                                 device_checksums=False),
         "safe_sync_hostsum": lambda: _safe(state, args.target, budget, "sync", device_checksums=False),
+        **{f"safe_sync_gridmin{m}m": (lambda m=m: _safe(state, args.target, budget, "sync", grid_min_bytes=m * MiB))
+           for m in (1, 4, 8, 16, 32)},
         "safe_async_io16_hostsum": lambda: _safe(state, args.target, budget, "async", io_threads=16,
                                                  device_checksums=False),
         "safe_async_io16": lambda: _safe(state, args.target, budget, "async", io_threads=16),

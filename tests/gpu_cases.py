@@ -291,12 +291,14 @@ def device_checksums(rank, world, ckpt_dir) -> dict:
     from safe_ckpt.tools.verify import verify
 
     torch.cuda.set_device(0)
-    spec = StateSpec(**dict(GPU_SPEC, hidden=517, ffn=2068, vocab=4100, bucket_numel=300_001))
+    # Odd rows (1031 bf16) put every other row cut at 2 mod 4 bytes; chunks reach 12 MiB, past the
+    # device-sum threshold.
+    spec = StateSpec(**dict(GPU_SPEC, hidden=1031, ffn=4124, vocab=8200, bucket_numel=3_000_001))
     refs = reference_tensors(spec, world)
     out = {}
     for mode in ("sync", "async", "off"):
         state = build_state(rank, world, tp=world, spec=spec, device="cuda", references=refs)
-        opts = small_options(chunk_bytes=3 << 19, staging_budget_bytes=64 << 20, device_checksums=mode != "off")
+        opts = small_options(chunk_bytes=12 << 20, staging_budget_bytes=128 << 20, device_checksums=mode != "off")
         path = f"{ckpt_dir}_{mode}"
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
