@@ -14,8 +14,8 @@ little-endian 32-bit words; ``rows[r]`` and ``cols[c]`` are its row and column s
 ``prefix | n as 8 LE bytes | rows | cols | payload[R*4096:] | suffix``, words as 4 LE bytes.
 The sums are computed on the device before the copy to the host, so the host CPU never
 reads the payload to hash it. Any change confined to at most three words, and any
-reordering of unequal rows (4 KiB pages), changes the checksum; it is a check against
-storage and transfer faults, not a cryptographic digest.
+swap of two rows (4 KiB, counted from the payload's start) whose sums differ, changes the
+checksum; it is a check against storage and transfer faults, not a cryptographic digest.
 Must not: write checkpoint data or decide what is saved.
 """
 
@@ -199,7 +199,7 @@ def item_hasher(item: ItemChecksum, manifest_algorithm: str):
     algorithm = item.algorithm or manifest_algorithm
     if algorithm.startswith(GRID_PREFIX):
         start, size = item.payload_offset_bytes, item.payload_length_bytes
-        if start < 0 or size < 0 or start + size > item.length_bytes:
+        if start < 0 or size < 0 or start + size > item.length_bytes or item.length_bytes >= 2**63:
             raise ValueError(f"payload [{start}, +{size}) does not lie inside the item's {item.length_bytes} bytes")
         return GridHasher(algorithm, item.payload_offset_bytes, item.payload_length_bytes)
     return Hasher(algorithm)
@@ -236,19 +236,35 @@ class Manifest:
         doc = json.loads(data)
         if doc.get("format") != MANIFEST_FORMAT:
             raise ValueError(f"not a {MANIFEST_FORMAT} file")
+        if not isinstance(doc.get("version"), int) or doc["version"] > MANIFEST_VERSION:
+            raise ValueError(f"manifest version {doc.get('version')!r}: this safe_ckpt reads versions up to "
+                             f"{MANIFEST_VERSION}; a newer safe_ckpt wrote it")
         items = [_parse_row(path, row) for path, rows in doc["items"].items() for row in rows]
         return Manifest(items, {k: int(v) for k, v in doc["whole_files"].items()}, doc.get("save_id", ""),
                         int(doc.get("world_size", 0)), doc.get("checksum", "crc32"))
 
 
 def _parse_row(path: str, row: list) -> ItemChecksum:
-    if len(row) not in (4, 5):
-        raise ValueError(f"manifest row for {path!r} has {len(row)} fields, expected 4 or 5")
+    if not isinstance(row, list) or len(row) not in (4, 5):
+        raise ValueError(f"manifest row for {path!r} is {row!r:.80}: expected a list of 4 or 5 fields")
     offset, length, checksum, fqn = row[:4]
-    extra = row[4] if len(row) == 5 else {}
-    start, size = extra.get("payload", (0, 0))
-    return ItemChecksum(path, int(offset), int(length), int(checksum), fqn, str(extra.get("algorithm", "")),
-                        int(start), int(size))
+    algorithm, start, size = "", 0, 0
+    if len(row) == 5:
+        extra = row[4]
+        span = extra.get("payload") if isinstance(extra, dict) else None
+        if not (isinstance(extra, dict) and isinstance(extra.get("algorithm"), str) and isinstance(span, list)
+                and len(span) == 2 and all(_is_count(v) for v in span)):
+            raise ValueError(f"manifest row for {path!r} at {offset!r}: the fifth field must be "
+                             f'{{"algorithm": str, "payload": [start, length]}}, not {extra!r:.80}')
+        algorithm, (start, size) = extra["algorithm"], span
+    if not all(_is_count(v) for v in (offset, length, checksum)) or not isinstance(fqn, str):
+        raise ValueError(f"manifest row for {path!r} is {row!r:.80}: offset, length and checksum must be "
+                         "non-negative integers and the key a string")
+    return ItemChecksum(path, offset, length, checksum, fqn, algorithm, start, size)
+
+
+def _is_count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**64
 
 
 def as_dict(item: ItemChecksum) -> dict:

@@ -303,10 +303,30 @@ def test_device_checksums_are_stored_verified_and_catch_corruption(tmp_path):
     json.dump(doc, open(os.path.join(ckpt, MANIFEST_FILE), "w"))
     errors = _errors(verify(ckpt))
     assert len(errors) == 1 and "does not lie inside" in errors[0].message, errors
-    row.append("sixth")
+    row[4]["payload"] = [0, 2**65]  # a span no 8-byte length can hold
+    row[1] = 2**70
     json.dump(doc, open(os.path.join(ckpt, MANIFEST_FILE), "w"))
     errors = _errors(verify(ckpt))
-    assert errors and "unreadable manifest" in errors[0].message and "6 fields" in errors[0].message, errors
+    assert errors and "unreadable manifest" in errors[0].message, errors
+    row[1], row[4]["payload"] = item.length_bytes + 1, [0, 8]  # the manifest disagrees with the index
+    json.dump(doc, open(os.path.join(ckpt, MANIFEST_FILE), "w"))
+    errors = _errors(verify(ckpt))
+    assert len(errors) == 1 and f"manifest says {item.length_bytes + 1} bytes" in errors[0].message, errors
+    row[1] = item.length_bytes
+    hostile = {"sixth field": lambda r: r.append("sixth"), "a list for the fifth": lambda r: r.__setitem__(4, [1]),
+               "no algorithm": lambda r: r[4].pop("algorithm"), "a float span": lambda r: r[4].__setitem__(
+                   "payload", [0.5, 8]), "a negative offset": lambda r: r.__setitem__(0, -1)}
+    for name, spoil in hostile.items():
+        bad = json.loads(json.dumps(doc))
+        spoil(next(r for r in bad["items"][item.relative_path] if r[0] == item.offset_bytes))
+        json.dump(bad, open(os.path.join(ckpt, MANIFEST_FILE), "w"))
+        errors = _errors(verify(ckpt))
+        assert len(errors) == 1 and "unreadable manifest" in errors[0].message, (name, errors)
+        assert repr(item.relative_path) in errors[0].message, (name, errors)
+    doc["version"] = 3
+    json.dump(doc, open(os.path.join(ckpt, MANIFEST_FILE), "w"))
+    errors = _errors(verify(ckpt))
+    assert len(errors) == 1 and "a newer safe_ckpt wrote it" in errors[0].message, errors
 
 
 def test_device_checksums_off_or_checksums_off_record_no_grid_rows(tmp_path):
