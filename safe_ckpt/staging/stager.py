@@ -17,6 +17,7 @@ anything host-to-device, or write files.
 from __future__ import annotations
 
 import ctypes
+import logging
 import threading
 from dataclasses import dataclass
 
@@ -25,7 +26,11 @@ import torch
 from ..integrity import grid_bytes, grid_sums
 from .pool import Lease, PinnedPool
 
-GRID_MIN_PAYLOAD_BYTES = 8 << 20  # smaller chunks: the ~90 us of launches per chunk (GIL-bound, on the issuing thread) cost more than host hashing
+log = logging.getLogger(__name__)
+
+# Smaller chunks are hashed on the host: the ~90 us of launches per chunk, GIL-bound on the
+# issuing thread, cost more than the hashing (qwen3-4b-dp8's 1217 chunks on an H200).
+GRID_MIN_PAYLOAD_BYTES = 8 << 20
 
 
 def host_memoryview(tensor: torch.Tensor) -> memoryview:
@@ -191,7 +196,13 @@ class Stager:
                 try:
                     sums = grid_sums(chunk)
                     lease.tensor[sums_at:total].view(torch.int32).copy_(sums, non_blocking=True)
-                except torch.cuda.OutOfMemoryError:  # no room for the sums: the host hashes this chunk
+                except torch.cuda.OutOfMemoryError:
+                    # Each failed allocation makes the caching allocator free (and synchronize)
+                    # its cache: after one, the host hashes every chunk of this save.
+                    log.warning("safe_ckpt: no device memory for checksum sums; hashing on the host for this save")
+                    self.grid, sums = False, None
+                except RuntimeError as exc:  # a layout the int32 view refuses: the host hashes it
+                    log.debug("safe_ckpt: device sums of a %d-byte chunk refused (%s); host hashing", nbytes, exc)
                     sums = None
             if runs is None:
                 # A strided copy makes torch build a contiguous temporary on the device first.
@@ -210,7 +221,8 @@ class Stager:
 
     def _sums_offset(self, chunk: torch.Tensor, nbytes: int, contiguous: bool) -> int | None:
         """Where in the lease the grid sums of this device chunk go, or None to hash it on the host."""
-        if not (self.grid and contiguous and nbytes >= GRID_MIN_PAYLOAD_BYTES and chunk.data_ptr() % 4 == 0):
+        if not (self.grid and contiguous and nbytes >= GRID_MIN_PAYLOAD_BYTES and chunk.data_ptr() % 4 == 0
+                and chunk.storage_offset() * chunk.element_size() % 4 == 0):
             return None
         at = -(-nbytes // 16) * 16
         return at if at + grid_bytes(nbytes) <= self.pool.capacity_bytes - 4096 else None
