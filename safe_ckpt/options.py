@@ -41,7 +41,7 @@ class SaveOptions:
         one in its writer thread, 2 MiB at a time just before writing it (no extra threads, and
         the write reads bytes the hash just brought into cache); None (default) uses as many
         threads as writers while cores are spare, and 0 once the writers alone use every core.
-    device_checksums: checksum GPU-resident chunks of 1 MiB or more on their device: row and
+    device_checksums: checksum GPU-resident chunks of 8 MiB or more on their device: row and
         column sums of the payload's 32-bit words, computed on the copy stream and folded with
         the host algorithm (`grid32+xxh3_64` in the manifest; see `safe_ckpt.integrity`), so
         the host CPU does not read those bytes a second time. False hashes everything on the host.
