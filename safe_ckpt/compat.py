@@ -8,6 +8,7 @@ a stock writer would do for the same object (``torch.save`` of small objects).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 from functools import lru_cache
 from importlib import metadata as importlib_metadata
@@ -81,6 +82,7 @@ def torch_save_bytes(obj: Any) -> bytes:
 # ------------------------------------------------------------------- DCP metadata
 
 
+@functools.lru_cache(maxsize=None)  # called per chunk: a save of 2000 items asked 10k times
 def dcp_classes():
     """The DCP metadata classes, imported lazily (torch.distributed may be absent)."""
     from torch.distributed.checkpoint import metadata as md
