@@ -11,6 +11,8 @@ attributed:
 - ``d2h_beside_write``: that copy while 8 threads write a separate host copy of the bytes;
 - ``pipe_chunk`` / ``pipe_piece``: the minimal staging pipeline (D2H on one stream, 8 lanes
   wait for each copy and write it), per chunk and per 32 MiB piece issued round robin over lanes;
+  ``pipe_chunk_sum`` / ``_zip`` / ``_zip_sum``: per chunk, with a host checksum, a torch.save
+  container, or both (what each adds for states of many small chunks such as qwen3-4b-dp8);
 - ``safe_*``: `safe_ckpt.save` / `async_save` with the defaults and with options changed
   (``io16``: 16 writer threads, ``sumN``: N checksum threads, 0 = in the writers, ``chunkN``: N MiB chunks,
   ``hostsum``: device checksums off, every byte hashed on the host; ``gridminN``: device checksums
@@ -102,9 +104,14 @@ def _d2h(sources: list[torch.Tensor], pinned: torch.Tensor, stream) -> float:
 
 
 def _pipeline(target: str, sources: list[torch.Tensor], pinned: torch.Tensor, stream, lanes: int,
-              piece: int | None) -> float:
+              piece: int | None, checksum: bool = False, container: bool = False) -> float:
     """Chunks of <= 256 MiB dealt round robin to lanes; copies issued per chunk (piece=None)
-    or per piece, round robin over the lanes' current chunks; each lane writes as copies land."""
+    or per piece, round robin over the lanes' current chunks; each lane writes as copies land.
+    ``checksum``: each lane hashes what it writes (xxh3) just before writing it; ``container``:
+    each write gets a freshly built torch.save prefix and suffix around it, in one pwritev
+    (what safe_ckpt adds per item, without its bookkeeping)."""
+    from safe_ckpt.encoding import torchzip
+
     chunks, off = [], 0
     for s in sources:
         flat = s.view(-1).view(torch.uint8)
@@ -141,9 +148,17 @@ def _pipeline(target: str, sources: list[torch.Tensor], pinned: torch.Tensor, st
     def lane_fn(i: int) -> None:
         fd = os.open(os.path.join(d, f"f{i}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
+            extra = 0
             for ev, mv, fo in work[i]:
                 ev.synchronize()
-                os.pwrite(fd, mv, fo)
+                if checksum:
+                    checksum_of([mv])
+                if container:
+                    c = torchzip.tensor_container(torch.uint8, (len(mv),))
+                    os.pwritev(fd, [c.prefix, mv, c.suffix()], fo + extra)
+                    extra += c.total_bytes - len(mv)
+                else:
+                    os.pwrite(fd, mv, fo)
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -240,6 +255,10 @@ def main() -> None:
         "d2h": lambda: _d2h(sources, pinned, stream),
         "d2h_beside_write": d2h_beside_write,
         "pipe_chunk": lambda: _pipeline(args.target, sources, pinned, stream, 8, None),
+        "pipe_chunk_sum": lambda: _pipeline(args.target, sources, pinned, stream, 8, None, checksum=True),
+        "pipe_chunk_zip": lambda: _pipeline(args.target, sources, pinned, stream, 8, None, container=True),
+        "pipe_chunk_zip_sum": lambda: _pipeline(args.target, sources, pinned, stream, 8, None, checksum=True,
+                                                container=True),
         "pipe_piece": lambda: _pipeline(args.target, sources, pinned, stream, 8, 32 * MiB),
         "pipe16_piece": lambda: _pipeline(args.target, sources, pinned, stream, 16, 32 * MiB),
         "safe_sync": lambda: _safe(state, args.target, budget, "sync"),
