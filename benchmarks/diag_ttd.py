@@ -16,7 +16,7 @@ attributed:
 - ``safe_*``: `safe_ckpt.save` / `async_save` with the defaults and with options changed
   (``io16``: 16 writer threads, ``sumN``: N checksum threads, 0 = in the writers, ``chunkN``: N MiB chunks,
   ``hostsum``: device checksums off, every byte hashed on the host; ``gridminN``: device checksums
-  only for chunks of N MiB or more).
+  only for chunks of N MiB or more; ``poolN``: an N MiB staging pool, so copies are paced to the writes).
 Prints one JSON line per case (median, min, max of --reps). Usage:
 python benchmarks/diag_ttd.py [--preset anchor] [--gib 8.6] [--target /dev/shm/safe_ckpt_diag]
 """
@@ -192,6 +192,7 @@ def _safe(state, target: str, budget: int, mode: str, piece_bytes: int | None = 
 def _safe_once(state, target: str, budget: int, mode: str, **opts) -> float:
     shutil.rmtree(target, ignore_errors=True)
     options = safe_ckpt.SaveOptions(staging_budget_bytes=budget, **opts)
+    shared_pool(budget).preallocate()  # a case with another budget replaced the pool: register it untimed
     t0 = time.perf_counter()
     if mode == "sync":
         safe_ckpt.save(state.make_sharded(), target, options=options)
@@ -277,6 +278,10 @@ def main() -> None:
         "safe_async_io16_hostsum": lambda: _safe(state, args.target, budget, "async", io_threads=16,
                                                  device_checksums=False),
         "safe_async_io16": lambda: _safe(state, args.target, budget, "async", io_threads=16),
+        # A small pool paces the device-to-host copies to the writers: the bytes a writer reads
+        # may still be in the last-level cache the copy wrote them through.
+        **{f"safe_sync_io16_pool{m}m": (lambda m=m: _safe(state, args.target, m * MiB, "sync", io_threads=16))
+           for m in (256, 1024)},
         "safe_sync_io16_sum0": lambda: _safe(state, args.target, budget, "sync", io_threads=16, checksum_threads=0),
         "safe_sync_io16_sum0_p1m": lambda: _safe(state, args.target, budget, "sync", MiB, io_threads=16,
                                                  checksum_threads=0),
