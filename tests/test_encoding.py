@@ -88,3 +88,27 @@ def test_mmap_load_of_a_written_file(tmp_path):
     path.write_bytes(c.prefix + raw.numpy().tobytes() + c.suffix())
     back = torch.load(path, mmap=True, weights_only=True)
     assert back.view(torch.uint8).reshape(-1).numpy().tobytes() == raw.numpy().tobytes()
+
+
+def test_containers_built_once_per_shape_equal_fresh_ones_and_keep_unique_ids():
+    """The per-(dtype, shape) template with a new id is byte for byte the container built from
+    scratch with that id; every call gets its own id; CRC containers are built fresh."""
+    from safe_ckpt.encoding.torchzip import _build_tensor_container
+
+    for dtype, shape in [(torch.float32, (8,)), (torch.bfloat16, (1024, 4096)), (torch.int8, (3, 5, 7)),
+                         (torch.float16, ()), (torch.bool, (0, 4))]:
+        first = torchzip.tensor_container(dtype, shape)
+        second = torchzip.tensor_container(dtype, shape)
+        assert first.suffix_template != second.suffix_template  # fresh ids
+        for c in (first, second):
+            sid = c.suffix_template[c.serialization_id_at:c.serialization_id_at + 40].decode()
+            assert sid.isdigit()
+            fresh = _build_tensor_container(dtype, shape, False, sid)
+            assert (c.prefix, c.suffix_template, c.crc_offsets) == (fresh.prefix, fresh.suffix_template,
+                                                                    fresh.crc_offsets)
+        with_crc = torchzip.tensor_container(dtype, shape, crc32=True, serialization_id="1" * 40)
+        assert with_crc.serialization_id_at == -1
+        with pytest.raises(ValueError):
+            with_crc.with_serialization_id("2" * 40)
+        with pytest.raises(ValueError):
+            first.with_serialization_id("3" * 39)
