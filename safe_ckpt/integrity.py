@@ -220,7 +220,7 @@ def manifest_bytes(items: list[ItemChecksum], whole_files: dict[str, int], *, sa
         "items": files,
         "whole_files": dict(sorted(whole_files.items())),
     }
-    return json.dumps(doc, indent=1).encode()
+    return json.dumps(doc, separators=(",", ":")).encode()  # indent would take the pure-Python encoder: ~10 us an item
 
 
 @dataclass(frozen=True)
