@@ -70,3 +70,20 @@ def test_bench_two_ray_actors(tmp_path):
     pytest.importorskip("ray")
     report = _multi_rank(tmp_path, [sys.executable, "-m", "safe_ckpt.bench", "--ray-actors", "2"])
     assert report["meta"]["launcher"] == "ray"
+
+
+def test_item_overhead_benchmark_smoke(tmp_path):
+    """benchmarks/item_overhead.py runs at a small size, checks its first save bit for bit
+    through stock DCP, and reports every saver."""
+    import os
+
+    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "item_overhead.py")
+    cmd = [sys.executable, script, "--items", "40", "--reps", "1", "--distinct", "--target", str(tmp_path / "t"),
+           "--out", str(tmp_path / "items")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "items.json").read_text())
+    assert [r["saver"] for r in report["rows"]] == ["safe_ckpt", "dcp", "ceiling"]
+    assert report["meta"]["items"] == 40 and report["meta"]["bytes"] > 40 * 4096 * 4
+    assert all(r["median_s"] > 0 for r in report["rows"])
+    assert "| safe_ckpt |" in (tmp_path / "items.md").read_text()
