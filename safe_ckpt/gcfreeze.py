@@ -31,8 +31,8 @@ class _Freezer:
     2-core VM, so 0.1-0.4 s in a large training process), so it is asked only while nothing is
     frozen, where it costs nothing. Whether the process froze objects itself during the save
     is told by a sentinel created just after our freeze: a freeze by anyone else moves it into
-    the permanent generation too, and finding it among the collected generations costs only
-    the objects created since (the older ones are frozen)."""
+    the permanent generation too, and finding it among the unfrozen objects costs only the
+    objects created since (the older ones are frozen)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -61,7 +61,7 @@ class _Freezer:
                 sentinel, self._sentinel = self._sentinel, None
                 # Frozen meanwhile by someone else (an async save spans training steps):
                 # unfreezing would undo their freeze, so leave it, and from now on stay out.
-                if any(o is sentinel for generation in range(3) for o in gc.get_objects(generation)):
+                if any(o is sentinel for o in gc.get_objects()):  # the unfrozen objects only
                     gc.unfreeze()
                 else:
                     self._process_freezes = True
