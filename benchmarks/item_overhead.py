@@ -25,12 +25,12 @@ import os
 import platform
 import shutil
 import statistics
-import threading
 import time
 
 import torch
 
 import safe_ckpt
+from safe_ckpt.bench.ceilings import run_lanes
 
 
 def _state(items: int, numel: int, distinct: bool) -> dict:
@@ -80,13 +80,7 @@ def _ceiling(flat: dict, path: str, threads: int) -> dict:
         finally:
             os.close(fd)
 
-    t0 = time.perf_counter()
-    lanes = [threading.Thread(target=lane, args=(k,)) for k in range(threads)]
-    for t in lanes:
-        t.start()
-    for t in lanes:
-        t.join()
-    return {"total_s": time.perf_counter() - t0}
+    return {"total_s": run_lanes(lane, threads)}
 
 
 def _check(path: str, flat: dict) -> None:

@@ -80,15 +80,20 @@ def write_seconds(target: str, nbytes: int, threads: int, reps: int = 3, source:
             finally:
                 os.close(fd)
 
-        t0 = time.perf_counter()
-        ts = [threading.Thread(target=work, args=(i,)) for i in range(threads)]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join()
-        times.append(time.perf_counter() - t0)
+        times.append(run_lanes(work, threads))
         shutil.rmtree(d, ignore_errors=True)
     return min(times)
+
+
+def run_lanes(work, threads: int) -> float:
+    """Wall seconds of ``work(i)`` for i in range(threads), each on its own thread, all at once."""
+    t0 = time.perf_counter()
+    ts = [threading.Thread(target=work, args=(i,)) for i in range(threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return time.perf_counter() - t0
 
 
 def memcpy_gbps(nbytes: int = 1 << 30, reps: int = 3) -> float:
