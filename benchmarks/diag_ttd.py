@@ -13,6 +13,12 @@ attributed:
   wait for each copy and write it), per chunk and per 32 MiB piece issued round robin over lanes;
   ``pipe_chunk_sum`` / ``_zip`` / ``_zip_sum``: per chunk, with a host checksum, a torch.save
   container, or both (what each adds for states of many small chunks such as qwen3-4b-dp8);
+  ``pipe16_p64*``: 16 lanes, 64 MiB pieces (safe_ckpt's chunks), bare, with device grid sums on
+  the copy stream (``_grid``), a host checksum (``_sum``) or a container (``_zip``);
+- ``d2h_beside_write16``: 16 threads write from pinned memory while the state is copied to another
+  pinned buffer: the write ceiling under a staging save's memory traffic, without its data dependency;
+- ``*_trace``: the save with every writer lane timed (first item, waits for copies, time in items,
+  finish) and the staging thread's finish, printed as a ``trace`` line; ``nogc``: gc_freeze off;
 - ``safe_*``: `safe_ckpt.save` / `async_save` with the defaults and with options changed
   (``io16``: 16 writer threads, ``sumN``: N checksum threads, 0 = in the writers, ``chunkN``: N MiB chunks,
   ``hostsum``: device checksums off, every byte hashed on the host; ``gridminN``: device checksums
@@ -104,13 +110,15 @@ def _d2h(sources: list[torch.Tensor], pinned: torch.Tensor, stream) -> float:
 
 
 def _pipeline(target: str, sources: list[torch.Tensor], pinned: torch.Tensor, stream, lanes: int,
-              piece: int | None, checksum: bool = False, container: bool = False) -> float:
+              piece: int | None, checksum: bool = False, container: bool = False, grid: bool = False) -> float:
     """Chunks of <= 256 MiB dealt round robin to lanes; copies issued per chunk (piece=None)
     or per piece, round robin over the lanes' current chunks; each lane writes as copies land.
     ``checksum``: each lane hashes what it writes (xxh3) just before writing it; ``container``:
     each write gets a freshly built torch.save prefix and suffix around it, in one pwritev
-    (what safe_ckpt adds per item, without its bookkeeping)."""
+    (what safe_ckpt adds per item, without its bookkeeping); ``grid``: the device grid sums of
+    every piece computed on the copy stream and copied to the host before it (device checksums)."""
     from safe_ckpt.encoding import torchzip
+    from safe_ckpt.integrity import grid_sums
 
     chunks, off = [], 0
     for s in sources:
@@ -122,6 +130,9 @@ def _pipeline(target: str, sources: list[torch.Tensor], pinned: torch.Tensor, st
     per_lane = [chunks[i::lanes] for i in range(lanes)]
     work = [[] for _ in range(lanes)]  # lane -> [(event, host view, file offset)]
     d = _fresh(target)
+    # one reused pinned buffer per lane, big enough for a 256 MiB piece (the sums are not checked here)
+    sums_host = [torch.empty(256 * MiB // 4096 + 1024, dtype=torch.int32, pin_memory=True) for _ in range(lanes)] \
+        if grid else []
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     with torch.cuda.stream(stream):
@@ -135,6 +146,9 @@ def _pipeline(target: str, sources: list[torch.Tensor], pinned: torch.Tensor, st
                 part, off, done = cursors[lane][0]
                 n = min(step, part.numel() - done)
                 host = pinned[off + done:off + done + n]
+                if grid:
+                    sums = grid_sums(part[done:done + n])
+                    sums_host[lane][:sums.numel()].copy_(sums, non_blocking=True)
                 host.copy_(part[done:done + n], non_blocking=True)
                 ev = torch.cuda.Event()
                 ev.record(stream)
@@ -203,6 +217,80 @@ def _safe_once(state, target: str, budget: int, mode: str, **opts) -> float:
     return dt
 
 
+def _traced(state, target: str, budget: int, **opts) -> float:
+    """A sync save with every writer lane timed: when it first got an item, how long it waited
+    for copies to land (`StagedChunk.ready`), how long it spent in its items, when it finished;
+    and when the staging thread had issued its last copy. Prints one ``trace`` line."""
+    from safe_ckpt import pipeline
+    from safe_ckpt.staging import stager
+
+    marks, lock = {}, threading.Lock()
+    t_base = [0.0]
+
+    def note(key, value, add=True):
+        name = threading.current_thread().name
+        with lock:
+            row = marks.setdefault(name, {})
+            row[key] = row.get(key, 0.0) + value if add else row.get(key, value)
+
+    orig_ready, orig_item, orig_stage_all = stager.StagedChunk.ready, pipeline.RankWriter._write_item, \
+        pipeline.RankWriter._stage_all
+
+    def ready(self):
+        t = time.perf_counter()
+        try:
+            return orig_ready(self)
+        finally:
+            note("ready_wait_s", time.perf_counter() - t)
+
+    def write_item(self, handle, item, staged):
+        t = time.perf_counter()
+        note("first_item_at_s", t - t_base[0], add=False)
+        try:
+            return orig_item(self, handle, item, staged)
+        finally:
+            now = time.perf_counter()
+            note("items_s", now - t)
+            with lock:
+                marks[threading.current_thread().name]["last_item_done_at_s"] = now - t_base[0]
+
+    def stage_all(self):
+        try:
+            return orig_stage_all(self)
+        finally:
+            note("staging_done_at_s", time.perf_counter() - t_base[0], add=False)
+
+    stager.StagedChunk.ready, pipeline.RankWriter._write_item, pipeline.RankWriter._stage_all = \
+        ready, write_item, stage_all
+    try:
+        shutil.rmtree(target, ignore_errors=True)
+        options = safe_ckpt.SaveOptions(staging_budget_bytes=budget, **opts)
+        shared_pool(budget).preallocate()
+        t_base[0] = time.perf_counter()
+        result = safe_ckpt.save(state.make_sharded(), target, options=options)
+        dt = time.perf_counter() - t_base[0]
+    finally:
+        stager.StagedChunk.ready, pipeline.RankWriter._write_item, pipeline.RankWriter._stage_all = \
+            orig_ready, orig_item, orig_stage_all
+        shutil.rmtree(target, ignore_errors=True)
+    lanes = {k: v for k, v in marks.items() if k.startswith("safe_ckpt-write")}
+    stage = marks.get("safe_ckpt-stage", {})
+
+    def spread(key):
+        vals = sorted(v.get(key, 0.0) for v in lanes.values())
+        return [round(vals[0], 4), round(statistics.median(vals), 4), round(vals[-1], 4)] if vals else None
+
+    t = result.timings
+    print(json.dumps({"case": "trace", "opts": {k: v for k, v in opts.items()}, "total_s": round(dt, 4),
+                      "plan_s": round(t.plan_s, 4), "write_s": round(t.write_s, 4), "commit_s": round(t.commit_s, 4),
+                      "lanes": len(lanes), "staging_done_at_s": round(stage.get("staging_done_at_s", 0.0), 4),
+                      "stager_ready_wait_s": round(stage.get("ready_wait_s", 0.0), 4),
+                      "lane_first_item_at_s": spread("first_item_at_s"), "lane_ready_wait_s": spread("ready_wait_s"),
+                      "lane_items_s": spread("items_s"), "lane_done_at_s": spread("last_item_done_at_s")}),
+          flush=True)
+    return dt
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="anchor")
@@ -243,6 +331,33 @@ def main() -> None:
         print(json.dumps({"case": "d2h_beside_write_detail", "d2h_s": box["d"], "write_s": box["w"]}), flush=True)
         return time.perf_counter() - t0
 
+    ring = torch.empty(2 << 30, dtype=torch.uint8, pin_memory=True) if cuda else None
+
+    def d2h_beside_write16() -> float:
+        """16 writers write the state's bytes from pinned memory while the state is copied
+        device-to-host at full speed into another pinned buffer (a 2 GiB ring): the write
+        ceiling under the memory traffic of a save's staging, without its data dependency."""
+        box = {}
+        writer = threading.Thread(target=lambda: box.setdefault("w", _write_lanes(args.target, mv, 16, 64 * MiB)))
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        writer.start()
+        with torch.cuda.stream(stream):
+            at = 0
+            for s in sources:
+                flat = s.view(-1).view(torch.uint8)
+                for start in range(0, flat.numel(), 64 * MiB):
+                    part = flat[start:start + 64 * MiB]
+                    if at + part.numel() > ring.numel():
+                        at = 0
+                    ring[at:at + part.numel()].copy_(part, non_blocking=True)
+                    at += part.numel()
+        stream.synchronize()
+        box["d"] = time.perf_counter() - t0
+        writer.join()
+        print(json.dumps({"case": "d2h_beside_write16_detail", "d2h_s": box["d"], "write_s": box["w"]}), flush=True)
+        return time.perf_counter() - t0
+
     cases = {
         "write_8": lambda: _write_lanes(args.target, mv, 8, 64 * MiB),
         "write_12": lambda: _write_lanes(args.target, mv, 12, 64 * MiB),
@@ -255,6 +370,7 @@ def main() -> None:
         "write_16_reused1g": lambda: _write_lanes(args.target, mv, 16, 64 * MiB, reuse_bytes=1 << 30),
         "d2h": lambda: _d2h(sources, pinned, stream),
         "d2h_beside_write": d2h_beside_write,
+        "d2h_beside_write16": d2h_beside_write16,
         "pipe_chunk": lambda: _pipeline(args.target, sources, pinned, stream, 8, None),
         "pipe_chunk_sum": lambda: _pipeline(args.target, sources, pinned, stream, 8, None, checksum=True),
         "pipe_chunk_zip": lambda: _pipeline(args.target, sources, pinned, stream, 8, None, container=True),
@@ -262,6 +378,10 @@ def main() -> None:
                                                 container=True),
         "pipe_piece": lambda: _pipeline(args.target, sources, pinned, stream, 8, 32 * MiB),
         "pipe16_piece": lambda: _pipeline(args.target, sources, pinned, stream, 16, 32 * MiB),
+        "pipe16_p64": lambda: _pipeline(args.target, sources, pinned, stream, 16, 64 * MiB),
+        "pipe16_p64_grid": lambda: _pipeline(args.target, sources, pinned, stream, 16, 64 * MiB, grid=True),
+        "pipe16_p64_sum": lambda: _pipeline(args.target, sources, pinned, stream, 16, 64 * MiB, checksum=True),
+        "pipe16_p64_zip": lambda: _pipeline(args.target, sources, pinned, stream, 16, 64 * MiB, container=True),
         "safe_sync": lambda: _safe(state, args.target, budget, "sync"),
         "safe_async": lambda: _safe(state, args.target, budget, "async"),
         "safe_sync_nosum": lambda: _safe(state, args.target, budget, "sync", checksums=False),
@@ -269,6 +389,10 @@ def main() -> None:
         "safe_sync_chunk256": lambda: _safe(state, args.target, budget, "sync", chunk_bytes=256 * MiB),
         "safe_sync_io16_chunk256": lambda: _safe(state, args.target, budget, "sync", io_threads=16, chunk_bytes=256 * MiB),
         "safe_sync_io16_chunk32": lambda: _safe(state, args.target, budget, "sync", io_threads=16, chunk_bytes=32 * MiB),
+        "safe_sync_trace": lambda: _traced(state, args.target, budget),
+        "safe_sync_io16_trace": lambda: _traced(state, args.target, budget, io_threads=16),
+        "safe_sync_io16_nosum_trace": lambda: _traced(state, args.target, budget, io_threads=16, checksums=False),
+        "safe_sync_io16_nogc": lambda: _safe(state, args.target, budget, "sync", io_threads=16, gc_freeze=False),
         "safe_sync_io16_nosum": lambda: _safe(state, args.target, budget, "sync", io_threads=16, checksums=False),
         "safe_sync_io16_hostsum": lambda: _safe(state, args.target, budget, "sync", io_threads=16,
                                                 device_checksums=False),
