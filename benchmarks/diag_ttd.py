@@ -19,6 +19,8 @@ attributed:
   pinned buffer: the write ceiling under a staging save's memory traffic, without its data dependency;
 - ``*_trace``: the save with every writer lane timed (first item, waits for copies, time in items,
   finish) and the staging thread's finish, printed as a ``trace`` line; ``nogc``: gc_freeze off;
+  ``gated`` / ``early``: the writers wait for every device copy to be issued / start at once,
+  whatever the chunk sizes; ``fpw1``: one file per writer instead of two;
 - ``safe_*``: `safe_ckpt.save` / `async_save` with the defaults and with options changed
   (``io16``: 16 writer threads, ``sumN``: N checksum threads, 0 = in the writers, ``chunkN``: N MiB chunks,
   ``hostsum``: device checksums off, every byte hashed on the host; ``gridminN``: device checksums
@@ -43,7 +45,7 @@ import torch
 import safe_ckpt
 from safe_ckpt.bench.state import build
 from safe_ckpt.integrity import checksum_of
-from safe_ckpt.staging.pool import shared_pool
+from safe_ckpt.staging.pool import PinnedPool, shared_pool
 from safe_ckpt.staging.stager import host_memoryview
 
 MiB = 1 << 20
@@ -188,19 +190,24 @@ def _pipeline(target: str, sources: list[torch.Tensor], pinned: torch.Tensor, st
 
 
 def _safe(state, target: str, budget: int, mode: str, piece_bytes: int | None = None,
-          grid_min_bytes: int | None = None, **opts) -> float:
-    from safe_ckpt import pipeline
+          grid_min_bytes: int | None = None, early_min_bytes: int | None = None, files_per_writer: int | None = None,
+          **opts) -> float:
+    """One save with module constants patched for its duration (None: the shipped value)."""
+    from safe_ckpt import pipeline, saving
     from safe_ckpt.staging import stager
 
-    default_piece, default_grid_min = pipeline.FUSED_PIECE_BYTES, stager.GRID_MIN_PAYLOAD_BYTES
-    if piece_bytes:
-        pipeline.FUSED_PIECE_BYTES = piece_bytes
-    if grid_min_bytes:
-        stager.GRID_MIN_PAYLOAD_BYTES = grid_min_bytes
+    patches = [(pipeline, "FUSED_PIECE_BYTES", piece_bytes), (stager, "GRID_MIN_PAYLOAD_BYTES", grid_min_bytes),
+               (pipeline, "EARLY_WRITERS_MIN_CHUNK_BYTES", early_min_bytes),
+               (saving, "FILES_PER_WRITER", files_per_writer)]
+    saved = [(module, name, getattr(module, name)) for module, name, value in patches if value is not None]
+    for module, name, value in patches:
+        if value is not None:
+            setattr(module, name, value)
     try:
         return _safe_once(state, target, budget, mode, **opts)
     finally:
-        pipeline.FUSED_PIECE_BYTES, stager.GRID_MIN_PAYLOAD_BYTES = default_piece, default_grid_min
+        for module, name, value in saved:
+            setattr(module, name, value)
 
 
 def _safe_once(state, target: str, budget: int, mode: str, **opts) -> float:
@@ -306,7 +313,10 @@ def main() -> None:
     budget = nbytes + 256 * MiB
     pool = shared_pool(budget)
     pool.preallocate()
-    pinned = pool._buffer  # the diagnostic borrows the pool's buffer between saves
+    # The pipe / d2h cases' own buffer: a case with another budget replaces (and unpins) the pool's.
+    own = PinnedPool(budget)
+    own.preallocate()
+    pinned = own._buffer
     stream = torch.cuda.Stream() if cuda else None
     if cuda:
         _d2h(sources, pinned, stream)
@@ -392,6 +402,14 @@ def main() -> None:
         "safe_sync_trace": lambda: _traced(state, args.target, budget),
         "safe_sync_io16_trace": lambda: _traced(state, args.target, budget, io_threads=16),
         "safe_sync_io16_nosum_trace": lambda: _traced(state, args.target, budget, io_threads=16, checksums=False),
+        "safe_sync_io16_gated": lambda: _safe(state, args.target, budget, "sync", io_threads=16,
+                                              early_min_bytes=1 << 62),
+        "safe_async_io16_gated": lambda: _safe(state, args.target, budget, "async", io_threads=16,
+                                               early_min_bytes=1 << 62),
+        "safe_sync_io16_fpw1": lambda: _safe(state, args.target, budget, "sync", io_threads=16, files_per_writer=1),
+        "safe_sync_early": lambda: _safe(state, args.target, budget, "sync", early_min_bytes=1),
+        "safe_sync_io16_early": lambda: _safe(state, args.target, budget, "sync", io_threads=16, early_min_bytes=1),
+        "safe_async_early": lambda: _safe(state, args.target, budget, "async", early_min_bytes=1),
         "safe_sync_io16_nogc": lambda: _safe(state, args.target, budget, "sync", io_threads=16, gc_freeze=False),
         "safe_sync_io16_nosum": lambda: _safe(state, args.target, budget, "sync", io_threads=16, checksums=False),
         "safe_sync_io16_hostsum": lambda: _safe(state, args.target, budget, "sync", io_threads=16,

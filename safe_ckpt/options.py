@@ -26,7 +26,8 @@ class SaveOptions:
 
     chunk_bytes: largest payload of one stored item; bigger shards are split into
         several chunks (each a standalone torch.save archive). Bounds loader memory too.
-    io_threads: writer threads per rank, one output file each.
+    io_threads: writer threads per rank; each rank writes two files of equal bytes per writer,
+        and any free writer writes the next staged item of a file no other writer is writing.
     fsync: make every file durable before the checkpoint is published.
     staging_budget_bytes: size of the process-wide pinned staging pool, allocated once
         on first use and reused by later saves. Device-resident bytes beyond it are

@@ -3,14 +3,17 @@
 One job: write every item of this rank's layout. A staging thread walks the items
 (interleaved across files so every writer has work) and brings each payload to host
 memory: host chunks as views of their own memory, device chunks through the pinned
-pool. Writer threads ("lanes", each owning some files) wrap each payload in its
-container and write prefix, payload and suffix with one vectored write, then fsync
-the file. While a writer writes chunk k, later chunks are already being copied.
+pool. Writer threads take the staged items in order, each the first one whose file no
+other writer is writing (`staging.dispatch`), wrap it in its container and write prefix,
+payload and suffix with one vectored write; whoever writes a file's last item fsyncs it.
+While a writer writes chunk k, later chunks are already being copied.
 
-The writers start once the last device chunk's copy has been issued (or earlier, when
-the staging pool is full and only writing can free it): issuing a thousand small
-copies while eight writers compete for the GIL took 0.4-0.9 s on an H200 instead of
-0.13 s, and a writer has nothing to write before the first copy lands anyway.
+When device chunks are small on average, the writers start once the last device chunk's
+copy has been issued (or earlier, when the staging pool is full and only writing can free
+it): issuing a thousand small copies while eight writers compete for the GIL took 0.4-0.9 s
+on an H200 instead of 0.13 s, and a writer has nothing to write before the first copy lands
+anyway. With large chunks the writers' few GIL hand-offs cost the issuing little, and
+holding them back cost 20-45 ms of idle writers at the start of a 9 GB save (H200).
 
 Must not: decide what goes where (the layout did), talk to other ranks, or publish.
 """
@@ -19,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import threading
 from concurrent.futures import ThreadPoolExecutor
 import time
@@ -34,12 +36,15 @@ from .integrity import ALGORITHM, GRID_ALGORITHM, GRID_ROW_BYTES, Hasher, ItemCh
 from .progress import Progress
 from .residence import HOST_RESIDENCES, Residence
 from .sinks.base import Sink
+from .staging.dispatch import Dispatch
 from .staging.stager import Stager, StagedChunk, chunk_view
 
 log = logging.getLogger(__name__)
 
 
 FUSED_PIECE_BYTES = 2 << 20  # hashed, then written while still in the core's cache
+# Device chunks at least this large on average: the writers start at once (see above).
+EARLY_WRITERS_MIN_CHUNK_BYTES = 16 << 20
 
 
 def _checksum_threads(asked: int | None, lanes: int) -> int:
@@ -125,9 +130,10 @@ class RankWriter:
         self._writers_go = threading.Event()
         self._errors: list[ItemWriteFailed] = []
         self._lock = threading.Lock()
-        # One writer thread ("lane") per group of files: file i goes to lane i % lanes.
-        self._lanes = max(1, min(lanes or len(work.layout.files), len(work.layout.files)))
-        self._queues = [queue.Queue() for _ in range(self._lanes)]
+        files = work.layout.files
+        self._lanes = max(1, min(lanes or len(files), len(files)))  # writer threads
+        self._dispatch = Dispatch([len(f.items) for f in files])
+        self._handles: list = [None] * len(files)  # open files (one writer at a time each)
         self._checksum_threads = _checksum_threads(checksum_threads, self._lanes) if checksums else 0
         self._whole_writes = whole_writes
         self._threads: list[threading.Thread] = []
@@ -142,7 +148,7 @@ class RankWriter:
             self._hasher = ThreadPoolExecutor(self._checksum_threads, thread_name_prefix="safe_ckpt-sum")
         if self.work.layout.files:
             for lane in range(self._lanes):
-                t = threading.Thread(target=self._write_lane, args=(lane,), name=f"safe_ckpt-write-{lane}")
+                t = threading.Thread(target=self._write_loop, name=f"safe_ckpt-write-{lane}")
                 t.daemon = True
                 self._threads.append(t)
         stager = threading.Thread(target=self._stage_all, name="safe_ckpt-stage", daemon=True)
@@ -159,6 +165,13 @@ class RankWriter:
     def join(self) -> WriteStats:
         for t in self._threads:
             t.join()
+        for index, handle in enumerate(self._handles):  # left open by a failure: not synced
+            if handle is not None:
+                self._handles[index] = None
+                try:
+                    handle.close()
+                except OSError as exc:
+                    log.debug("safe_ckpt: closing an abandoned file failed: %s", exc)
         if self._hasher is not None:
             self._hasher.shutdown(wait=True)
         if not self._errors:
@@ -190,15 +203,16 @@ class RankWriter:
 
     # ----------------------------------------------------------------- staging
     def _interleaved(self):
-        """(lane, file index, item), round robin over lanes, each lane's files in order."""
+        """(file index, item) in staging order: round robin over groups of files (file i in group
+        i % writers, each group's files in order), so each writer has a file of its own to take."""
         per_lane = [[] for _ in range(self._lanes)]
         for i, f in enumerate(self.work.layout.files):
             per_lane[i % self._lanes].extend((i, item) for item in f.items)
         longest = max((len(entries) for entries in per_lane), default=0)
         for k in range(longest):
-            for lane, entries in enumerate(per_lane):
+            for entries in per_lane:
                 if k < len(entries):
-                    yield lane, entries[k][0], entries[k][1]
+                    yield entries[k]
 
     def _on_device(self, item: PlacedItem) -> bool:
         return item.chunk is not None and self.work.residences[item.chunk.local_index] == Residence.CUDA.value
@@ -212,11 +226,14 @@ class RankWriter:
         waiter = None
         try:
             entries = list(self._interleaved())
-            last_device = max((k for k, (_, _, item) in enumerate(entries) if self._on_device(item)), default=-1)
+            device = [k for k, (_, item) in enumerate(entries) if self._on_device(item)]
+            last_device = device[-1] if device else -1
             if last_device < 0:
                 self._writers_go.set()
                 self._mark_staged()
-            for k, (lane, file_index, item) in enumerate(entries):
+            elif self._early_writers([entries[k][1] for k in device]):
+                self._writers_go.set()
+            for k, (file_index, item) in enumerate(entries):
                 if self._abort.is_set():
                     break
                 try:
@@ -224,7 +241,7 @@ class RankWriter:
                 except BaseException as exc:
                     self._fail(item.fqn, exc)
                     break
-                self._queues[lane].put((file_index, item, staged))
+                self._dispatch.put(file_index, (item, staged))
                 if k == last_device:
                     self._writers_go.set()
                     # Host items keep flowing to the writers while the last copies land.
@@ -238,8 +255,12 @@ class RankWriter:
                 waiter.join()
             else:
                 self._await_device_copies()  # a failure before the last device chunk: let issued copies land
-            for q in self._queues:
-                q.put(None)
+            self._dispatch.close()
+
+    @staticmethod
+    def _early_writers(device_items: list[PlacedItem]) -> bool:
+        payload = sum(item.chunk.payload_bytes for item in device_items)
+        return payload >= EARLY_WRITERS_MIN_CHUNK_BYTES * len(device_items)
 
     def _await_device_copies(self) -> None:
         """Every device-to-host copy issued so far has landed (or failed): async_save may return."""
@@ -260,28 +281,29 @@ class RankWriter:
                                  on_wait=self._writers_go.set)
 
     # ----------------------------------------------------------------- writing
-    def _write_lane(self, lane: int) -> None:
-        """Write this lane's files one after the other: open, items in order, sync, close."""
-        q = self._queues[lane]
-        handle, current = None, None
+    def _write_loop(self) -> None:
+        """Take staged items until none are left; open a file at its first item, and sync and
+        close it after its last."""
         self._writers_go.wait()
         while True:
-            entry = q.get()
+            entry = self._dispatch.take()
             if entry is None:
                 break
-            file_index, item, staged = entry
-            if file_index != current:
-                self._finish_file(handle)
-                handle, current = self._open_file(file_index), file_index
+            item, staged = entry.payload
+            index = entry.file_index
+            handle = self._handles[index]
+            if handle is None and not self._abort.is_set():
+                handle = self._handles[index] = self._open_file(index)
             if self._abort.is_set() or handle is None:
                 if isinstance(staged, StagedChunk):
                     staged.release()
-                continue
-            try:
-                self._write_item(handle, item, staged)
-            except BaseException as exc:
-                self._fail(item.fqn, exc)
-        self._finish_file(handle)
+            else:
+                try:
+                    self._write_item(handle, item, staged)
+                except BaseException as exc:
+                    self._fail(item.fqn, exc)
+            if self._dispatch.done(entry):
+                self._finish_file(index)
 
     def _open_file(self, file_index: int):
         spec = self.work.layout.files[file_index]
@@ -291,7 +313,8 @@ class RankWriter:
             self._fail(None, exc)
             return None
 
-    def _finish_file(self, handle) -> None:
+    def _finish_file(self, file_index: int) -> None:
+        handle, self._handles[file_index] = self._handles[file_index], None
         if handle is None:
             return
         try:

@@ -41,6 +41,9 @@ from .staging.stager import Stager, record_producer_fence
 
 log = logging.getLogger("safe_ckpt")
 CONFIG_FILE = "metadata.json"
+# Files of equal bytes per writer thread: with two, a writer whose file another writer holds
+# still finds one free (one file is never written by two threads at once: see staging.dispatch).
+FILES_PER_WRITER = 2
 
 
 @dataclass(frozen=True)
@@ -159,7 +162,7 @@ class _Job:
             self._abort()
             raise
         global_plan = _option_mismatches(messages) or build_global_plan(
-            [m.plan for m in messages], self.options.chunk_bytes, self.options.io_threads)
+            [m.plan for m in messages], self.options.chunk_bytes, FILES_PER_WRITER * self.options.io_threads)
         if not isinstance(global_plan, GlobalPlan):
             self._abort()
             raise _problems_error("planning", global_plan)

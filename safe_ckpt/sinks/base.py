@@ -1,7 +1,7 @@
 """The sink interface: put bytes at known offsets of named files, then make them durable.
 
 Call order, per save: the pipeline calls `open(name, size_bytes)` once per data file
-(each file is then used by one thread only), `write_at` any number of times with
+(each file is then used by one thread at a time, not always the same one), `write_at` any number of times with
 non-overlapping ranges in any order, `sync()` once all its bytes are written, then
 `close()` (a sink whose files are whole values, with ``one_item_per_file``, takes exactly
 one `write_at` at offset 0 per file). `write_file` writes a whole small file (metadata, common state) and makes it
