@@ -203,16 +203,13 @@ class RankWriter:
 
     # ----------------------------------------------------------------- staging
     def _interleaved(self):
-        """(file index, item) in staging order: round robin over groups of files (file i in group
-        i % writers, each group's files in order), so each writer has a file of its own to take."""
-        per_lane = [[] for _ in range(self._lanes)]
-        for i, f in enumerate(self.work.layout.files):
-            per_lane[i % self._lanes].extend((i, item) for item in f.items)
-        longest = max((len(entries) for entries in per_lane), default=0)
-        for k in range(longest):
-            for entries in per_lane:
-                if k < len(entries):
-                    yield entries[k]
+        """(file index, item) in staging order: by where the item starts as a fraction of its
+        file, so every file advances at the same rate and none is left with most of its items
+        when the others are done (only its one writer at a time could then write them)."""
+        entries = [(item.offset_bytes / max(1, f.size_bytes), i, item)
+                   for i, f in enumerate(self.work.layout.files) for item in f.items]
+        entries.sort(key=lambda e: (e[0], e[1]))
+        return [(i, item) for _, i, item in entries]
 
     def _on_device(self, item: PlacedItem) -> bool:
         return item.chunk is not None and self.work.residences[item.chunk.local_index] == Residence.CUDA.value

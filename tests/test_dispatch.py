@@ -153,3 +153,23 @@ def test_a_slow_writer_thread_writes_fewer_items_and_every_byte_lands(tmp_path):
     out = {k: torch.empty_like(v) for k, v in tensors.items()}
     dcp.load(out, checkpoint_id=path, no_dist=True)
     assert all(bits_equal(out[k], v) for k, v in tensors.items())
+
+
+def test_staging_order_advances_every_file_at_the_same_rate():
+    """A file of many small items is not left behind by files of few large ones."""
+    from safe_ckpt.encoding.layout import FileSpec, PlacedItem, RankLayout
+    from safe_ckpt.pipeline import RankWork, RankWriter
+    from safe_ckpt.progress import Progress
+
+    def file(name, lengths):
+        items, at = [], 0
+        for k, n in enumerate(lengths):
+            items.append(PlacedItem(f"{name}{k}", name, at, n))
+            at += n
+        return FileSpec(name, at, items)
+
+    files = [file("a", [400, 400]), file("b", [100] * 8)]
+    work = RankWork(RankLayout(0, files), [], [], [], {}, {})
+    writer = RankWriter(work, sink=None, stager=None, crc32=False, progress=Progress(0, 0, 0), lanes=2)
+    order = [item.fqn for _, item in writer._interleaved()]
+    assert order == ["a0", "b0", "b1", "b2", "b3", "a1", "b4", "b5", "b6", "b7"]

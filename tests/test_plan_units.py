@@ -206,3 +206,21 @@ def test_balanced_chunks_tile_random_shards_within_bounds(seed):
     for f in layout.files:  # items back to back from offset 0
         ends = [0] + [it.offset_bytes + it.length_bytes for it in f.items]
         assert [it.offset_bytes for it in f.items] == ends[:-1] and ends[-1] == f.size_bytes
+
+
+def test_each_files_last_chunk_bytes_go_in_quarter_chunks():
+    """The writers end within one item of each other: the last chunk_bytes of every file are
+    in items of at most a quarter chunk; the rest stay whole chunks, and files stay balanced."""
+    specs = [((18_000, 4096), torch.bfloat16)] * 8 + [((168_000_000,), torch.float32)] * 12
+    shards = [_shard(f"t{i}", 0, (0,) * len(shape), shape, shape, dtype, local_index=i)
+              for i, (shape, dtype) in enumerate(specs)]
+    chunk = 64 << 20
+    plan, sizes = _layout_file_bytes(shards, 32, chunk)
+    assert max(sizes) / (sum(sizes) / len(sizes)) < 1.01, sizes
+    for f in lay_out_rank(plan, 0).files:
+        tail = [it for it in f.items if it.offset_bytes + it.length_bytes > f.size_bytes - chunk]
+        assert sum(it.length_bytes for it in tail) >= chunk
+        assert all(it.chunk.payload_bytes <= chunk // 4 for it in tail), [it.length_bytes for it in tail]
+        assert any(it.chunk.payload_bytes == chunk for it in f.items)
+    few, _ = _layout_file_bytes(shards[:1], 2, chunk)  # 141 MiB: files of under four chunks keep whole chunks
+    assert max(c.payload_bytes for c in few.chunks) > chunk // 4

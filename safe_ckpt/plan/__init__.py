@@ -7,7 +7,7 @@ Must not: touch CUDA or files.
 
 from __future__ import annotations
 
-from .chunking import balanced_cuts, cut_rows, slot_of, split_box
+from .chunking import balanced_cuts, cut_rows, slot_of, split_box, tail_chunk_bytes, tail_start
 from .collect import DraftShard, LocalState, collect
 from .records import (
     Box,
@@ -67,16 +67,31 @@ def _rank_chunks(shards: list[ShardRef], chunk_bytes: int, files_per_rank: int) 
     total = sum(sizes)
     # A cut costs one more item; pieces of chunk_bytes/256 (1 MiB by default) still write at full speed.
     cuts = balanced_cuts(sizes, slots, max(1, chunk_bytes // 256)) if slots > 1 else [[] for _ in shards]
-    chunks, pos = [], 0
+    pieces, pos = [], 0  # (shard, piece box, slot)
+    slot_bytes = [0] * slots
     for s, shard_cuts in zip(shards, cuts):
         for piece in cut_rows(s.box.sizes, s.dtype.itemsize, shard_cuts):
             piece_bytes = piece.numel * s.dtype.itemsize
             # By its middle: an uncut shard across a run's end goes where most of it lies.
             slot = slot_of(pos + piece_bytes // 2, total, slots)
-            for sub in split_box(piece.sizes, s.dtype.itemsize, chunk_bytes):
-                in_shard = tuple(p + d for p, d in zip(piece.offsets, sub.offsets))
-                global_offsets = tuple(o + d for o, d in zip(s.box.offsets, in_shard))
-                chunks.append(ChunkSpec(s.key, s.dtype, s.rank, s.local_index, Box(global_offsets, sub.sizes),
-                                        Box(in_shard, sub.sizes), slot))
+            pieces.append((s, piece, slot))
+            slot_bytes[slot] += piece_bytes
             pos += piece_bytes
+    tails = [tail_start(n, chunk_bytes) if slots > 1 else n for n in slot_bytes]
+    chunks, in_slot = [], [0] * slots
+    for s, piece, slot in pieces:
+        for sub in split_box(piece.sizes, s.dtype.itemsize, chunk_bytes):
+            sub_bytes = sub.numel * s.dtype.itemsize
+            ends_in_tail = in_slot[slot] + sub_bytes > tails[slot]
+            in_slot[slot] += sub_bytes
+            parts = split_box(sub.sizes, s.dtype.itemsize, tail_chunk_bytes(chunk_bytes)) if ends_in_tail else [None]
+            for part in parts:
+                offsets = tuple(p + d for p, d in zip(piece.offsets, sub.offsets))
+                box = sub
+                if part is not None:
+                    offsets = tuple(o + d for o, d in zip(offsets, part.offsets))
+                    box = part
+                global_offsets = tuple(o + d for o, d in zip(s.box.offsets, offsets))
+                chunks.append(ChunkSpec(s.key, s.dtype, s.rank, s.local_index, Box(global_offsets, box.sizes),
+                                        Box(offsets, box.sizes), slot))
     return chunks

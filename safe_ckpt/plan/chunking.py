@@ -6,6 +6,10 @@ axes are split first, so a chunk is a run of whole rows (or, when one row is too
 a run inside a single row). And say where to cut a rank's shards so that its writer
 slots (one file and one writer thread each) get equal bytes: with whole chunks dealt
 to files the largest file set the save's end (5-20 % above the mean on the anchor state).
+A slot's last ``chunk_bytes`` go in quarter-size chunks: the writers take the next item of
+any file as they get free, so they end within one item of each other, and items of a
+quarter the size make that spread a quarter as long (on the H200 the writers of a 9.23 GB
+save ended 40-60 ms apart with 64 MiB items).
 Must not: know about tensors, files or ranks.
 """
 
@@ -79,3 +83,12 @@ def slot_of(at_bytes: int, total_bytes: int, slots: int) -> int:
     if total_bytes <= 0:
         return 0
     return min(slots - 1, at_bytes * slots // total_bytes)
+
+
+def tail_start(slot_bytes: int, chunk_bytes: int) -> int:
+    """Where a writer slot's tail of smaller chunks begins (a slot of under four chunks has none)."""
+    return slot_bytes - chunk_bytes if slot_bytes >= 4 * chunk_bytes else slot_bytes
+
+
+def tail_chunk_bytes(chunk_bytes: int) -> int:
+    return max(1, chunk_bytes // 4)
