@@ -19,8 +19,8 @@ attributed:
   pinned buffer: the write ceiling under a staging save's memory traffic, without its data dependency;
 - ``*_trace``: the save with every writer lane timed (first item, waits for copies, time in items,
   finish) and the staging thread's finish, printed as a ``trace`` line; ``nogc``: gc_freeze off;
-  ``gated`` / ``early``: the writers wait for every device copy to be issued / start at once,
-  whatever the chunk sizes; ``fpw1``: one file per writer instead of two;
+  ``gated`` / ``early``: the sync save's writers wait for every device copy to be issued / start
+  at once, whatever the chunk sizes (an async save's always wait); ``fpw1``: one file per writer instead of two;
 - ``safe_*``: `safe_ckpt.save` / `async_save` with the defaults and with options changed
   (``io16``: 16 writer threads, ``sumN``: N checksum threads, 0 = in the writers, ``chunkN``: N MiB chunks,
   ``hostsum``: device checksums off, every byte hashed on the host; ``gridminN``: device checksums
@@ -404,12 +404,9 @@ def main() -> None:
         "safe_sync_io16_nosum_trace": lambda: _traced(state, args.target, budget, io_threads=16, checksums=False),
         "safe_sync_io16_gated": lambda: _safe(state, args.target, budget, "sync", io_threads=16,
                                               early_min_bytes=1 << 62),
-        "safe_async_io16_gated": lambda: _safe(state, args.target, budget, "async", io_threads=16,
-                                               early_min_bytes=1 << 62),
         "safe_sync_io16_fpw1": lambda: _safe(state, args.target, budget, "sync", io_threads=16, files_per_writer=1),
         "safe_sync_early": lambda: _safe(state, args.target, budget, "sync", early_min_bytes=1),
         "safe_sync_io16_early": lambda: _safe(state, args.target, budget, "sync", io_threads=16, early_min_bytes=1),
-        "safe_async_early": lambda: _safe(state, args.target, budget, "async", early_min_bytes=1),
         "safe_sync_io16_nogc": lambda: _safe(state, args.target, budget, "sync", io_threads=16, gc_freeze=False),
         "safe_sync_io16_nosum": lambda: _safe(state, args.target, budget, "sync", io_threads=16, checksums=False),
         "safe_sync_io16_hostsum": lambda: _safe(state, args.target, budget, "sync", io_threads=16,

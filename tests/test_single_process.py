@@ -171,14 +171,16 @@ def test_writers_wait_for_device_staging_and_start_when_the_pool_is_full(tmp_pat
         assert bits_equal(loaded[k], v), k
 
 
-def test_no_write_starts_before_the_last_device_chunk_is_staged(tmp_path, monkeypatch):
-    """With room for everything, the first write follows the staging of every device chunk."""
+def _staging_events(monkeypatch, tmp_path, save):
+    """The order of stage and write events of a save of ten small "device" tensors (a slow
+    stager gives writers that are not held back every chance to start early)."""
     import safe_ckpt.pipeline as pipeline
 
     _as_device(monkeypatch)
     events = []
     stage, write = pipeline.RankWriter._stage, pipeline.RankWriter._write_item
-    def slow_stage(self, item):  # a slow stager gives ungated writers every chance to start early
+
+    def slow_stage(self, item):
         events.append("stage")
         time.sleep(0.02)
         return stage(self, item)
@@ -189,11 +191,35 @@ def test_no_write_starts_before_the_last_device_chunk_is_staged(tmp_path, monkey
     g = torch.Generator().manual_seed(5)
     tensors = {f"w{i}": torch.randn(32, 64, generator=g) for i in range(10)}
     path = str(tmp_path / "ck")
-    safe_ckpt.save({k: _st(k, v) for k, v in tensors.items()}, path, options=_opts(io_threads=4))
+    save({k: _st(k, v) for k, v in tensors.items()}, path, _opts(io_threads=4))
     assert events.count("stage") == events.count("write") >= 10
-    assert events.index("write") > max(i for i, e in enumerate(events) if e == "stage"), events
     loaded = _dcp_load(path, {k: (tuple(v.shape), v.dtype) for k, v in tensors.items()})
     assert all(bits_equal(loaded[k], v) for k, v in tensors.items())
+    return events
+
+
+def _writes_before_last_stage(events) -> int:
+    last = max(i for i, e in enumerate(events) if e == "stage")
+    return events[:last].count("write")
+
+
+def test_no_write_starts_before_the_last_small_device_chunk_is_staged(tmp_path, monkeypatch):
+    """Small device chunks, room for everything: the first write follows the last staging."""
+    events = _staging_events(monkeypatch, tmp_path, lambda s, p, o: safe_ckpt.save(s, p, options=o))
+    assert _writes_before_last_stage(events) == 0, events
+
+
+def test_large_device_chunks_are_written_while_staging_goes_on_except_in_async_save(tmp_path, monkeypatch):
+    """A sync save of large chunks (here: any size counts as large) lets the writers start at
+    once; async_save, whose caller waits for the staging, still holds them back."""
+    import safe_ckpt.pipeline as pipeline
+
+    monkeypatch.setattr(pipeline, "EARLY_WRITERS_MIN_CHUNK_BYTES", 1)
+    events = _staging_events(monkeypatch, tmp_path, lambda s, p, o: safe_ckpt.save(s, p, options=o))
+    assert _writes_before_last_stage(events) > 0, events
+    events = _staging_events(monkeypatch, tmp_path / "async",
+                             lambda s, p, o: safe_ckpt.async_save(s, p, options=o).wait(60))
+    assert _writes_before_last_stage(events) == 0, events
 
 
 def _as_device_only(monkeypatch, tensors):
