@@ -174,7 +174,7 @@ class RankWriter:
                 self._handles[index] = None
                 try:
                     handle.close()
-                except OSError as exc:
+                except Exception as exc:  # the save already failed; the first error is the one to report
                     log.debug("safe_ckpt: closing an abandoned file failed: %s", exc)
         if self._hasher is not None:
             self._hasher.shutdown(wait=True)
@@ -284,7 +284,8 @@ class RankWriter:
     # ----------------------------------------------------------------- writing
     def _write_loop(self) -> None:
         """Take staged items until none are left; open a file at its first item, and sync and
-        close it after its last."""
+        close it after its last. Never leaves early: a writer gone while items remain would
+        leave them unwritten (and their leases held) with nothing to say so."""
         self._writers_go.wait()
         while True:
             entry = self._dispatch.take()
@@ -292,19 +293,21 @@ class RankWriter:
                 break
             item, staged = entry.payload
             index = entry.file_index
-            handle = self._handles[index]
-            if handle is None and not self._abort.is_set():
-                handle = self._handles[index] = self._open_file(index)
-            if self._abort.is_set() or handle is None:
-                if isinstance(staged, StagedChunk):
-                    staged.release()
-            else:
-                try:
+            written = False
+            try:
+                handle = self._handles[index]
+                if handle is None and not self._abort.is_set():
+                    handle = self._handles[index] = self._open_file(index)
+                if handle is not None and not self._abort.is_set():
+                    written = True  # _write_item releases the lease, whatever happens
                     self._write_item(handle, item, staged)
-                except BaseException as exc:
-                    self._fail(item.fqn, exc)
-            if self._dispatch.done(entry):
-                self._finish_file(index)
+            except BaseException as exc:
+                self._fail(item.fqn, exc)
+            finally:
+                if not written and isinstance(staged, StagedChunk):
+                    staged.release()
+                if self._dispatch.done(entry):
+                    self._finish_file(index)
 
     def _open_file(self, file_index: int):
         spec = self.work.layout.files[file_index]
@@ -323,8 +326,10 @@ class RankWriter:
                 handle.sync()
         except BaseException as exc:
             self._fail(None, exc)
-        finally:
+        try:
             handle.close()
+        except BaseException as exc:  # a close can report a failed write-back (NFS, EIO)
+            self._fail(None, exc)
 
     def _write(self, handle, item: PlacedItem, buffers: list) -> None:
         """One vectored write of an item, its checksum computed meanwhile on another thread;
