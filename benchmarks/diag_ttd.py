@@ -19,8 +19,10 @@ attributed:
   pinned buffer: the write ceiling under a staging save's memory traffic, without its data dependency;
 - ``*_trace``: the save with every writer lane timed (first item, waits for copies, time in items,
   finish) and the staging thread's finish, printed as a ``trace`` line; ``nogc``: gc_freeze off;
-  ``gated`` / ``early``: the sync save's writers wait for every device copy to be issued / start
-  at once, whatever the chunk sizes (an async save's always wait); ``fpw1``: one file per writer instead of two;
+  ``gated`` / ``early``: the writers wait for every device copy to be issued / start at once,
+  whatever the chunk sizes; ``fpw1``: one file per writer instead of two; ``torchcopy``: copies
+  through Tensor.copy_ instead of the CUDA driver; ``inline``: grid sums enqueued with each copy
+  even while the writers wait; ``old``: both (the issue path before cuda_driver);
 - ``safe_*``: `safe_ckpt.save` / `async_save` with the defaults and with options changed
   (``io16``: 16 writer threads, ``sumN``: N checksum threads, 0 = in the writers, ``chunkN``: N MiB chunks,
   ``hostsum``: device checksums off, every byte hashed on the host; ``gridminN``: device checksums
@@ -189,21 +191,39 @@ def _pipeline(target: str, sources: list[torch.Tensor], pinned: torch.Tensor, st
     return dt
 
 
+STALLS: dict[str, list[float]] = {}  # case -> async_save's return times
+CASE = [""]
+
+
+def _sums_inline(stage):
+    def patched(self, *a, **k):
+        k["defer_sums"] = False
+        return stage(self, *a, **k)
+    return patched
+
+
 def _safe(state, target: str, budget: int, mode: str, piece_bytes: int | None = None,
           grid_min_bytes: int | None = None, early_min_bytes: int | None = None, files_per_writer: int | None = None,
+          torch_copies: bool = False, inline_sums: bool = False, trace: bool = False,
           **opts) -> float:
-    """One save with module constants patched for its duration (None: the shipped value)."""
-    from safe_ckpt import pipeline, saving
+    """One save with module constants patched for its duration (None: the shipped value):
+    ``torch_copies``: copies through Tensor.copy_, not the CUDA driver; ``inline_sums``: grid sums
+    enqueued with each copy even while the writers wait."""
+    from safe_ckpt import cuda_driver, pipeline, saving
     from safe_ckpt.staging import stager
 
     patches = [(pipeline, "FUSED_PIECE_BYTES", piece_bytes), (stager, "GRID_MIN_PAYLOAD_BYTES", grid_min_bytes),
                (pipeline, "EARLY_WRITERS_MIN_CHUNK_BYTES", early_min_bytes),
-               (saving, "FILES_PER_WRITER", files_per_writer)]
+               (saving, "FILES_PER_WRITER", files_per_writer),
+               (cuda_driver, "copies_available", (lambda: False) if torch_copies else None),
+               (stager.Stager, "stage", _sums_inline(stager.Stager.stage) if inline_sums else None)]
     saved = [(module, name, getattr(module, name)) for module, name, value in patches if value is not None]
     for module, name, value in patches:
         if value is not None:
             setattr(module, name, value)
     try:
+        if trace:
+            return _traced(state, target, budget, mode, **opts)
         return _safe_once(state, target, budget, mode, **opts)
     finally:
         for module, name, value in saved:
@@ -218,14 +238,16 @@ def _safe_once(state, target: str, budget: int, mode: str, **opts) -> float:
     if mode == "sync":
         safe_ckpt.save(state.make_sharded(), target, options=options)
     else:
-        safe_ckpt.async_save(state.make_sharded(), target, options=options).wait()
+        handle = safe_ckpt.async_save(state.make_sharded(), target, options=options)
+        STALLS.setdefault(CASE[0], []).append(time.perf_counter() - t0)
+        handle.wait()
     dt = time.perf_counter() - t0
     shutil.rmtree(target, ignore_errors=True)
     return dt
 
 
-def _traced(state, target: str, budget: int, **opts) -> float:
-    """A sync save with every writer lane timed: when it first got an item, how long it waited
+def _traced(state, target: str, budget: int, mode: str = "sync", **opts) -> float:
+    """A save with every writer lane timed: when it first got an item, how long it waited
     for copies to land (`StagedChunk.ready`), how long it spent in its items, when it finished;
     and when the staging thread had issued its last copy. Prints one ``trace`` line."""
     from safe_ckpt import pipeline
@@ -274,7 +296,13 @@ def _traced(state, target: str, budget: int, **opts) -> float:
         options = safe_ckpt.SaveOptions(staging_budget_bytes=budget, **opts)
         shared_pool(budget).preallocate()
         t_base[0] = time.perf_counter()
-        result = safe_ckpt.save(state.make_sharded(), target, options=options)
+        stall = None
+        if mode == "sync":
+            result = safe_ckpt.save(state.make_sharded(), target, options=options)
+        else:
+            handle = safe_ckpt.async_save(state.make_sharded(), target, options=options)
+            stall = time.perf_counter() - t_base[0]
+            result = handle.wait()
         dt = time.perf_counter() - t_base[0]
     finally:
         stager.StagedChunk.ready, pipeline.RankWriter._write_item, pipeline.RankWriter._stage_all = \
@@ -288,7 +316,8 @@ def _traced(state, target: str, budget: int, **opts) -> float:
         return [round(vals[0], 4), round(statistics.median(vals), 4), round(vals[-1], 4)] if vals else None
 
     t = result.timings
-    print(json.dumps({"case": "trace", "opts": {k: v for k, v in opts.items()}, "total_s": round(dt, 4),
+    print(json.dumps({"case": "trace", "of": CASE[0], "opts": {k: v for k, v in opts.items()}, "total_s": round(dt, 4),
+                      "stall_s": None if stall is None else round(stall, 4),
                       "plan_s": round(t.plan_s, 4), "write_s": round(t.write_s, 4), "commit_s": round(t.commit_s, 4),
                       "lanes": len(lanes), "staging_done_at_s": round(stage.get("staging_done_at_s", 0.0), 4),
                       "stager_ready_wait_s": round(stage.get("ready_wait_s", 0.0), 4),
@@ -368,7 +397,20 @@ def main() -> None:
         print(json.dumps({"case": "d2h_beside_write16_detail", "d2h_s": box["d"], "write_s": box["w"]}), flush=True)
         return time.perf_counter() - t0
 
+    def swapped_pool(fn):
+        """The case with the shared pool's buffer and the pipe cases' own buffer exchanged (both
+        pinned, same size): whether a save's speed follows the memory it stages through."""
+        def run():
+            pool._buffer, own._buffer = own._buffer, pool._buffer
+            try:
+                return fn()
+            finally:
+                pool._buffer, own._buffer = own._buffer, pool._buffer
+        return run
+
     cases = {
+        "pipe16_p64_poolbuf": lambda: _pipeline(args.target, sources, pool._buffer, stream, 16, 64 * MiB),
+        "safe_sync_io16_ownbuf": swapped_pool(lambda: _safe(state, args.target, budget, "sync", io_threads=16)),
         "write_8": lambda: _write_lanes(args.target, mv, 8, 64 * MiB),
         "write_12": lambda: _write_lanes(args.target, mv, 12, 64 * MiB),
         "write_16": lambda: _write_lanes(args.target, mv, 16, 64 * MiB),
@@ -402,8 +444,6 @@ def main() -> None:
         "safe_sync_trace": lambda: _traced(state, args.target, budget),
         "safe_sync_io16_trace": lambda: _traced(state, args.target, budget, io_threads=16),
         "safe_sync_io16_nosum_trace": lambda: _traced(state, args.target, budget, io_threads=16, checksums=False),
-        "safe_sync_io16_gated": lambda: _safe(state, args.target, budget, "sync", io_threads=16,
-                                              early_min_bytes=1 << 62),
         "safe_sync_io16_fpw1": lambda: _safe(state, args.target, budget, "sync", io_threads=16, files_per_writer=1),
         "safe_sync_early": lambda: _safe(state, args.target, budget, "sync", early_min_bytes=1),
         "safe_sync_io16_early": lambda: _safe(state, args.target, budget, "sync", io_threads=16, early_min_bytes=1),
@@ -430,6 +470,14 @@ def main() -> None:
         "safe_sync_io16_sum16": lambda: _safe(state, args.target, budget, "sync", io_threads=16, checksum_threads=16),
         "safe_sync_io12_sum4": lambda: _safe(state, args.target, budget, "sync", io_threads=12, checksum_threads=4),
         "safe_sync_sum0": lambda: _safe(state, args.target, budget, "sync", checksum_threads=0),
+        # How the copies are issued (see cuda_driver / Stager.stage): "old" is both changes undone.
+        **{f"safe_{mode}{io}{suffix}": (lambda mode=mode, kw=kw, io=io: _safe(state, args.target, budget, mode,
+                                                                              **kw, **({"io_threads": 16} if io else {})))
+           for mode in ("sync", "async") for io in ("", "_io16")
+           for suffix, kw in (("_torchcopy", {"torch_copies": True}), ("_inline", {"inline_sums": True}),
+                              ("_old", {"torch_copies": True, "inline_sums": True}), ("_gated", {"early_min_bytes": 1 << 62}),
+                              ("_old_trace", {"torch_copies": True, "inline_sums": True, "trace": True}),
+                              ("_new_trace", {"trace": True}))},
     }
     only = [p for p in args.only.split(",") if p]
     selected = {k: f for k, f in cases.items()
@@ -438,10 +486,14 @@ def main() -> None:
     runs = {k: [] for k in selected}
     for _ in range(args.reps):  # rounds interleave the cases, so drift hits all alike
         for name, fn in selected.items():
+            CASE[0] = name
             runs[name].append(fn())
     for name, times in runs.items():
-        print(json.dumps({"case": name, "median_s": statistics.median(times), "min_s": min(times),
-                          "max_s": max(times), "gbps_median": nbytes / statistics.median(times) / 1e9}), flush=True)
+        row = {"case": name, "median_s": statistics.median(times), "min_s": min(times),
+               "max_s": max(times), "gbps_median": nbytes / statistics.median(times) / 1e9}
+        if STALLS.get(name):
+            row.update(stall_median_s=statistics.median(STALLS[name]), stall_max_s=max(STALLS[name]))
+        print(json.dumps(row), flush=True)
     shutil.rmtree(args.target, ignore_errors=True)
 
 

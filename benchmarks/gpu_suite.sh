@@ -15,6 +15,7 @@
 #   env: PRESET=anchor|qwen3-4b-dp8, GIB (size per rank; empty: the preset's own), REPS, PEER_REPS, PEERS,
 #        THREADS (writer threads of every saver and the ceiling, default 8), CACHE (bench: cold,warm),
 #        ONLY, ONLY_QWEN (diag_ttd cases of the anchor / qwen3-4b-dp8 runs), DIAG_ANCHOR=0, DIAG_QWEN=0, DIAG_STAGING=0,
+#        DIAG_TARGET (the anchor run's directory, default tmpfs), DIAG_TAG (suffix of its result files),
 #        GPU_N (pytest-xdist workers for the GPU tests), GPU_K (pytest -k)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -77,15 +78,17 @@ part_smoke() {
 part_tests() { part_gputests; part_smoke; }
 
 part_diag() {
+  DIAG_TAG=${DIAG_TAG:+_$DIAG_TAG}
   if [ "${DIAG_ANCHOR:-1}" = 1 ]; then
-    python3 benchmarks/diag_ttd.py --preset anchor --gib 8.6 --reps ${REPS:-3} --target "$SHM" ${ONLY:+--only "$ONLY"} \
-      > "$RES/diag_ttd_anchor.txt" 2> "$RES/diag_ttd_anchor.err"
-    grep case "$RES/diag_ttd_anchor.txt" | cut -c1-500
+    python3 benchmarks/diag_ttd.py --preset anchor --gib 8.6 --reps ${REPS:-3} --target "${DIAG_TARGET:-$SHM}" \
+      ${ONLY:+--only "$ONLY"} > "$RES/diag_ttd_anchor$DIAG_TAG.txt" 2> "$RES/diag_ttd_anchor$DIAG_TAG.err"
+    grep case "$RES/diag_ttd_anchor$DIAG_TAG.txt" | cut -c1-500
   fi
   [ "${DIAG_QWEN:-1}" = 1 ] || return 0
   python3 benchmarks/diag_ttd.py --preset qwen3-4b-dp8 --gib "" --reps ${REPS:-3} --target "$SHM" \
-    --only "${ONLY_QWEN:-write_8,d2h,pipe*,safe_sync,safe_async}" > "$RES/diag_ttd_qwen.txt" 2> "$RES/diag_ttd_qwen.err"
-  grep case "$RES/diag_ttd_qwen.txt" | cut -c1-500
+    --only "${ONLY_QWEN:-write_8,d2h,pipe*,safe_sync,safe_async}" > "$RES/diag_ttd_qwen$DIAG_TAG.txt" \
+    2> "$RES/diag_ttd_qwen$DIAG_TAG.err"
+  grep case "$RES/diag_ttd_qwen$DIAG_TAG.txt" | cut -c1-500
   [ "${DIAG_STAGING:-1}" = 1 ] || return 0
   python3 benchmarks/diag_staging.py --target "$SHM" > "$RES/diag_staging.txt" 2> "$RES/diag_staging.err"
   cat "$RES/diag_staging.txt" | cut -c1-200

@@ -12,13 +12,13 @@ returns a view of torch_memory_saver's own backup buffer.)
 
 from __future__ import annotations
 
-import ctypes
 import logging
-import threading
 from dataclasses import dataclass
 from enum import Enum
 
 import torch
+
+from . import cuda_driver
 
 log = logging.getLogger(__name__)
 
@@ -44,42 +44,9 @@ class Classified:
     source: torch.Tensor | None = None
 
 
-_CU_POINTER_ATTRIBUTE_MAPPED = 13
-_CUDA_SUCCESS = 0
-_driver_lock = threading.Lock()
-_driver: list = []  # [ctypes.CDLL or None], filled once
-
-
-def _cuda_driver():
-    with _driver_lock:
-        if not _driver:
-            lib = None
-            for name in ("libcuda.so.1", "libcuda.so", "nvcuda.dll"):
-                try:
-                    lib = ctypes.CDLL(name)
-                    break
-                except OSError:
-                    continue
-            if lib is not None:
-                lib.cuPointerGetAttribute.restype = ctypes.c_int
-                lib.cuPointerGetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64]
-            _driver.append(lib)
-        return _driver[0]
-
-
 def device_address_mapped(address: int) -> bool:
-    """Whether the driver reports physical memory behind ``address``.
-
-    An address the driver does not know at all (unmapped VMM range, freed memory)
-    answers CUDA_ERROR_INVALID_VALUE; for a tensor torch places on a CUDA device that
-    means its pages are gone, so it counts as unmapped.
-    """
-    lib = _cuda_driver()
-    if lib is None:
-        raise RuntimeError("the CUDA driver library (libcuda) cannot be loaded")
-    value = ctypes.c_uint64(0)
-    rc = lib.cuPointerGetAttribute(ctypes.byref(value), _CU_POINTER_ATTRIBUTE_MAPPED, ctypes.c_uint64(address))
-    return rc == _CUDA_SUCCESS and value.value != 0
+    """Whether the driver reports physical memory behind ``address`` (see `cuda_driver`)."""
+    return cuda_driver.address_mapped(address)
 
 
 def _cpu_backup(tensor: torch.Tensor) -> torch.Tensor | None:

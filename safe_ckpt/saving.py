@@ -84,9 +84,8 @@ class _Job:
     """One save on one rank, from plan to published checkpoint."""
 
     def __init__(self, sharded_state_dict, checkpoint_dir, process_group, options, content_metadata,
-                 sharded_only: bool = False, post_commit=None, staging_first: bool = False):
+                 sharded_only: bool = False, post_commit=None):
         self.options = options or SaveOptions()
-        self.staging_first = staging_first  # async: the writers wait for every device copy to be issued
         target = os.fspath(checkpoint_dir)
         # A URL ("file://", "gs://", "memory://", ...) or a kvstore spec selects the TensorStore sink.
         self.kv = is_kvstore_url(target) or self.options.kvstore_spec is not None
@@ -198,9 +197,9 @@ class _Job:
         payload = sum(i.length_bytes for i in self.layout.items)
         progress = Progress(payload, self.coord.rank, opts.progress_interval_s)
         self.writer = RankWriter(
-            work, sink, Stager(self.pool, fence, grid=opts.checksums and opts.device_checksums), crc32=opts.zip_crc32, progress=progress, checksums=opts.checksums,
-            lanes=opts.io_threads, checksum_threads=opts.checksum_threads, whole_writes=self.kv,
-            staging_first=self.staging_first,
+            work, sink, Stager(self.pool, fence, grid=opts.checksums and opts.device_checksums), crc32=opts.zip_crc32,
+            progress=progress, checksums=opts.checksums, lanes=opts.io_threads, checksum_threads=opts.checksum_threads,
+            whole_writes=self.kv,
         )
         self.t_planned = time.perf_counter()  # plan_s ends where write_s begins
         if not self.kv and not os.path.isdir(self.staging_dir):
@@ -341,16 +340,14 @@ class _Job:
 
 
 def start(sharded_state_dict: dict, checkpoint_dir, *, process_group=None, options: SaveOptions | None = None,
-          content_metadata: dict | None = None, sharded_only: bool = False, post_commit=None,
-          staging_first: bool = False) -> "_Job":
+          content_metadata: dict | None = None, sharded_only: bool = False, post_commit=None) -> "_Job":
     """Plan and start writing (collective); for the adapters at the edges. The returned job
-    is finished with `.finish()` or handed to `SaveHandle` after `.wait_staged()` (pass
-    ``staging_first=True`` then: the staging gets the cores until every copy is issued)."""
+    is finished with `.finish()` or handed to `SaveHandle` after `.wait_staged()`."""
     wait_for_previous()
     hold = gcfreeze.Hold((options or SaveOptions()).gc_freeze)
     try:
         job = _Job(sharded_state_dict, checkpoint_dir, process_group, options, content_metadata,
-                   sharded_only=sharded_only, post_commit=post_commit, staging_first=staging_first)
+                   sharded_only=sharded_only, post_commit=post_commit)
         job.gc_hold = hold
         job.plan()
     except BaseException:
@@ -382,5 +379,5 @@ def async_save(sharded_state_dict: dict, checkpoint_dir, *, process_group=None, 
     save with `SourceModifiedError` instead of committing torn data.
     """
     job = start(sharded_state_dict, checkpoint_dir, process_group=process_group, options=options,
-                content_metadata=content_metadata, staging_first=True)
+                content_metadata=content_metadata)
     return SaveHandle(job, job.wait_staged())

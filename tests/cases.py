@@ -264,17 +264,19 @@ def _host_grid_stager():
     from safe_ckpt.staging.stager import Stager, StagedChunk
 
     class HostGridStager(Stager):
-        def stage(self, chunk, cancel=None, on_wait=None):
+        def stage(self, chunk, cancel=None, on_wait=None, defer_sums=False):
             nbytes = chunk.numel() * chunk.element_size()
             at = self._sums_offset(chunk, nbytes, chunk.is_contiguous())
             if chunk.device.type != "cpu" or at is None:
-                return super().stage(chunk, cancel, on_wait)
+                return super().stage(chunk, cancel, on_wait, defer_sums)
             total = at + grid_bytes(nbytes)
             lease = self.pool.lease(total, self.lease_timeout_s, cancel, on_wait)
             lease.tensor[:nbytes].copy_(chunk.reshape(-1).view(torch.uint8))
             sums = grid_sums(chunk)
             lease.tensor[at:total].view(torch.int32).copy_(sums)
-            return StagedChunk(nbytes, keep=chunk, lease=lease, sums=sums, sums_at=at)
+            staged = StagedChunk(nbytes, keep=chunk, lease=lease, sums_at=at)
+            staged._sums = sums
+            return staged
 
     return HostGridStager
 

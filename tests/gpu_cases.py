@@ -295,18 +295,31 @@ def device_checksums(rank, world, ckpt_dir) -> dict:
     # device-sum threshold.
     spec = StateSpec(**dict(GPU_SPEC, hidden=1031, ffn=4124, vocab=8200, bucket_numel=3_000_001))
     refs = reference_tensors(spec, world)
+    from safe_ckpt import cuda_driver, pipeline
+
     out = {}
-    for mode in ("sync", "async", "off"):
+    # sync / async: writers held until every copy is issued, so the sums are deferred (and flushed
+    # when the 128 MiB pool runs out); sync_early: writers from the start, sums enqueued with each
+    # copy; sync_torch_copies: copies through Tensor.copy_ instead of the CUDA driver.
+    for mode in ("sync", "async", "off", "sync_early", "sync_torch_copies"):
         state = build_state(rank, world, tp=world, spec=spec, device="cuda", references=refs)
         opts = small_options(chunk_bytes=12 << 20, staging_budget_bytes=128 << 20, device_checksums=mode != "off")
         path = f"{ckpt_dir}_{mode}"
+        saved = pipeline.EARLY_WRITERS_MIN_CHUNK_BYTES, cuda_driver.copies_available
+        if mode == "sync_early":
+            pipeline.EARLY_WRITERS_MIN_CHUNK_BYTES = 1
+        if mode == "sync_torch_copies":
+            cuda_driver.copies_available = lambda: False
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            if mode == "async":
-                safe_ckpt.async_save(state, path, options=opts).wait(timeout=300)
-            else:
-                safe_ckpt.save(state, path, options=opts)
-            torch.cuda.synchronize()
+        try:
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                if mode == "async":
+                    safe_ckpt.async_save(state, path, options=opts).wait(timeout=300)
+                else:
+                    safe_ckpt.save(state, path, options=opts)
+                torch.cuda.synchronize()
+        finally:
+            pipeline.EARLY_WRITERS_MIN_CHUNK_BYTES, cuda_driver.copies_available = saved
         manifest = Manifest.parse(open(os.path.join(path, MANIFEST_FILE), "rb").read())
         report = verify(path, deep=True)
         target = build_state(rank, world, tp=world, spec=spec, layout="alt", empty=True, references=refs,

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import cuda_driver
 from ..integrity import grid_bytes, grid_sums
 from .pool import Lease, PinnedPool
 
@@ -90,20 +91,21 @@ def chunk_view(source: torch.Tensor, offsets: tuple[int, ...], sizes: tuple[int,
 
 
 class StagedChunk:
-    """A chunk's payload on its way to host memory; `ready()` then `release()`."""
+    """A chunk's payload on its way to host memory; `ready()`, then `grid()`, then `release()`."""
 
     def __init__(self, nbytes: int, *, keep: torch.Tensor, lease: Lease | None = None,
                  pending_copy: torch.Tensor | None = None, event=None,
-                 runs: list[torch.Tensor] | None = None, sums: torch.Tensor | None = None,
-                 sums_at: int = 0) -> None:
+                 runs: list[torch.Tensor] | None = None, sums_at: int = 0) -> None:
         self.nbytes = nbytes
         self._keep = keep  # the source stays alive until the bytes are written
         self._lease = lease
         self._pending_copy = pending_copy
         self._event = event
         self._runs = runs
-        self._sums = sums  # on the device until the copy of them has landed
         self._sums_at = sums_at
+        self._sums = None  # on the device until the copy of them has landed
+        self._sums_event = None
+        self._sums_issued: threading.Event | None = None  # set once the sums are enqueued (or given up)
 
     def ready(self) -> list[memoryview]:
         """The payload as memoryviews, in order (several for a strided host chunk)."""
@@ -121,8 +123,13 @@ class StagedChunk:
 
     def grid(self) -> memoryview | None:
         """The payload's grid sums as bytes (after `ready()`), or None where the host must hash it."""
+        if self._sums_issued is not None:
+            self._sums_issued.wait()
         if self._sums is None or self._lease is None:
             return None
+        if self._sums_event is not None:
+            self._sums_event.synchronize()
+            self._sums_event = None
         return host_memoryview(self._lease.tensor[self._sums_at:self._sums_at + grid_bytes(self.nbytes)])
 
     def release(self) -> None:
@@ -132,6 +139,14 @@ class StagedChunk:
         self._keep = None
         self._pending_copy = None
         self._sums = None
+
+
+@dataclass(frozen=True)
+class _PendingSums:
+    """A staged chunk whose grid sums are still to be enqueued."""
+
+    chunk: torch.Tensor
+    staged: StagedChunk
 
 
 def _typed(lease: Lease, like: torch.Tensor) -> torch.Tensor:
@@ -155,33 +170,46 @@ def record_producer_fence(devices: set[int]) -> ProducerFence:
 
 
 class Stager:
-    """Stages chunks for one save; device copies go on one side stream per device."""
+    """Stages chunks for one save. Per device, payload copies go on one side stream and grid
+    sums on another, both ordered after the producer's fence: the sums' kernels then run
+    beside the copies instead of between them, and their launches (~70 us a chunk, the
+    larger part of issuing one) can wait until the writers are released (`stage`'s
+    ``defer_sums``), so that writers held back until every copy is issued wait only for
+    the copies."""
 
     def __init__(self, pool: PinnedPool, fence: ProducerFence | None = None, lease_timeout_s: float | None = None,
-                 grid: bool = False):
-        """``grid``: compute grid sums on the device for the chunks where that pays (`StagedChunk.grid`)."""
+                 grid: bool = False, driver_copies: bool | None = None):
+        """``grid``: compute grid sums on the device for the chunks where that pays (`StagedChunk.grid`);
+        ``driver_copies``: enqueue contiguous copies through the CUDA driver (default: where it loads)."""
         self.pool = pool
         self.grid = grid
         self.fence = fence or ProducerFence({})
         self.lease_timeout_s = lease_timeout_s
-        self._streams: dict[int, object] = {}
-        self._last_copy: dict[int, object] = {}
+        self._driver = cuda_driver.copies_available() if driver_copies is None else driver_copies
+        self._streams: dict[str, object] = {}  # "device:role" -> stream
+        self._last_copy: dict[str, object] = {}  # "device:role" -> the last event recorded there
+        self._pending: list[_PendingSums] = []
         self._lock = threading.Lock()
+        self._sums_lock = threading.Lock()
         self.device_bytes = 0
 
-    def _stream(self, index: int):
+    def _stream(self, index: int, role: str):
+        key = f"{index}:{role}"
         with self._lock:
-            stream = self._streams.get(index)
+            stream = self._streams.get(key)
             if stream is None:
                 stream = torch.cuda.Stream(device=index)
                 fence = self.fence.events.get(index)
                 if fence is not None:
                     stream.wait_event(fence)
-                self._streams[index] = stream
+                self._streams[key] = stream
             return stream
 
-    def stage(self, chunk: torch.Tensor, cancel: threading.Event | None = None, on_wait=None) -> StagedChunk:
-        """``on_wait`` is called once if the pool has no room yet and the lease must wait."""
+    def stage(self, chunk: torch.Tensor, cancel: threading.Event | None = None, on_wait=None,
+              defer_sums: bool = False) -> StagedChunk:
+        """``on_wait`` is called once if the pool has no room yet and the lease must wait;
+        ``defer_sums``: enqueue this chunk's grid sums at the next `flush_sums` instead of now
+        (every deferred sum is flushed before a lease waits and before `wait_copies`)."""
         nbytes = chunk.numel() * chunk.element_size()
         contiguous = chunk.is_contiguous() or nbytes == 0
         split = None if contiguous else _run_split(chunk)
@@ -193,38 +221,92 @@ class Stager:
             return StagedChunk(nbytes, keep=chunk, lease=lease, pending_copy=chunk)
         sums_at = self._sums_offset(chunk, nbytes, contiguous)
         total = nbytes if sums_at is None else sums_at + grid_bytes(nbytes)
-        lease = self.pool.lease(total, self.lease_timeout_s, cancel, on_wait)
+        lease = self.pool.lease(total, self.lease_timeout_s, cancel, self._before_wait(on_wait))
         if nbytes == 0:
             return StagedChunk(0, keep=chunk, lease=lease)
-        stream = self._stream(chunk.device.index)
-        sums = None
+        index = chunk.device.index
+        stream = self._stream(index, "copy")
         with torch.cuda.stream(stream):
-            if sums_at is not None:
-                try:
-                    sums = grid_sums(chunk)
-                    lease.tensor[sums_at:total].view(torch.int32).copy_(sums, non_blocking=True)
-                except torch.cuda.OutOfMemoryError:
-                    # Each failed allocation makes the caching allocator free (and synchronize)
-                    # its cache: after one, the host hashes every chunk of this save.
-                    log.warning("safe_ckpt: no device memory for checksum sums; hashing on the host for this save")
-                    self.grid, sums = False, None
-                except RuntimeError as exc:  # a layout the int32 view refuses: the host hashes it
-                    log.debug("safe_ckpt: device sums of a %d-byte chunk refused (%s); host hashing", nbytes, exc)
-                    sums = None
-            if runs is None:
+            if runs is None and not contiguous:
                 # A strided copy makes torch build a contiguous temporary on the device first.
                 _typed(lease, chunk).copy_(chunk, non_blocking=True)
             else:
                 offset = 0
-                for run in runs:  # each run is contiguous: a plain D2H copy, no device temporary
+                for run in runs or [chunk]:  # each run is contiguous: a plain D2H copy, no device temporary
                     n = run.numel() * run.element_size()
-                    lease.tensor[offset:offset + n].view(run.dtype).view(run.shape).copy_(run, non_blocking=True)
+                    self._copy(lease, offset, run, n, stream)
                     offset += n
             done = torch.cuda.Event()
             done.record(stream)
         self.device_bytes += nbytes
-        self._last_copy[chunk.device.index] = done
-        return StagedChunk(nbytes, keep=chunk, lease=lease, event=done, sums=sums, sums_at=sums_at or 0)
+        self._last_copy[f"{index}:copy"] = done
+        staged = StagedChunk(nbytes, keep=chunk, lease=lease, event=done, sums_at=sums_at or 0)
+        if sums_at is not None:
+            if defer_sums:
+                staged._sums_issued = threading.Event()
+                with self._sums_lock:
+                    self._pending.append(_PendingSums(chunk, staged))
+            else:
+                self._issue_sums(_PendingSums(chunk, staged))
+        return staged
+
+    def _before_wait(self, on_wait):
+        def waiting() -> None:
+            # A writer may be waiting for sums still deferred, and only its write frees the pool.
+            self.flush_sums()
+            if on_wait is not None:
+                on_wait()
+        return waiting
+
+    def _copy(self, lease: Lease, offset: int, src: torch.Tensor, nbytes: int, stream) -> None:
+        """Enqueue ``nbytes`` of the contiguous device tensor ``src`` into the lease at ``offset``."""
+        if self._driver and cuda_driver.current_device() == stream.device_index:
+            dst = lease.tensor.data_ptr() + offset
+            cuda_driver.memcpy_dtoh_async(dst, src.data_ptr(), nbytes, stream.cuda_stream)
+        else:
+            lease.tensor[offset:offset + nbytes].view(src.dtype).view(src.shape).copy_(src, non_blocking=True)
+
+    def _issue_sums(self, pending: _PendingSums) -> None:
+        staged, chunk = pending.staged, pending.chunk
+        try:
+            if not self.grid or staged._lease is None:
+                return
+            index = chunk.device.index
+            stream = self._stream(index, "sums")
+            with torch.cuda.stream(stream):
+                try:
+                    sums = grid_sums(chunk)
+                    self._copy(staged._lease, staged._sums_at, sums, sums.numel() * 4, stream)
+                except torch.cuda.OutOfMemoryError:
+                    # Each failed allocation makes the caching allocator free (and synchronize)
+                    # its cache: after one, the host hashes every chunk of this save.
+                    log.warning("safe_ckpt: no device memory for checksum sums; hashing on the host for this save")
+                    self.grid = False
+                    return
+                except RuntimeError as exc:  # a layout the int32 view refuses: the host hashes it
+                    log.debug("safe_ckpt: device sums of a %d-byte chunk refused (%s); host hashing",
+                              staged.nbytes, exc)
+                    return
+                done = torch.cuda.Event()
+                done.record(stream)
+            staged._sums, staged._sums_event = sums, done
+            self._last_copy[f"{index}:sums"] = done
+        finally:
+            if staged._sums_issued is not None:
+                staged._sums_issued.set()
+
+    def flush_sums(self) -> None:
+        """Enqueue every deferred grid sum, in staging order. A sum that cannot be enqueued
+        leaves its chunk to be hashed on the host; no chunk is left waiting."""
+        with self._sums_lock:
+            pending, self._pending = self._pending, []
+            for k, item in enumerate(pending):
+                try:
+                    self._issue_sums(item)
+                except BaseException:
+                    for rest in pending[k + 1:]:
+                        rest.staged._sums_issued.set()
+                    raise
 
     def _sums_offset(self, chunk: torch.Tensor, nbytes: int, contiguous: bool) -> int | None:
         """Where in the lease the grid sums of this device chunk go, or None to hash it on the host."""
@@ -235,7 +317,8 @@ class Stager:
         return at if at + grid_bytes(nbytes) <= self.pool.capacity_bytes - 4096 else None
 
     def wait_copies(self) -> None:
-        """Block until every device-to-host copy issued so far has landed (copies on one
-        stream complete in order, so the last event of each stream is enough)."""
+        """Flush the deferred sums, then block until every device-to-host copy issued so far
+        has landed (work on one stream completes in order, so its last event is enough)."""
+        self.flush_sums()
         for event in list(self._last_copy.values()):
             event.synchronize()
