@@ -255,13 +255,14 @@ ENOSPC = errno.ENOSPC
 # ------------------------------------------------------------------ grid checksums without a GPU
 
 
-def _host_grid_stager():
+def _host_grid_stager(deferred: list | None = None):
     """A `Stager` that treats large contiguous host chunks the way the real one treats device
-    chunks (copy into a pool lease, grid sums beside it), so the CPU suite exercises the writer,
-    manifest and verify path of device checksums; it stands for the CUDA copy stream, which the
-    GPU test `test_device_checksums` exercises for real."""
+    chunks (copy into a pool lease, grid sums beside it, deferred while the writers wait), so
+    the CPU suite exercises the writer, manifest and verify path of device checksums and the
+    deferral's bookkeeping; it stands for the CUDA copy and sums streams, which the GPU test
+    `test_device_checksums` exercises for real. ``deferred`` gets one entry per deferred sum issued."""
     from safe_ckpt.integrity import grid_bytes, grid_sums
-    from safe_ckpt.staging.stager import Stager, StagedChunk
+    from safe_ckpt.staging.stager import Stager, StagedChunk, _PendingSums
 
     class HostGridStager(Stager):
         def stage(self, chunk, cancel=None, on_wait=None, defer_sums=False):
@@ -270,21 +271,41 @@ def _host_grid_stager():
             if chunk.device.type != "cpu" or at is None:
                 return super().stage(chunk, cancel, on_wait, defer_sums)
             total = at + grid_bytes(nbytes)
-            lease = self.pool.lease(total, self.lease_timeout_s, cancel, on_wait)
+            lease = self.pool.lease(total, self.lease_timeout_s, cancel, self._before_wait(on_wait))
             lease.tensor[:nbytes].copy_(chunk.reshape(-1).view(torch.uint8))
-            sums = grid_sums(chunk)
-            lease.tensor[at:total].view(torch.int32).copy_(sums)
             staged = StagedChunk(nbytes, keep=chunk, lease=lease, sums_at=at)
-            staged._sums = sums
+            self._add_sums(_PendingSums(chunk, staged), defer_sums)
             return staged
+
+        def _issue_sums(self, pending):
+            staged = pending.staged
+            try:
+                if staged._lease is not None:
+                    sums = grid_sums(pending.chunk)
+                    staged._lease.tensor[staged._sums_at:staged._sums_at + grid_bytes(staged.nbytes)] \
+                        .view(torch.int32).copy_(sums)
+                    staged._sums = sums
+                    if staged._sums_issued is not None and deferred is not None:
+                        deferred.append(staged.nbytes)
+            finally:
+                if staged._sums_issued is not None:
+                    staged._sums_issued.set()
 
     return HostGridStager
 
 
-def gridded_roundtrip(rank, world, tp, load_tp, ckpt_dir, spec_kwargs, options_kwargs) -> dict:
-    from safe_ckpt import saving
+def gridded_roundtrip(rank, world, tp, load_tp, ckpt_dir, spec_kwargs, options_kwargs,
+                      as_device: bool = False) -> dict:
+    """``as_device``: every source reported as device memory, so the writers wait for the last
+    "copy" and the sums are deferred until then (or until the pool runs out)."""
+    from safe_ckpt import residence, saving
     from safe_ckpt.staging import stager
 
-    saving.Stager = _host_grid_stager()
+    deferred: list = []
+    saving.Stager = _host_grid_stager(deferred)
     stager.GRID_MIN_PAYLOAD_BYTES = 1 << 20  # so a state small enough for CI has device-summed chunks
-    return roundtrip(rank, world, tp, load_tp, ckpt_dir, spec_kwargs, options_kwargs)
+    if as_device:
+        residence.classify = lambda t, **kw: residence.Classified(residence.Residence.CUDA.value)
+    out = roundtrip(rank, world, tp, load_tp, ckpt_dir, spec_kwargs, options_kwargs)
+    out["deferred_sums"] = len(deferred)
+    return out

@@ -263,6 +263,33 @@ def test_grid_checksum_changes_with_small_changes_and_reordered_pages():
     assert _grid_checksum(b"prf", payload, b"suf") != base and _grid_checksum(b"pre", payload, b"sug") != base
 
 
+def test_device_sums_deferred_while_writers_wait_are_all_issued_and_verify(tmp_path):
+    """Sources reported as device memory: the writers wait for the last "copy", so each
+    chunk's sums are deferred and issued when the writers start (a 64 MiB pool), or when the
+    pool runs out first (4 MiB: only writing frees it, and a writer needs an item's sums to
+    finish it, so a missed flush would hang this save; the chunks staged after that get their
+    sums at once). Every item verifies."""
+    from safe_ckpt.integrity import MANIFEST_FILE, Manifest
+    from tests import cases
+    from tests.mp import run_world, values
+
+    for budget in (64 << 20, 4 << 20):
+        ckpt = str(tmp_path / f"ck{budget}")
+        out = values(run_world(2, cases.gridded_roundtrip, (1, 1, ckpt, GRID_SPEC, {
+            "chunk_bytes": 3 << 19, "staging_budget_bytes": budget, "collective_timeout_s": 120}, True)))
+        assert all(r["mismatches"] == [] for r in out), [r["mismatches"][:3] for r in out]
+        assert sum(r["deferred_sums"] for r in out) > 0, [r["deferred_sums"] for r in out]
+        manifest = Manifest.parse(open(os.path.join(ckpt, MANIFEST_FILE), "rb").read())
+        grid = [i for i in manifest.items if i.algorithm.startswith("grid32+")]
+        deferred = sum(r["deferred_sums"] for r in out)
+        if budget == 64 << 20:  # room for everything: every sum waits for the writers
+            assert len(grid) == deferred, (len(grid), deferred)
+        else:  # the pool ran out first: the writers started there, and the later sums went with their copies
+            assert 0 < deferred < len(grid), (len(grid), deferred)
+        report = verify(ckpt, deep=True)
+        assert report.ok and report.checksummed_items == report.items_checked, report.findings
+
+
 def test_device_checksums_are_stored_verified_and_catch_corruption(tmp_path):
     """Grid-checksummed items (large aligned chunks; the host stager stands in for the device)
     load back through stock Megatron and DCP; verify recomputes them from the files on the host

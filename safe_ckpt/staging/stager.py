@@ -242,13 +242,16 @@ class Stager:
         self._last_copy[f"{index}:copy"] = done
         staged = StagedChunk(nbytes, keep=chunk, lease=lease, event=done, sums_at=sums_at or 0)
         if sums_at is not None:
-            if defer_sums:
-                staged._sums_issued = threading.Event()
-                with self._sums_lock:
-                    self._pending.append(_PendingSums(chunk, staged))
-            else:
-                self._issue_sums(_PendingSums(chunk, staged))
+            self._add_sums(_PendingSums(chunk, staged), defer_sums)
         return staged
+
+    def _add_sums(self, pending: _PendingSums, defer: bool) -> None:
+        if defer:
+            pending.staged._sums_issued = threading.Event()
+            with self._sums_lock:
+                self._pending.append(pending)
+        else:
+            self._issue_sums(pending)
 
     def _before_wait(self, on_wait):
         def waiting() -> None:
