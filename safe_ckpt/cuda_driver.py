@@ -75,9 +75,7 @@ def address_mapped(address: int) -> bool:
     answers CUDA_ERROR_INVALID_VALUE; for a tensor torch places on a CUDA device that
     means its pages are gone, so it counts as unmapped.
     """
-    lib = library()
-    if lib is None:
-        raise RuntimeError("the CUDA driver library (libcuda) cannot be loaded")
+    lib = _required()
     value = ctypes.c_uint64(0)
     rc = lib.cuPointerGetAttribute(ctypes.byref(value), CU_POINTER_ATTRIBUTE_MAPPED, ctypes.c_uint64(address))
     return rc == _CUDA_SUCCESS and value.value != 0
@@ -89,9 +87,16 @@ def copies_available() -> bool:
                                    for n in ("cuMemcpyDtoHAsync_v2", "cuCtxGetCurrent", "cuCtxGetDevice"))
 
 
+def _required():
+    lib = library()
+    if lib is None:
+        raise CudaDriverError("the CUDA driver library (libcuda) cannot be loaded")
+    return lib
+
+
 def current_device() -> int | None:
     """The device of the calling thread's current context, or None where it has none."""
-    lib = library()
+    lib = _required()
     ctx = ctypes.c_void_p()
     if lib.cuCtxGetCurrent(ctypes.byref(ctx)) != _CUDA_SUCCESS or not ctx.value:
         return None
@@ -105,6 +110,6 @@ def memcpy_dtoh_async(dst_address: int, src_address: int, nbytes: int, stream_ha
     """Enqueue a copy of ``nbytes`` from device ``src_address`` to host ``dst_address`` on the
     stream (a raw CUstream, e.g. `torch.cuda.Stream.cuda_stream`); the destination must be
     page-locked for the copy to be asynchronous."""
-    rc = _loaded[0].cuMemcpyDtoHAsync_v2(dst_address, src_address, nbytes, stream_handle)
+    rc = _required().cuMemcpyDtoHAsync_v2(dst_address, src_address, nbytes, stream_handle)
     if rc != _CUDA_SUCCESS:
         raise CudaDriverError(f"cuMemcpyDtoHAsync of {nbytes} bytes from {src_address:#x} failed: {error_name(rc)}")

@@ -262,27 +262,28 @@ def _host_grid_stager(deferred: list | None = None):
     deferral's bookkeeping; it stands for the CUDA copy and sums streams, which the GPU test
     `test_device_checksums` exercises for real. ``deferred`` gets one entry per deferred sum issued."""
     from safe_ckpt.integrity import grid_bytes, grid_sums
-    from safe_ckpt.staging.stager import Stager, StagedChunk, _PendingSums
+    from safe_ckpt.staging.stager import Stager
 
     class HostGridStager(Stager):
-        def stage(self, chunk, cancel=None, on_wait=None, defer_sums=False):
-            nbytes = chunk.numel() * chunk.element_size()
-            at = self._sums_offset(chunk, nbytes, chunk.is_contiguous())
-            if chunk.device.type != "cpu" or at is None:
-                return super().stage(chunk, cancel, on_wait, defer_sums)
-            total = at + grid_bytes(nbytes)
-            lease = self.pool.lease(total, self.lease_timeout_s, cancel, self._before_wait(on_wait))
-            lease.tensor[:nbytes].copy_(chunk.reshape(-1).view(torch.uint8))
-            staged = StagedChunk(nbytes, keep=chunk, lease=lease, sums_at=at)
-            self._add_sums(_PendingSums(chunk, staged), defer_sums)
-            return staged
+        """Only the device-specific steps are replaced: which chunks take the device path,
+        the copy and the sums; leases, deferral and flushes are the real stager's."""
+
+        def _device_path(self, chunk, nbytes, contiguous):
+            return chunk.device.type != "cpu" or self._sums_offset(chunk, nbytes, contiguous) is not None
+
+        def _enqueue_copy(self, chunk, lease, contiguous, runs):
+            if chunk.device.type != "cpu":
+                return super()._enqueue_copy(chunk, lease, contiguous, runs)
+            lease.tensor[:chunk.numel() * chunk.element_size()].copy_(chunk.reshape(-1).view(torch.uint8))
+            return None  # landed already: ready() has nothing to wait for
 
         def _issue_sums(self, pending):
             staged = pending.staged
+            lease = staged._lease
             try:
-                if staged._lease is not None:
+                if lease is not None:
                     sums = grid_sums(pending.chunk)
-                    staged._lease.tensor[staged._sums_at:staged._sums_at + grid_bytes(staged.nbytes)] \
+                    lease.tensor[staged._sums_at:staged._sums_at + grid_bytes(staged.nbytes)] \
                         .view(torch.int32).copy_(sums)
                     staged._sums = sums
                     if staged._sums_issued is not None and deferred is not None:

@@ -426,3 +426,100 @@ def test_gc_freeze_counts_frozen_objects_only_while_none_are_frozen(tmp_path, mo
             safe_ckpt.save(state, str(tmp_path / "s"), options=_opts())
         assert real() == 0
     assert answers == [0, 0], answers
+
+
+def _grid_on_host(monkeypatch, log: list | None = None):
+    """Every source reported as device memory, large contiguous chunks staged and summed by
+    the host stand-in of the device stager (tests/cases.py); ``log`` records the deferral."""
+    from safe_ckpt import saving
+    from safe_ckpt.staging import stager
+    from tests import cases
+
+    _as_device(monkeypatch)
+    base = cases._host_grid_stager()
+
+    class Logged(base):
+        def flush_sums(self):
+            if log is not None:
+                log.append("flush")
+            super().flush_sums()
+
+        def _add_sums(self, pending, defer):
+            if log is not None:
+                log.append("defer" if defer else "now")
+            super()._add_sums(pending, defer)
+
+        def stage(self, chunk, *args, **kwargs):
+            if log is not None and not chunk.is_contiguous():
+                log.append("strided")
+            return super().stage(chunk, *args, **kwargs)
+
+        def _before_wait(self, on_wait, waited=None):
+            inner = super()._before_wait(on_wait, waited)
+
+            def logged():
+                if log is not None:
+                    log.append(f"wait with {len(self._pending)} deferred")
+                inner()
+            return logged
+
+    monkeypatch.setattr(saving, "Stager", Logged)
+    monkeypatch.setattr(stager, "GRID_MIN_PAYLOAD_BYTES", 1 << 20)
+
+
+def _grid_lease_bytes(nbytes: int) -> int:
+    from safe_ckpt.integrity import grid_bytes
+
+    return -(-(-(-nbytes // 16) * 16 + grid_bytes(nbytes)) // 4096) * 4096
+
+
+def _save_and_check(tmp_path, tensors, **opts):
+    path = str(tmp_path / "ck")
+    safe_ckpt.save({k: _st(k, v) for k, v in tensors.items()}, path,
+                   options=_opts(checksums=True, device_checksums=True, collective_timeout_s=60, **opts))
+    loaded = _dcp_load(path, {k: (tuple(v.shape), v.dtype) for k, v in tensors.items()})
+    assert all(bits_equal(loaded[k], v) for k, v in tensors.items())
+    from safe_ckpt.tools.verify import verify
+
+    report = verify(path, deep=True)
+    assert report.ok and report.checksummed_items == report.items_checked, report.findings
+
+
+@pytest.mark.timeout(60)
+def test_a_host_lease_that_waits_first_issues_the_deferred_sums(tmp_path, monkeypatch):
+    """Two summed chunks fill the pool while the writers wait; a strided chunk (4-byte runs, so
+    it is copied through a lease) then has to wait for room. The writers it releases need the
+    two chunks' sums to finish them, and only their writes free the pool: the sums must be
+    issued before that lease waits, or this save never ends (found in review)."""
+    log: list = []
+    _grid_on_host(monkeypatch, log)
+    g = torch.Generator().manual_seed(11)
+    n = 2 << 20
+    tensors = {"a_g1": torch.randn(n // 4, generator=g), "a_g2": torch.randn(n // 4, generator=g),
+               "z_s": torch.randn(512, 1024, generator=g)[:, ::2]}
+    # The layout balances 4 files (2 writers x 2): the two summed chunks staged first are of
+    # 1747628 and 1398104 bytes, and the pool holds exactly those two.
+    budget = _grid_lease_bytes(1747628) + _grid_lease_bytes(1398104) + 8192
+    _save_and_check(tmp_path, tensors, chunk_bytes=n, staging_budget_bytes=budget)
+    at = log.index("strided")  # the case this test is about did happen
+    assert log[at - 2:at] == ["defer", "defer"] and log[at + 1] == "wait with 2 deferred", log
+
+
+@pytest.mark.timeout(60)
+def test_a_chunk_whose_lease_waited_gets_its_sums_at_once(tmp_path, monkeypatch):
+    """A lease that waits releases the writers (and flushes the sums deferred so far); the chunk
+    it was for, and every later one, must not be deferred, or its writer sits in grid() until
+    the last device chunk (found in review)."""
+    import safe_ckpt.pipeline as pipeline
+
+    log: list = []
+    _grid_on_host(monkeypatch, log)
+    stage = pipeline.RankWriter._stage
+    monkeypatch.setattr(pipeline.RankWriter, "_stage", lambda self, item: (time.sleep(0.02), stage(self, item))[1])
+    g = torch.Generator().manual_seed(12)
+    n = 2 << 20
+    tensors = {f"t{i}": torch.randn(n // 4, generator=g) for i in range(6)}
+    _save_and_check(tmp_path, tensors, chunk_bytes=n, staging_budget_bytes=2 * _grid_lease_bytes(n) + 8192)
+    first_flush = log.index("flush")
+    assert "defer" in log[:first_flush], log
+    assert "defer" not in log[first_flush:], log

@@ -4,11 +4,12 @@ One job: for a chunk of a source tensor return a `StagedChunk` whose `ready()` g
 memoryview of exactly the chunk's bytes:
 - contiguous host chunk: the source's own memory, no copy;
 - non-contiguous host chunk: copied into a pool lease (in the writer's thread);
-- device chunk: copied device-to-host into a pool lease on a dedicated stream that
-  first waits on an event recorded on the producer's stream when the save started;
-  with grid sums asked for, a large contiguous chunk's row and column sums (see
-  `integrity`) are computed on that stream first and copied beside the payload, so the
-  host never reads the payload to checksum it.
+- device chunk: copied device-to-host into a pool lease (through the CUDA driver where it
+  can, `cuda_driver`) on a dedicated stream that first waits on an event recorded on the
+  producer's stream when the save started; with grid sums asked for, a large contiguous
+  chunk's row and column sums (see `integrity`) are computed on a second stream behind the
+  same event and copied beside the payload, so the host never reads the payload to
+  checksum it; `grid()` waits for them.
 
 Must not: allocate host memory per save, synchronize a whole device or stream, copy
 anything host-to-device, or write files.
@@ -214,16 +215,37 @@ class Stager:
         contiguous = chunk.is_contiguous() or nbytes == 0
         split = None if contiguous else _run_split(chunk)
         runs = None if split is None else _run_views(chunk, split)
-        if chunk.device.type == "cpu":
+        if not self._device_path(chunk, nbytes, contiguous):
             if contiguous or runs is not None:
                 return StagedChunk(nbytes, keep=chunk, runs=runs)
-            lease = self.pool.lease(nbytes, self.lease_timeout_s, cancel, on_wait)
+            lease = self.pool.lease(nbytes, self.lease_timeout_s, cancel, self._before_wait(on_wait))
             return StagedChunk(nbytes, keep=chunk, lease=lease, pending_copy=chunk)
         sums_at = self._sums_offset(chunk, nbytes, contiguous)
         total = nbytes if sums_at is None else sums_at + grid_bytes(nbytes)
-        lease = self.pool.lease(total, self.lease_timeout_s, cancel, self._before_wait(on_wait))
+        waited: list = []
+        lease = self.pool.lease(total, self.lease_timeout_s, cancel, self._before_wait(on_wait, waited))
+        try:
+            # A lease that waited released the writers (on_wait): this chunk's sums go now.
+            return self._stage_device(chunk, lease, nbytes, contiguous, runs, sums_at, defer_sums and not waited)
+        except BaseException:
+            lease.release()  # the pool is the process's: a failed save must not shrink the next one's
+            raise
+
+    def _device_path(self, chunk: torch.Tensor, nbytes: int, contiguous: bool) -> bool:
+        return chunk.device.type != "cpu"
+
+    def _stage_device(self, chunk, lease: Lease, nbytes: int, contiguous: bool, runs, sums_at, defer: bool):
         if nbytes == 0:
             return StagedChunk(0, keep=chunk, lease=lease)
+        done = self._enqueue_copy(chunk, lease, contiguous, runs)
+        self.device_bytes += nbytes
+        staged = StagedChunk(nbytes, keep=chunk, lease=lease, event=done, sums_at=sums_at or 0)
+        if sums_at is not None:
+            self._add_sums(_PendingSums(chunk, staged), defer)
+        return staged
+
+    def _enqueue_copy(self, chunk: torch.Tensor, lease: Lease, contiguous: bool, runs):
+        """Enqueue the chunk's device-to-host copy into the lease; the event that marks it landed."""
         index = chunk.device.index
         stream = self._stream(index, "copy")
         with torch.cuda.stream(stream):
@@ -238,12 +260,8 @@ class Stager:
                     offset += n
             done = torch.cuda.Event()
             done.record(stream)
-        self.device_bytes += nbytes
         self._last_copy[f"{index}:copy"] = done
-        staged = StagedChunk(nbytes, keep=chunk, lease=lease, event=done, sums_at=sums_at or 0)
-        if sums_at is not None:
-            self._add_sums(_PendingSums(chunk, staged), defer_sums)
-        return staged
+        return done
 
     def _add_sums(self, pending: _PendingSums, defer: bool) -> None:
         if defer:
@@ -253,9 +271,11 @@ class Stager:
         else:
             self._issue_sums(pending)
 
-    def _before_wait(self, on_wait):
+    def _before_wait(self, on_wait, waited: list | None = None):
         def waiting() -> None:
             # A writer may be waiting for sums still deferred, and only its write frees the pool.
+            if waited is not None:
+                waited.append(True)
             self.flush_sums()
             if on_wait is not None:
                 on_wait()
@@ -271,15 +291,16 @@ class Stager:
 
     def _issue_sums(self, pending: _PendingSums) -> None:
         staged, chunk = pending.staged, pending.chunk
+        lease = staged._lease  # read once: on an abort a writer may release it meanwhile
         try:
-            if not self.grid or staged._lease is None:
+            if not self.grid or lease is None:
                 return
             index = chunk.device.index
             stream = self._stream(index, "sums")
             with torch.cuda.stream(stream):
                 try:
                     sums = grid_sums(chunk)
-                    self._copy(staged._lease, staged._sums_at, sums, sums.numel() * 4, stream)
+                    self._copy(lease, staged._sums_at, sums, sums.numel() * 4, stream)
                 except torch.cuda.OutOfMemoryError:
                     # Each failed allocation makes the caching allocator free (and synchronize)
                     # its cache: after one, the host hashes every chunk of this save.
@@ -322,6 +343,8 @@ class Stager:
     def wait_copies(self) -> None:
         """Flush the deferred sums, then block until every device-to-host copy issued so far
         has landed (work on one stream completes in order, so its last event is enough)."""
-        self.flush_sums()
-        for event in list(self._last_copy.values()):
-            event.synchronize()
+        try:
+            self.flush_sums()
+        finally:  # whatever failed, no copy may still be landing once this returns
+            for event in list(self._last_copy.values()):
+                event.synchronize()
