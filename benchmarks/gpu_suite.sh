@@ -10,6 +10,7 @@
 #            qwen3-4b-dp8 preset, on tmpfs;
 #   bench2   the bench part across every GPU of the host (nvidia-h200-x2 or larger), one rank per GPU;
 #   diag     where time goes: benchmarks/diag_ttd.py (anchor, then qwen3-4b-dp8) and diag_staging.py;
+#   diagvs   the anchor diag cases of this tree beside another commit's (VS_TREE, VS_ROUNDS);
 #   cpu      the CPU suite on this machine's Python / megatron-core (from .whl).
 # Usage: bash benchmarks/gpu_suite.sh PART [PART ...]   (results under $OUT)
 #   env: PRESET=anchor|qwen3-4b-dp8, GIB (size per rank; empty: the preset's own), REPS, PEER_REPS, PEERS,
@@ -94,6 +95,23 @@ part_diag() {
   cat "$RES/diag_staging.txt" | cut -c1-200
 }
 
+# The anchor diag cases of this tree and of another commit's tree, alternating, one process each
+# round (VS_ROUNDS, default 2), so a lease's drift hits both alike. The other tree: VS_TREE
+# (default .vs), exported with `git archive REV safe_ckpt benchmarks | tar -x -C .vs` and carried.
+part_diagvs() {
+  local vs=${VS_TREE:-.vs} out="$RES/diag_ttd_vs${DIAG_TAG:+_$DIAG_TAG}.txt" round tree
+  [ -d "$vs/safe_ckpt" ] || { echo "no tree at $vs"; return 1; }
+  : > "$out"
+  for round in $(seq "${VS_ROUNDS:-2}"); do
+    for tree in . "$vs"; do
+      (cd "$tree" && PYTHONPATH=$SITE:$PWD python3 benchmarks/diag_ttd.py --preset anchor --gib "${GIB-8.6}" \
+        --reps "${REPS:-3}" --target "${DIAG_TARGET:-$SHM}" ${ONLY:+--only "$ONLY"} 2>/dev/null) \
+        | grep '"case"' | sed "s|^|{\"tree\": \"$tree\", \"round\": $round, \"row\": |; s|\$|}|" >> "$out"
+    done
+  done
+  grep -v '"trace"' "$out" | cut -c1-300
+}
+
 # TARGETS: the targets of one run (default both; tmpfs and disk with every peer at 3 runs and
 # the per-round ceilings take about 10 minutes, so run TARGETS=$SHM and TARGETS=$DISK as two calls).
 part_bench() {
@@ -130,7 +148,7 @@ part_bench2() {
 [ $# -eq 0 ] && set -- tests
 for part in "$@"; do
   case "$part" in
-    cpu|gputests|smoke|tests|bench|mixes|bench2|diag) echo "== $part $(date +%T)"; "part_$part" ;;
+    cpu|gputests|smoke|tests|bench|mixes|bench2|diag|diagvs) echo "== $part $(date +%T)"; "part_$part" ;;
     all) part_tests; part_bench; part_mixes ;;
     *) echo "unknown part: $part" >&2; exit 2 ;;
   esac
