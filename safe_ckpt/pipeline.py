@@ -251,6 +251,8 @@ class RankWriter:
         except BaseException as exc:
             self._fail(None, exc)
         finally:
+            if self._abort.is_set():
+                self.stager.drop_sums()  # the writers only release what is left
             self._writers_go.set()
             if waiter is not None:
                 waiter.join()

@@ -452,7 +452,10 @@ def _grid_on_host(monkeypatch, log: list | None = None):
         def stage(self, chunk, *args, **kwargs):
             if log is not None and not chunk.is_contiguous():
                 log.append("strided")
-            return super().stage(chunk, *args, **kwargs)
+            staged = super().stage(chunk, *args, **kwargs)
+            if log is not None and staged._pending_copy is not None:
+                log.append("host lease")
+            return staged
 
         def _before_wait(self, on_wait, waited=None):
             inner = super()._before_wait(on_wait, waited)
@@ -503,6 +506,7 @@ def test_a_host_lease_that_waits_first_issues_the_deferred_sums(tmp_path, monkey
     _save_and_check(tmp_path, tensors, chunk_bytes=n, staging_budget_bytes=budget)
     at = log.index("strided")  # the case this test is about did happen
     assert log[at - 2:at] == ["defer", "defer"] and log[at + 1] == "wait with 2 deferred", log
+    assert "host lease" in log[at + 2:], log  # and it was the host lease path that waited
 
 
 @pytest.mark.timeout(60)
@@ -520,6 +524,40 @@ def test_a_chunk_whose_lease_waited_gets_its_sums_at_once(tmp_path, monkeypatch)
     n = 2 << 20
     tensors = {f"t{i}": torch.randn(n // 4, generator=g) for i in range(6)}
     _save_and_check(tmp_path, tensors, chunk_bytes=n, staging_budget_bytes=2 * _grid_lease_bytes(n) + 8192)
+    assert any(e.startswith("wait with") for e in log), log  # the pool did run out
     first_flush = log.index("flush")
     assert "defer" in log[:first_flush], log
     assert "defer" not in log[first_flush:], log
+
+
+@pytest.mark.timeout(60)
+def test_a_copy_that_fails_fails_the_save_and_gives_its_lease_back(tmp_path, monkeypatch):
+    """The third chunk's copy fails while earlier chunks' sums are deferred: the save fails
+    with that error, nothing is committed, no writer is left waiting for sums, every lease
+    is back in the process's pool, and the next save is whole."""
+    from safe_ckpt import saving
+    from safe_ckpt.staging.pool import shared_pool
+
+    _grid_on_host(monkeypatch)
+    base, calls = saving.Stager, []
+
+    class Failing(base):
+        def _enqueue_copy(self, chunk, lease, contiguous, runs):
+            calls.append(chunk.numel())
+            if len(calls) == 3:
+                raise RuntimeError("injected copy failure")
+            return super()._enqueue_copy(chunk, lease, contiguous, runs)
+
+    monkeypatch.setattr(saving, "Stager", Failing)
+    g = torch.Generator().manual_seed(13)
+    n = 2 << 20
+    tensors = {f"t{i}": torch.randn(n // 4, generator=g) for i in range(6)}
+    budget = 64 << 20
+    bad = str(tmp_path / "bad")
+    with pytest.raises(safe_ckpt.CheckpointError, match="injected copy failure"):
+        safe_ckpt.save({k: _st(k, v) for k, v in tensors.items()}, bad,
+                       options=_opts(chunk_bytes=n, staging_budget_bytes=budget, collective_timeout_s=60))
+    assert not os.path.exists(os.path.join(bad, ".metadata"))
+    assert shared_pool(budget).stats().leased_bytes == 0
+    monkeypatch.setattr(saving, "Stager", base)
+    _save_and_check(tmp_path, tensors, chunk_bytes=n, staging_budget_bytes=budget)

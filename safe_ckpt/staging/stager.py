@@ -228,8 +228,20 @@ class Stager:
             # A lease that waited released the writers (on_wait): this chunk's sums go now.
             return self._stage_device(chunk, lease, nbytes, contiguous, runs, sums_at, defer_sums and not waited)
         except BaseException:
-            lease.release()  # the pool is the process's: a failed save must not shrink the next one's
+            self._release_after_copies(lease)
             raise
+
+    def _release_after_copies(self, lease: Lease) -> None:
+        """Give back the lease of a chunk whose staging failed (the pool is the process's: a
+        failed save must not shrink the next one's), once no copy into it can still land."""
+        try:
+            for event in list(self._last_copy.values()):
+                event.synchronize()
+        except BaseException as exc:  # a broken context: better a smaller pool than a reused live range
+            log.warning("safe_ckpt: keeping a %d-byte staging lease whose copies cannot be waited for: %s",
+                        lease.nbytes, exc)
+            return
+        lease.release()
 
     def _device_path(self, chunk: torch.Tensor, nbytes: int, contiguous: bool) -> bool:
         return chunk.device.type != "cpu"
@@ -249,18 +261,20 @@ class Stager:
         index = chunk.device.index
         stream = self._stream(index, "copy")
         with torch.cuda.stream(stream):
-            if runs is None and not contiguous:
-                # A strided copy makes torch build a contiguous temporary on the device first.
-                _typed(lease, chunk).copy_(chunk, non_blocking=True)
-            else:
-                offset = 0
-                for run in runs or [chunk]:  # each run is contiguous: a plain D2H copy, no device temporary
-                    n = run.numel() * run.element_size()
-                    self._copy(lease, offset, run, n, stream)
-                    offset += n
-            done = torch.cuda.Event()
-            done.record(stream)
-        self._last_copy[f"{index}:copy"] = done
+            try:
+                if runs is None and not contiguous:
+                    # A strided copy makes torch build a contiguous temporary on the device first.
+                    _typed(lease, chunk).copy_(chunk, non_blocking=True)
+                else:
+                    offset = 0
+                    for run in runs or [chunk]:  # each run is contiguous: a plain D2H copy, no device temporary
+                        n = run.numel() * run.element_size()
+                        self._copy(lease.tensor, offset, run, n, stream)
+                        offset += n
+            finally:  # also after a failed run: the ones before it are queued and must be waited for
+                done = torch.cuda.Event()
+                done.record(stream)
+                self._last_copy[f"{index}:copy"] = done
         return done
 
     def _add_sums(self, pending: _PendingSums, defer: bool) -> None:
@@ -281,26 +295,26 @@ class Stager:
                 on_wait()
         return waiting
 
-    def _copy(self, lease: Lease, offset: int, src: torch.Tensor, nbytes: int, stream) -> None:
-        """Enqueue ``nbytes`` of the contiguous device tensor ``src`` into the lease at ``offset``."""
+    def _copy(self, dst: torch.Tensor, offset: int, src: torch.Tensor, nbytes: int, stream) -> None:
+        """Enqueue ``nbytes`` of the contiguous device tensor ``src`` into the host bytes ``dst`` at ``offset``."""
         if self._driver and cuda_driver.current_device() == stream.device_index:
-            dst = lease.tensor.data_ptr() + offset
-            cuda_driver.memcpy_dtoh_async(dst, src.data_ptr(), nbytes, stream.cuda_stream)
+            cuda_driver.memcpy_dtoh_async(dst.data_ptr() + offset, src.data_ptr(), nbytes, stream.cuda_stream)
         else:
-            lease.tensor[offset:offset + nbytes].view(src.dtype).view(src.shape).copy_(src, non_blocking=True)
+            dst[offset:offset + nbytes].view(src.dtype).view(src.shape).copy_(src, non_blocking=True)
 
     def _issue_sums(self, pending: _PendingSums) -> None:
         staged, chunk = pending.staged, pending.chunk
-        lease = staged._lease  # read once: on an abort a writer may release it meanwhile
+        lease = staged._lease
+        dst = None if lease is None else lease.tensor  # held: a writer may release the lease meanwhile
         try:
-            if not self.grid or lease is None:
+            if not self.grid or dst is None:
                 return
             index = chunk.device.index
             stream = self._stream(index, "sums")
             with torch.cuda.stream(stream):
                 try:
                     sums = grid_sums(chunk)
-                    self._copy(lease, staged._sums_at, sums, sums.numel() * 4, stream)
+                    self._copy(dst, staged._sums_at, sums, sums.numel() * 4, stream)
                 except torch.cuda.OutOfMemoryError:
                     # Each failed allocation makes the caching allocator free (and synchronize)
                     # its cache: after one, the host hashes every chunk of this save.
@@ -332,6 +346,14 @@ class Stager:
                         rest.staged._sums_issued.set()
                     raise
 
+    def drop_sums(self) -> None:
+        """A failed save: let every deferred chunk's writer go on (to release it) without
+        enqueuing its sums."""
+        with self._sums_lock:
+            pending, self._pending = self._pending, []
+        for item in pending:
+            item.staged._sums_issued.set()
+
     def _sums_offset(self, chunk: torch.Tensor, nbytes: int, contiguous: bool) -> int | None:
         """Where in the lease the grid sums of this device chunk go, or None to hash it on the host."""
         if not (self.grid and contiguous and nbytes >= GRID_MIN_PAYLOAD_BYTES and chunk.data_ptr() % 4 == 0
@@ -343,8 +365,15 @@ class Stager:
     def wait_copies(self) -> None:
         """Flush the deferred sums, then block until every device-to-host copy issued so far
         has landed (work on one stream completes in order, so its last event is enough)."""
+        errors = []
         try:
             self.flush_sums()
-        finally:  # whatever failed, no copy may still be landing once this returns
-            for event in list(self._last_copy.values()):
+        except BaseException as exc:
+            errors.append(exc)
+        for event in list(self._last_copy.values()):  # whatever failed, nothing may still be landing
+            try:
                 event.synchronize()
+            except BaseException as exc:
+                errors.append(exc)
+        if errors:
+            raise errors[0]
