@@ -34,6 +34,7 @@ python benchmarks/diag_ttd.py [--preset anchor] [--gib 8.6] [--target /dev/shm/s
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -65,8 +66,10 @@ def _spans(nbytes: int, parts: int) -> list[range]:
 
 
 def _write_lanes(target: str, mv: memoryview, threads: int, piece: int, hash_mode: str | None = None,
-                 reuse_bytes: int = 0) -> float:
-    """``reuse_bytes``: read every piece from the first that many bytes (the old ceiling's 1 GiB buffer)."""
+                 reuse_bytes: int = 0, shift_bytes: int = 0) -> float:
+    """``reuse_bytes``: read every piece from the first that many bytes (the old ceiling's 1 GiB buffer);
+    ``shift_bytes``: each file's bytes start that far in (a hole before them), so the page cache's
+    pages and the source's are that far out of step (a packed torch_dist file's payloads are)."""
     d = _fresh(target)
     hasher = ThreadPoolExecutor(threads) if hash_mode == "beside" else None
 
@@ -80,7 +83,7 @@ def _write_lanes(target: str, mv: memoryview, threads: int, piece: int, hash_mod
                 pending = hasher.submit(checksum_of, [buf]) if hasher else None
                 if hash_mode == "fused":
                     checksum_of([buf])
-                os.pwrite(fd, buf, off - span.start)
+                os.pwrite(fd, buf, off - span.start + shift_bytes)
                 if pending:
                     pending.result()
             os.fsync(fd)
@@ -205,7 +208,7 @@ def _sums_inline(stage):
 def _safe(state, target: str, budget: int, mode: str, piece_bytes: int | None = None,
           grid_min_bytes: int | None = None, early_min_bytes: int | None = None, files_per_writer: int | None = None,
           torch_copies: bool = False, inline_sums: bool = False, trace: bool = False,
-          **opts) -> float:
+          blocking_events: bool = False, **opts) -> float:
     """One save with module constants patched for its duration (None: the shipped value):
     ``torch_copies``: copies through Tensor.copy_, not the CUDA driver; ``inline_sums``: grid sums
     enqueued with each copy even while the writers wait."""
@@ -215,6 +218,7 @@ def _safe(state, target: str, budget: int, mode: str, piece_bytes: int | None = 
     patches = [(pipeline, "FUSED_PIECE_BYTES", piece_bytes), (stager, "GRID_MIN_PAYLOAD_BYTES", grid_min_bytes),
                (pipeline, "EARLY_WRITERS_MIN_CHUNK_BYTES", early_min_bytes),
                (saving, "FILES_PER_WRITER", files_per_writer),
+               (torch.cuda, "Event", functools.partial(torch.cuda.Event, blocking=True) if blocking_events else None),
                (cuda_driver, "copies_available", (lambda: False) if torch_copies else None),
                (stager.Stager, "stage", _sums_inline(stager.Stager.stage) if inline_sums else None)]
     saved = [(module, name, getattr(module, name)) for module, name, value in patches if value is not None]
@@ -264,6 +268,14 @@ def _traced(state, target: str, budget: int, mode: str = "sync", **opts) -> floa
 
     orig_ready, orig_item, orig_stage_all = stager.StagedChunk.ready, pipeline.RankWriter._write_item, \
         pipeline.RankWriter._stage_all
+    orig_grid = stager.StagedChunk.grid
+
+    def grid(self):
+        t = time.perf_counter()
+        try:
+            return orig_grid(self)
+        finally:
+            note("grid_wait_s", time.perf_counter() - t)
 
     def ready(self):
         t = time.perf_counter()
@@ -291,6 +303,7 @@ def _traced(state, target: str, budget: int, mode: str = "sync", **opts) -> floa
 
     stager.StagedChunk.ready, pipeline.RankWriter._write_item, pipeline.RankWriter._stage_all = \
         ready, write_item, stage_all
+    stager.StagedChunk.grid = grid
     try:
         shutil.rmtree(target, ignore_errors=True)
         options = safe_ckpt.SaveOptions(staging_budget_bytes=budget, **opts)
@@ -307,6 +320,7 @@ def _traced(state, target: str, budget: int, mode: str = "sync", **opts) -> floa
     finally:
         stager.StagedChunk.ready, pipeline.RankWriter._write_item, pipeline.RankWriter._stage_all = \
             orig_ready, orig_item, orig_stage_all
+        stager.StagedChunk.grid = orig_grid
         shutil.rmtree(target, ignore_errors=True)
     lanes = {k: v for k, v in marks.items() if k.startswith("safe_ckpt-write")}
     stage = marks.get("safe_ckpt-stage", {})
@@ -316,12 +330,13 @@ def _traced(state, target: str, budget: int, mode: str = "sync", **opts) -> floa
         return [round(vals[0], 4), round(statistics.median(vals), 4), round(vals[-1], 4)] if vals else None
 
     t = result.timings
-    print(json.dumps({"case": "trace", "of": CASE[0], "opts": {k: v for k, v in opts.items()}, "total_s": round(dt, 4),
+    print(json.dumps({"case": "trace", "of": CASE[0], "opts": dict(opts), "total_s": round(dt, 4),
                       "stall_s": None if stall is None else round(stall, 4),
                       "plan_s": round(t.plan_s, 4), "write_s": round(t.write_s, 4), "commit_s": round(t.commit_s, 4),
                       "lanes": len(lanes), "staging_done_at_s": round(stage.get("staging_done_at_s", 0.0), 4),
                       "stager_ready_wait_s": round(stage.get("ready_wait_s", 0.0), 4),
                       "lane_first_item_at_s": spread("first_item_at_s"), "lane_ready_wait_s": spread("ready_wait_s"),
+                      "lane_grid_wait_s": spread("grid_wait_s"),
                       "lane_items_s": spread("items_s"), "lane_done_at_s": spread("last_item_done_at_s")}),
           flush=True)
     return dt
@@ -414,6 +429,8 @@ def main() -> None:
         "write_8": lambda: _write_lanes(args.target, mv, 8, 64 * MiB),
         "write_12": lambda: _write_lanes(args.target, mv, 12, 64 * MiB),
         "write_16": lambda: _write_lanes(args.target, mv, 16, 64 * MiB),
+        **{f"write_16_shift{n}": (lambda n=n: _write_lanes(args.target, mv, 16, 64 * MiB, shift_bytes=n))
+           for n in (1, 8, 64, 2048, 4096)},
         "write_8_pageable": lambda: _write_lanes(args.target, pmv, 8, 64 * MiB),
         "write_hash_beside": lambda: _write_lanes(args.target, mv, 8, 64 * MiB, "beside"),
         "write_hash_fused": lambda: _write_lanes(args.target, mv, 8, 4 * MiB, "fused"),
@@ -444,6 +461,8 @@ def main() -> None:
         "safe_sync_trace": lambda: _traced(state, args.target, budget),
         "safe_sync_io16_trace": lambda: _traced(state, args.target, budget, io_threads=16),
         "safe_sync_io16_nosum_trace": lambda: _traced(state, args.target, budget, io_threads=16, checksums=False),
+        "safe_sync_io16_blocking": lambda: _safe(state, args.target, budget, "sync", io_threads=16,
+                                                 blocking_events=True),
         "safe_sync_io16_fpw1": lambda: _safe(state, args.target, budget, "sync", io_threads=16, files_per_writer=1),
         "safe_sync_early": lambda: _safe(state, args.target, budget, "sync", early_min_bytes=1),
         "safe_sync_io16_early": lambda: _safe(state, args.target, budget, "sync", io_threads=16, early_min_bytes=1),

@@ -50,6 +50,11 @@ BENCH="python3 -m safe_ckpt.bench --preset ${PRESET:-anchor} $GIB_ARG"
   python3 -c "import torch_memory_saver as t; print('torch_memory_saver', getattr(t, '__version__', 'present'))" 2>/dev/null
   echo "cores $(getconf _NPROCESSORS_ONLN)"; free -g; df -hT /tmp /dev/shm; uname -r
   lscpu | grep -m1 'Model name'
+  grep -m1 -E '^(cpu family|model)\s' /proc/cpuinfo; grep -m1 '^model\s' /proc/cpuinfo
+  # the kernel's copy into the page cache uses fast strings where these flags are set
+  grep -m1 -ow -E 'fsrm|erms' /proc/cpuinfo | sort -u | tr '\n' ' '; echo
+  for f in enabled shmem_enabled; do echo "thp $f: $(cat /sys/kernel/mm/transparent_hugepage/$f 2>/dev/null)"; done
+  grep -E ' /dev/shm | / ' /proc/mounts; lscpu | grep -i numa
 } > "$RES/machine.txt" 2>&1
 
 part_cpu() {

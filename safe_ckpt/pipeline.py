@@ -14,9 +14,8 @@ it): issuing a thousand small copies while eight writers compete for the GIL too
 on an H200 instead of 0.13 s, and a writer has nothing to write before the first copy lands
 anyway. With large chunks (sync or async) the writers start at once: holding them back
 cost 20-45 ms of idle writers (H200, tmpfs), and since the copies are enqueued through the
-driver with their checksum sums on a stream of their own (`staging.stager`), writers busy
-from the start no longer slow the staging (a 9.23 GB async save to disk staged in 0.20 s
-either way; with the sums' launches between the copies it had taken 0.32 s).
+driver (`staging.stager`), writers busy from the start no longer slow the staging (a
+9.23 GB async save to disk staged in 0.20 s either way).
 
 Must not: decide what goes where (the layout did), talk to other ranks, or publish.
 """

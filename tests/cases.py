@@ -259,7 +259,7 @@ def _host_grid_stager(deferred: list | None = None):
     """A `Stager` that treats large contiguous host chunks the way the real one treats device
     chunks (copy into a pool lease, grid sums beside it, deferred while the writers wait), so
     the CPU suite exercises the writer, manifest and verify path of device checksums and the
-    deferral's bookkeeping; it stands for the CUDA copy and sums streams, which the GPU test
+    deferral's bookkeeping; it stands for the CUDA copy stream and its sums, which the GPU test
     `test_device_checksums` exercises for real. ``deferred`` gets one entry per deferred sum issued."""
     from safe_ckpt.integrity import grid_bytes, grid_sums
     from safe_ckpt.staging.stager import Stager
