@@ -5,6 +5,7 @@ ceiling while host-resident state reached 91-93 %. This measures, in one process
 one state, what the machine itself allows and what safe_ckpt does, so the gap can be
 attributed:
 - ``write_T``: T threads write the state's bytes from pinned memory (64 MiB pieces) + fsync;
+  ``write_16_shiftN``: each file's bytes N bytes in, out of step with the source's pages;
 - ``write_hash_beside``: 8 writers, each piece checksummed on another thread meanwhile (safe_ckpt's way);
 - ``write_hash_fused``: 8 writers, each 4 MiB piece checksummed then written by the same thread;
 - ``d2h``: the device-to-host copy of every shard into the pinned pool;
@@ -18,7 +19,8 @@ attributed:
 - ``d2h_beside_write16``: 16 threads write from pinned memory while the state is copied to another
   pinned buffer: the write ceiling under a staging save's memory traffic, without its data dependency;
 - ``*_trace``: the save with every writer lane timed (first item, waits for copies, time in items,
-  finish) and the staging thread's finish, printed as a ``trace`` line; ``nogc``: gc_freeze off;
+  finish, time in `StagedChunk.grid` waiting for device sums) and the staging thread's finish,
+  printed as a ``trace`` line; ``nogc``: gc_freeze off;
   ``gated`` / ``early``: the writers wait for every device copy to be issued / start at once,
   whatever the chunk sizes; ``fpw1``: one file per writer instead of two; ``torchcopy``: copies
   through Tensor.copy_ instead of the CUDA driver; ``inline``: grid sums enqueued with each copy
@@ -26,7 +28,8 @@ attributed:
 - ``safe_*``: `safe_ckpt.save` / `async_save` with the defaults and with options changed
   (``io16``: 16 writer threads, ``sumN``: N checksum threads, 0 = in the writers, ``chunkN``: N MiB chunks,
   ``hostsum``: device checksums off, every byte hashed on the host; ``gridminN``: device checksums
-  only for chunks of N MiB or more; ``poolN``: an N MiB staging pool, so copies are paced to the writes).
+  only for chunks of N MiB or more; ``poolN``: an N MiB staging pool, so copies are paced to
+  the writes; ``blocking``: CUDA events that block instead of spinning while a writer waits).
 Prints one JSON line per case (median, min, max of --reps). Usage:
 python benchmarks/diag_ttd.py [--preset anchor] [--gib 8.6] [--target /dev/shm/safe_ckpt_diag]
 """
@@ -270,19 +273,16 @@ def _traced(state, target: str, budget: int, mode: str = "sync", **opts) -> floa
         pipeline.RankWriter._stage_all
     orig_grid = stager.StagedChunk.grid
 
-    def grid(self):
-        t = time.perf_counter()
-        try:
-            return orig_grid(self)
-        finally:
-            note("grid_wait_s", time.perf_counter() - t)
+    def timed(fn, key):
+        def wrapper(self):
+            t = time.perf_counter()
+            try:
+                return fn(self)
+            finally:
+                note(key, time.perf_counter() - t)
+        return wrapper
 
-    def ready(self):
-        t = time.perf_counter()
-        try:
-            return orig_ready(self)
-        finally:
-            note("ready_wait_s", time.perf_counter() - t)
+    ready, grid = timed(orig_ready, "ready_wait_s"), timed(orig_grid, "grid_wait_s")
 
     def write_item(self, handle, item, staged):
         t = time.perf_counter()
