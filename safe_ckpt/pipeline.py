@@ -148,13 +148,13 @@ class RankWriter:
         self._t0 = time.perf_counter()
         if self._checksum_threads and self.work.layout.files:
             self._hasher = ThreadPoolExecutor(self._checksum_threads, thread_name_prefix="safe_ckpt-sum")
+        # The stager first: starting 16 writer threads took 3.6-5.6 ms on an H200 host, and
+        # until the first copies are issued no writer has anything to write.
+        self._threads.append(threading.Thread(target=self._stage_all, name="safe_ckpt-stage", daemon=True))
         if self.work.layout.files:
             for lane in range(self._lanes):
-                t = threading.Thread(target=self._write_loop, name=f"safe_ckpt-write-{lane}")
-                t.daemon = True
-                self._threads.append(t)
-        stager = threading.Thread(target=self._stage_all, name="safe_ckpt-stage", daemon=True)
-        self._threads.append(stager)
+                self._threads.append(threading.Thread(target=self._write_loop, name=f"safe_ckpt-write-{lane}",
+                                                      daemon=True))
         for t in self._threads:
             t.start()
 

@@ -101,6 +101,7 @@ class _Job:
         self.post_commit = post_commit  # collective step after a successful commit (tracker file)
         self.area: commit.StagingArea | None = None
         self.gc_hold = gcfreeze.Hold(False)  # start() puts the save's hold here
+        self._prebuilt: dict | None = None  # rank 0's small files, built while the writers write
         self.t0 = time.perf_counter()
 
     # ------------------------------------------------------------------ plan
@@ -231,6 +232,7 @@ class _Job:
         rank = self.coord.rank
         failure, stats = self._write_failure, None
         if failure is None:
+            self._prepare_commit()
             try:
                 stats = self.writer.join()
             except ItemWriteFailed as exc:
@@ -291,14 +293,30 @@ class _Job:
     def _total_file_bytes(self) -> int:
         return sum(layout.file_bytes for layout in self._all_layouts())
 
-    def _commit(self, checksums: list) -> None:
-        """Rank 0, after every rank's files are durable: index, config, manifest, publish."""
-        layouts = self._all_layouts()
-        small = {METADATA_FILE: metadata_bytes(build_metadata(self.global_plan, layouts, self.checkpoint_dir,
-                                                               self.save_id))}
+    def _small_files(self) -> dict:
+        """The index and config (and, for a kvstore, the common state): they depend on the plan only."""
+        small = {METADATA_FILE: metadata_bytes(build_metadata(self.global_plan, self._all_layouts(),
+                                                               self.checkpoint_dir, self.save_id))}
         if not self.sharded_only:
             small[CONFIG_FILE] = json.dumps(compat.checkpointing_config_dict()).encode()
         small.update(self.whole_files)  # kvstore: the common state goes in with the commit
+        return small
+
+    def _prepare_commit(self) -> None:
+        """Rank 0 builds the small files while its writers write: the caller's thread would only
+        wait in `join` (on an H200, 2.5-6 ms of a 0.36 s save's commit). A failure here is left
+        for `_commit` to meet again, in the commit stage."""
+        if self.coord.rank != 0:
+            return
+        try:
+            self._prebuilt = self._small_files()
+        except Exception as exc:
+            log.debug("safe_ckpt: building the index early failed (%s); the commit builds it again", exc)
+
+    def _commit(self, checksums: list) -> None:
+        """Rank 0, after every rank's files are durable: index, config, manifest, publish."""
+        layouts = self._all_layouts()
+        small = self._prebuilt or self._small_files()
         if self.options.checksums:
             whole = {c.relative_path: c.checksum for c in checksums if c.offset_bytes == 0 and c.fqn == c.relative_path}
             whole.update({name: checksum_of([data]) for name, data in small.items()})

@@ -12,6 +12,7 @@ import safe_ckpt
 from safe_ckpt.sinks.posix import PosixSink
 from safe_ckpt.staging.dispatch import Dispatch
 from safe_ckpt.synthetic import bits_equal
+from tests.hooked_sink import HookedSink
 
 
 def test_one_writer_takes_entries_in_staging_order():
@@ -96,36 +97,22 @@ def test_many_writers_never_share_a_file_and_each_file_ends_once():
     assert sorted(ended) == list(range(len(counts)))
 
 
-class _SlowThreadSink(PosixSink):
+class _SlowThreadSink(HookedSink):
     """Writes from one named writer thread take 30 ms longer (a writer on a busy core)."""
 
     slow_thread = "safe_ckpt-write-0"
 
     def __init__(self, root):
-        super().__init__(root, fsync=False)
+        super().__init__(root)
         self.by_thread = {}
         self.lock = threading.Lock()
 
-    def open(self, relative_path, size_bytes):
-        inner = super().open(relative_path, size_bytes)
-        sink = self
-
-        class File:
-            def write_at(self, offset_bytes, buffers):
-                name = threading.current_thread().name
-                with sink.lock:
-                    sink.by_thread[name] = sink.by_thread.get(name, 0) + 1
-                if name == sink.slow_thread:
-                    time.sleep(0.03)
-                inner.write_at(offset_bytes, buffers)
-
-            def sync(self):
-                inner.sync()
-
-            def close(self):
-                inner.close()
-
-        return File()
+    def before_write(self):
+        name = threading.current_thread().name
+        with self.lock:
+            self.by_thread[name] = self.by_thread.get(name, 0) + 1
+        if name == self.slow_thread:
+            time.sleep(0.03)
 
 
 def test_a_slow_writer_thread_writes_fewer_items_and_every_byte_lands(tmp_path):
