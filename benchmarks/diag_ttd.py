@@ -20,7 +20,8 @@ attributed:
   pinned buffer: the write ceiling under a staging save's memory traffic, without its data dependency;
 - ``*_trace``: the save with every writer lane timed (first item, waits for copies, time in items,
   finish, time in `StagedChunk.grid` waiting for device sums) and the staging thread's finish,
-  printed as a ``trace`` line; ``nogc``: gc_freeze off;
+  printed as a ``trace`` line; ``*_phases``: the save's fixed costs, each planning and commit step
+  timed (when it started, its seconds), printed as a ``phases`` line; ``nogc``: gc_freeze off;
   ``gated`` / ``early``: the writers wait for every device copy to be issued / start at once,
   whatever the chunk sizes; ``fpw1``: one file per writer instead of two; ``torchcopy``: copies
   through Tensor.copy_ instead of the CUDA driver; ``inline``: grid sums enqueued with each copy
@@ -342,6 +343,73 @@ def _traced(state, target: str, budget: int, mode: str = "sync", **opts) -> floa
     return dt
 
 
+def _phased(state, target: str, budget: int, mode: str = "sync", **opts) -> float:
+    """A save with its fixed costs timed: each planning and commit step (when it first started,
+    from the call, and its seconds over all calls) and when the first copy was issued, the first
+    item handed to a writer and the first item written. Prints one ``phases`` line."""
+    from safe_ckpt import dist, gcfreeze, pipeline, saving
+    from safe_ckpt.sinks import posix
+    from safe_ckpt.staging import dispatch, stager
+
+    rows, lock, t_base, saved = {}, threading.Lock(), [0.0], []
+
+    def wrap(owner, attr, name):
+        fn = getattr(owner, attr)
+        saved.append((owner, attr, fn))
+
+        def timed(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                now = time.perf_counter()
+                with lock:
+                    row = rows.setdefault(name, {"first_at_s": round(t - t_base[0], 4), "s": 0.0, "calls": 0})
+                    row["s"] += now - t
+                    row["calls"] += 1
+                    row.setdefault("first_done_at_s", round(now - t_base[0], 4))
+        setattr(owner, attr, timed)
+
+    for owner, attr, name in [
+        (saving, "wait_for_previous", "wait_for_previous"), (gcfreeze, "Hold", "gc_hold"),
+        (saving, "collect", "collect"), (saving._Job, "_classify", "classify"),
+        (saving.commit, "prepare", "commit.prepare"), (saving, "rank_plan", "rank_plan"),
+        (dist.Coordinator, "exchange", "exchange"), (saving, "build_global_plan", "build_global_plan"),
+        (saving, "lay_out_rank", "lay_out_rank"), (saving, "shared_pool", "shared_pool"),
+        (saving, "record_producer_fence", "producer_fence"), (saving, "Stager", "Stager()"),
+        (saving, "RankWriter", "RankWriter()"), (pipeline.RankWriter, "start", "writer.start"),
+        (pipeline.RankWriter, "_interleaved", "interleaved"), (stager.Stager, "_stream", "stager._stream"),
+        (stager.Stager, "stage", "stager.stage"), (dispatch.Dispatch, "put", "dispatch.put"),
+        (pipeline.RankWriter, "_write_item", "write_item"), (pipeline.RankWriter, "join", "writer.join"),
+        (dist.Coordinator, "vote", "vote"), (saving._Job, "_commit", "commit"),
+        (saving, "build_metadata", "build_metadata"), (saving, "metadata_bytes", "metadata_bytes"),
+        (saving.compat, "checkpointing_config_dict", "config_dict"), (saving, "manifest_bytes", "manifest_bytes"),
+        (saving._Job, "_all_layouts", "all_layouts"), (posix.PosixSink, "write_file", "sink.write_file"),
+        (posix.PosixSink, "sync_root", "sink.sync_root"), (saving.commit, "publish", "commit.publish"),
+        (saving._Job, "_log_summary", "log_summary"),
+    ]:
+        wrap(owner, attr, name)
+    try:
+        shutil.rmtree(target, ignore_errors=True)
+        options = safe_ckpt.SaveOptions(staging_budget_bytes=budget, **opts)
+        shared_pool(budget).preallocate()
+        t_base[0] = time.perf_counter()
+        if mode == "sync":
+            result = safe_ckpt.save(state.make_sharded(), target, options=options)
+        else:
+            result = safe_ckpt.async_save(state.make_sharded(), target, options=options).wait()
+        dt = time.perf_counter() - t_base[0]
+    finally:
+        for owner, attr, fn in reversed(saved):
+            setattr(owner, attr, fn)
+        shutil.rmtree(target, ignore_errors=True)
+    t = result.timings
+    phases = {k: {**v, "s": round(v["s"], 4)} for k, v in sorted(rows.items(), key=lambda kv: kv[1]["first_at_s"])}
+    print(json.dumps({"case": "phases", "of": CASE[0], "total_s": round(dt, 4), "plan_s": round(t.plan_s, 4),
+                      "write_s": round(t.write_s, 4), "commit_s": round(t.commit_s, 4), "phases": phases}), flush=True)
+    return dt
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="anchor")
@@ -460,6 +528,8 @@ def main() -> None:
         "safe_sync_io16_chunk32": lambda: _safe(state, args.target, budget, "sync", io_threads=16, chunk_bytes=32 * MiB),
         "safe_sync_trace": lambda: _traced(state, args.target, budget),
         "safe_sync_io16_trace": lambda: _traced(state, args.target, budget, io_threads=16),
+        "safe_sync_io16_phases": lambda: _phased(state, args.target, budget, io_threads=16),
+        "safe_async_io16_phases": lambda: _phased(state, args.target, budget, "async", io_threads=16),
         "safe_sync_io16_nosum_trace": lambda: _traced(state, args.target, budget, io_threads=16, checksums=False),
         "safe_sync_io16_blocking": lambda: _safe(state, args.target, budget, "sync", io_threads=16,
                                                  blocking_events=True),

@@ -17,7 +17,7 @@
 #        THREADS (writer threads of every saver and the ceiling, default 8), CACHE (bench: cold,warm),
 #        ONLY, ONLY_QWEN (diag_ttd cases of the anchor / qwen3-4b-dp8 runs), DIAG_ANCHOR=0, DIAG_QWEN=0, DIAG_STAGING=0,
 #        DIAG_TARGET (the anchor run's directory, default tmpfs), DIAG_TAG (suffix of its result files),
-#        GPU_N (pytest-xdist workers for the GPU tests), GPU_K (pytest -k)
+#        GPU_N (pytest-xdist workers for the GPU tests), GPU_K (pytest -k), PART_LIMIT_S (see below)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # Results go to $RES; after each part they are packed into $OUT/results.tgz (the device tool
@@ -38,10 +38,15 @@ export PYTHONPATH=$SITE:$PWD
 [ -d .mlm/megatron/training ] && export PYTHONPATH=$PWD/.mlm:$PYTHONPATH
 DISK=${DISK:-/tmp/safe_ckpt_bench}
 SHM=${SHM:-/dev/shm/safe_ckpt_bench}
-PYTEST="python3 -m pytest -q -p no:cacheprovider -W ignore::UserWarning -W ignore::FutureWarning"
+# PART_LIMIT_S: a time limit on each Python run of a part, so that a run cut short leaves the
+# shell to pack what it recorded (a `timeout` around this whole script kills the packing too;
+# a bench cut short is reported from its rows with `python -m safe_ckpt.bench --rebuild PREFIX`).
+PY=python3
+[ -n "${PART_LIMIT_S:-}" ] && PY="timeout $PART_LIMIT_S python3"
+PYTEST="$PY -m pytest -q -p no:cacheprovider -W ignore::UserWarning -W ignore::FutureWarning"
 GIB_ARG=""
 [ -n "${GIB-8.6}" ] && GIB_ARG="--gib ${GIB-8.6}"
-BENCH="python3 -m safe_ckpt.bench --preset ${PRESET:-anchor} $GIB_ARG"
+BENCH="$PY -m safe_ckpt.bench --preset ${PRESET:-anchor} $GIB_ARG"
 
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
@@ -70,12 +75,12 @@ part_gputests() {
 }
 
 part_smoke() {
-  python3 -m safe_ckpt.bench --gib 1 --reps 3 --peer-reps 1 --targets "$SHM" --cache cold --count-h2d \
+  $PY -m safe_ckpt.bench --gib 1 --reps 3 --peer-reps 1 --targets "$SHM" --cache cold --count-h2d \
     --peers safe_sync,safe_async,safe_sync_nosum,safe_sync_tensorstore,megatron_sync,megatron_async,dcp_sync,dcp_async_pinned \
     --label "H200 1 GiB, memcpy counts" --out "$RES/bench_smoke" > "$RES/bench_smoke.log" 2>&1
   grep '^|' "$RES/bench_smoke.md" | head -12
   # slime's launch shape: the harness as a Ray actor holding the GPU
-  python3 -m safe_ckpt.bench --ray-actors 1 --gib 1 --reps 3 --peer-reps 1 --targets "$SHM" \
+  $PY -m safe_ckpt.bench --ray-actors 1 --gib 1 --reps 3 --peer-reps 1 --targets "$SHM" \
     --peers safe_sync,safe_async,dcp_sync --label "H200 1 GiB, one Ray actor" --out "$RES/bench_ray" \
     > "$RES/bench_ray.log" 2>&1
   tail -2 "$RES/bench_ray.log"; grep '^|' "$RES/bench_ray.md" | head -6
@@ -86,17 +91,17 @@ part_tests() { part_gputests; part_smoke; }
 part_diag() {
   DIAG_TAG=${DIAG_TAG:+_$DIAG_TAG}
   if [ "${DIAG_ANCHOR:-1}" = 1 ]; then
-    python3 benchmarks/diag_ttd.py --preset anchor --gib 8.6 --reps ${REPS:-3} --target "${DIAG_TARGET:-$SHM}" \
+    $PY benchmarks/diag_ttd.py --preset anchor --gib 8.6 --reps ${REPS:-3} --target "${DIAG_TARGET:-$SHM}" \
       ${ONLY:+--only "$ONLY"} > "$RES/diag_ttd_anchor$DIAG_TAG.txt" 2> "$RES/diag_ttd_anchor$DIAG_TAG.err"
     grep case "$RES/diag_ttd_anchor$DIAG_TAG.txt" | cut -c1-500
   fi
   [ "${DIAG_QWEN:-1}" = 1 ] || return 0
-  python3 benchmarks/diag_ttd.py --preset qwen3-4b-dp8 --gib "" --reps ${REPS:-3} --target "$SHM" \
+  $PY benchmarks/diag_ttd.py --preset qwen3-4b-dp8 --gib "" --reps ${REPS:-3} --target "$SHM" \
     --only "${ONLY_QWEN:-write_8,d2h,pipe*,safe_sync,safe_async}" > "$RES/diag_ttd_qwen$DIAG_TAG.txt" \
     2> "$RES/diag_ttd_qwen$DIAG_TAG.err"
   grep case "$RES/diag_ttd_qwen$DIAG_TAG.txt" | cut -c1-500
   [ "${DIAG_STAGING:-1}" = 1 ] || return 0
-  python3 benchmarks/diag_staging.py --target "$SHM" > "$RES/diag_staging.txt" 2> "$RES/diag_staging.err"
+  $PY benchmarks/diag_staging.py --target "$SHM" > "$RES/diag_staging.txt" 2> "$RES/diag_staging.err"
   cat "$RES/diag_staging.txt" | cut -c1-200
 }
 
@@ -109,7 +114,7 @@ part_diagvs() {
   : > "$out"
   for round in $(seq "${VS_ROUNDS:-2}"); do
     for tree in . "$vs"; do
-      (cd "$tree" && PYTHONPATH=$SITE:$PWD python3 benchmarks/diag_ttd.py --preset anchor --gib "${GIB-8.6}" \
+      (cd "$tree" && PYTHONPATH=$SITE:$PWD $PY benchmarks/diag_ttd.py --preset anchor --gib "${GIB-8.6}" \
         --reps "${REPS:-3}" --target "${DIAG_TARGET:-$SHM}" ${ONLY:+--only "$ONLY"} 2>/dev/null) \
         | grep '"case"' | sed "s|^|{\"tree\": \"$tree\", \"round\": $round, \"row\": |; s|\$|}|" >> "$out"
     done
@@ -133,7 +138,7 @@ part_mixes() {
     --label "H200 ${PRESET:-anchor} one rank, host-resident optimizer state" --out "$RES/bench_mixes" \
     > "$RES/bench_mixes.log" 2>&1
   tail -2 "$RES/bench_mixes.log"; grep '^|' "$RES/bench_mixes.md"
-  python3 -m safe_ckpt.bench --preset qwen3-4b-dp8 --reps 3 --peer-reps 2 --targets "$SHM" --cache cold \
+  $PY -m safe_ckpt.bench --preset qwen3-4b-dp8 --reps 3 --peer-reps 2 --targets "$SHM" --cache cold \
     --threads ${THREADS:-8} --residences gpu --peers safe_sync,safe_async,megatron_sync,dcp_sync \
     --label "H200 qwen3-4b-dp8 one rank" --out "$RES/bench_qwen" > "$RES/bench_qwen.log" 2>&1
   tail -2 "$RES/bench_qwen.log"; grep '^|' "$RES/bench_qwen.md"
@@ -143,7 +148,7 @@ part_mixes() {
 # `--ray-actors N` instead of torchrun, with Ray carried as in the tests part.)
 part_bench2() {
   NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
-  python3 -m torch.distributed.run --nproc-per-node "$NGPU" -m safe_ckpt.bench --preset ${PRESET:-anchor} $GIB_ARG \
+  $PY -m torch.distributed.run --nproc-per-node "$NGPU" -m safe_ckpt.bench --preset ${PRESET:-anchor} $GIB_ARG \
     --reps ${REPS:-3} --peer-reps ${PEER_REPS:-3} --targets "$SHM,$DISK" --cache cold --residences gpu \
     --threads ${THREADS:-8} \
     --peers ${PEERS:-all} --label "${NGPU}x H200 ${PRESET:-anchor}" --out "$RES/bench_h200x$NGPU" > "$RES/bench2.log" 2>&1
