@@ -25,7 +25,8 @@ attributed:
   ``gated`` / ``early``: the writers wait for every device copy to be issued / start at once,
   whatever the chunk sizes; ``fpw1``: one file per writer instead of two; ``torchcopy``: copies
   through Tensor.copy_ instead of the CUDA driver; ``inline``: grid sums enqueued with each copy
-  even while the writers wait; ``old``: both (the issue path before cuda_driver);
+  even while the writers wait; ``old``: both (the issue path before cuda_driver); ``sumsbeside``:
+  the sums' kernels on their own stream, their copies on the copy stream (stager.SUMS_BESIDE_COPIES);
 - ``safe_*``: `safe_ckpt.save` / `async_save` with the defaults and with options changed
   (``io16``: 16 writer threads, ``sumN``: N checksum threads, 0 = in the writers, ``chunkN``: N MiB chunks,
   ``hostsum``: device checksums off, every byte hashed on the host; ``gridminN``: device checksums
@@ -212,10 +213,11 @@ def _sums_inline(stage):
 def _safe(state, target: str, budget: int, mode: str, piece_bytes: int | None = None,
           grid_min_bytes: int | None = None, early_min_bytes: int | None = None, files_per_writer: int | None = None,
           torch_copies: bool = False, inline_sums: bool = False, trace: bool = False,
-          blocking_events: bool = False, **opts) -> float:
+          blocking_events: bool = False, sums_beside: bool = False, **opts) -> float:
     """One save with module constants patched for its duration (None: the shipped value):
     ``torch_copies``: copies through Tensor.copy_, not the CUDA driver; ``inline_sums``: grid sums
-    enqueued with each copy even while the writers wait."""
+    enqueued with each copy even while the writers wait; ``sums_beside``: the sums' kernels on
+    their own stream (stager.SUMS_BESIDE_COPIES)."""
     from safe_ckpt import cuda_driver, pipeline, saving
     from safe_ckpt.staging import stager
 
@@ -223,6 +225,7 @@ def _safe(state, target: str, budget: int, mode: str, piece_bytes: int | None = 
                (pipeline, "EARLY_WRITERS_MIN_CHUNK_BYTES", early_min_bytes),
                (saving, "FILES_PER_WRITER", files_per_writer),
                (torch.cuda, "Event", functools.partial(torch.cuda.Event, blocking=True) if blocking_events else None),
+               (stager, "SUMS_BESIDE_COPIES", True if sums_beside else None),
                (cuda_driver, "copies_available", (lambda: False) if torch_copies else None),
                (stager.Stager, "stage", _sums_inline(stager.Stager.stage) if inline_sums else None)]
     saved = [(module, name, getattr(module, name)) for module, name, value in patches if value is not None]
@@ -565,6 +568,7 @@ def main() -> None:
            for mode in ("sync", "async") for io in ("", "_io16")
            for suffix, kw in (("_torchcopy", {"torch_copies": True}), ("_inline", {"inline_sums": True}),
                               ("_old", {"torch_copies": True, "inline_sums": True}), ("_gated", {"early_min_bytes": 1 << 62}),
+                              ("_sumsbeside", {"sums_beside": True}), ("_sumsbeside_trace", {"sums_beside": True, "trace": True}),
                               ("_old_trace", {"torch_copies": True, "inline_sums": True, "trace": True}),
                               ("_new_trace", {"trace": True}))},
     }

@@ -277,6 +277,10 @@ def pool_reuse(rank, world, root) -> dict:
     return out
 
 
+MODES_DEVICE_CHECKSUMS = ("sync", "async", "off", "sync_early", "sync_torch_copies", "async_sums_beside",
+                          "sync_early_sums_beside")
+
+
 def device_checksums(rank, world, ckpt_dir) -> dict:
     """Saves of a GPU state with large chunks, some 4-byte aligned and some not, with device
     checksums on (sync, async) and off: memcpy counts, the manifest's algorithms, verify from the
@@ -300,16 +304,20 @@ def device_checksums(rank, world, ckpt_dir) -> dict:
     out = {}
     # sync / async: writers held until every copy is issued, so the sums are deferred (and flushed
     # when the 128 MiB pool runs out); sync_early: writers from the start, sums enqueued with each
-    # copy; sync_torch_copies: copies through Tensor.copy_ instead of the CUDA driver.
-    for mode in ("sync", "async", "off", "sync_early", "sync_torch_copies"):
+    # copy; sync_torch_copies: copies through Tensor.copy_ instead of the CUDA driver;
+    # *_sums_beside: the sums' kernels on their own stream (stager.SUMS_BESIDE_COPIES).
+    from safe_ckpt.staging import stager
+
+    for mode in MODES_DEVICE_CHECKSUMS:
         state = build_state(rank, world, tp=world, spec=spec, device="cuda", references=refs)
         opts = small_options(chunk_bytes=12 << 20, staging_budget_bytes=128 << 20, device_checksums=mode != "off")
         path = f"{ckpt_dir}_{mode}"
-        saved = pipeline.EARLY_WRITERS_MIN_CHUNK_BYTES, cuda_driver.copies_available
-        if mode == "sync_early":
+        saved = pipeline.EARLY_WRITERS_MIN_CHUNK_BYTES, cuda_driver.copies_available, stager.SUMS_BESIDE_COPIES
+        if mode in ("sync_early", "sync_early_sums_beside"):
             pipeline.EARLY_WRITERS_MIN_CHUNK_BYTES = 1
         if mode == "sync_torch_copies":
             cuda_driver.copies_available = lambda: False
+        stager.SUMS_BESIDE_COPIES = mode.endswith("_sums_beside")
         torch.cuda.synchronize()
         try:
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -319,7 +327,7 @@ def device_checksums(rank, world, ckpt_dir) -> dict:
                     safe_ckpt.save(state, path, options=opts)
                 torch.cuda.synchronize()
         finally:
-            pipeline.EARLY_WRITERS_MIN_CHUNK_BYTES, cuda_driver.copies_available = saved
+            pipeline.EARLY_WRITERS_MIN_CHUNK_BYTES, cuda_driver.copies_available, stager.SUMS_BESIDE_COPIES = saved
         manifest = Manifest.parse(open(os.path.join(path, MANIFEST_FILE), "rb").read())
         report = verify(path, deep=True)
         target = build_state(rank, world, tp=world, spec=spec, layout="alt", empty=True, references=refs,

@@ -147,7 +147,7 @@ def test_real_gpt_distributed_optimizer_resume_is_bit_exact(tmp_path, variant):
 
 def test_device_checksums(tmp_path):
     (r,) = values(run_world(1, _cases().device_checksums, (str(tmp_path / "ck"),)))
-    for mode in ("sync", "async", "off", "sync_early", "sync_torch_copies"):
+    for mode in _cases().MODES_DEVICE_CHECKSUMS:
         m = r[mode]
         assert m["mismatches"] == [], (mode, m["mismatches"][:5])
         assert m["verify_ok"] and m["checksummed"] == m["items"], (mode, m["findings"])

@@ -33,6 +33,13 @@ log = logging.getLogger(__name__)
 # Smaller chunks are hashed on the host: the ~90 us of launches per chunk, GIL-bound on the
 # issuing thread, cost more than the hashing (qwen3-4b-dp8's 1217 chunks on an H200).
 GRID_MIN_PAYLOAD_BYTES = 8 << 20
+# Not yet measured, so off: the sums' kernels on a stream of their own (they read the device
+# source, not the copy, so they can run beside the copies instead of between them), only
+# their small copy to the host on the copy stream, behind its chunk's copy. With the
+# kernels on the copy stream the copy engine waits out each chunk's sums: the async stall
+# of a 9.23 GB save rose from 0.18-0.21 s to 0.21-0.36 s. With the sums' copies on a second
+# stream too (before b152293) they landed late behind the payload copies.
+SUMS_BESIDE_COPIES = False
 
 
 _memory_view = ctypes.pythonapi.PyMemoryView_FromMemory  # ~1 us; a ctypes array type per length took ~8
@@ -178,7 +185,7 @@ class Stager:
     0.36 s.) The sums' launches (~70 us a chunk, the larger part of issuing one) can wait
     until the writers are released (`stage`'s ``defer_sums``); deferred sums then queue
     behind every copy issued before them, which writers held back until the last copy is
-    issued would be waiting for anyway."""
+    issued would be waiting for anyway. (`SUMS_BESIDE_COPIES`: the kernels on a second stream.)"""
 
     def __init__(self, pool: PinnedPool, fence: ProducerFence | None = None, lease_timeout_s: float | None = None,
                  grid: bool = False, driver_copies: bool | None = None):
@@ -189,22 +196,25 @@ class Stager:
         self.fence = fence or ProducerFence({})
         self.lease_timeout_s = lease_timeout_s
         self._driver = cuda_driver.copies_available() if driver_copies is None else driver_copies
-        self._streams: dict[int, object] = {}  # device -> stream
+        self._streams: dict[int, object] = {}  # device -> copy stream
+        self._kernel_streams: dict[int, object] = {}  # device -> grid sums' kernels (SUMS_BESIDE_COPIES)
         self._last_copy: dict[int, object] = {}  # device -> the last event recorded on its stream
         self._pending: list[_PendingSums] = []
         self._lock = threading.Lock()
         self._sums_lock = threading.Lock()
         self.device_bytes = 0
 
-    def _stream(self, index: int):
+    def _stream(self, index: int, streams: dict | None = None):
+        """The device's copy stream (or one of ``streams``), ordered after the producer's fence."""
+        streams = self._streams if streams is None else streams
         with self._lock:
-            stream = self._streams.get(index)
+            stream = streams.get(index)
             if stream is None:
                 stream = torch.cuda.Stream(device=index)
                 fence = self.fence.events.get(index)
                 if fence is not None:
                     stream.wait_event(fence)
-                self._streams[index] = stream
+                streams[index] = stream
             return stream
 
     def stage(self, chunk: torch.Tensor, cancel: threading.Event | None = None, on_wait=None,
@@ -319,9 +329,16 @@ class Stager:
                 return
             index = chunk.device.index
             stream = self._stream(index)
+            kernels = self._stream(index, self._kernel_streams) if SUMS_BESIDE_COPIES else stream
             with torch.cuda.stream(stream):
                 try:
-                    sums = grid_sums(chunk)
+                    with torch.cuda.stream(kernels):
+                        sums = grid_sums(chunk)
+                    if kernels is not stream:
+                        computed = torch.cuda.Event()
+                        computed.record(kernels)
+                        stream.wait_event(computed)
+                        sums.record_stream(stream)  # freed on the kernels' stream, read on this one
                     self._copy(dst, staged._sums_at, sums, sums.numel() * 4, stream)
                 except torch.cuda.OutOfMemoryError:
                     # Each failed allocation makes the caching allocator free (and synchronize)
