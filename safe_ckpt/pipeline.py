@@ -156,7 +156,16 @@ class RankWriter:
                 self._threads.append(threading.Thread(target=self._write_loop, name=f"safe_ckpt-write-{lane}",
                                                       daemon=True))
         for t in self._threads:
-            t.start()
+            try:
+                t.start()
+            except BaseException as exc:  # e.g. the process's thread limit: the save fails through the vote
+                self._fail(None, exc)
+                break
+        self._threads = [t for t in self._threads if t.ident is not None]
+        if not self._threads:  # not even the stager: nothing is staged, nobody may wait for it
+            self._writers_go.set()
+            self._mark_staged()
+            self._dispatch.close()
 
     def wait_staged(self, timeout_s: float | None = None) -> bool:
         return self._staged.wait(timeout_s)
@@ -167,6 +176,8 @@ class RankWriter:
     def join(self) -> WriteStats:
         for t in self._threads:
             t.join()
+        if self.work.layout.files and not any(t.name.startswith("safe_ckpt-write") for t in self._threads):
+            self._write_loop()  # no writer started: give back what was staged (the failure writes nothing)
         for index, handle in enumerate(self._handles):  # left open by a failure: not synced
             if handle is not None:
                 self._handles[index] = None

@@ -206,3 +206,38 @@ def test_an_error_closing_a_file_fails_the_save_and_commits_nothing(tmp_path, io
     out = {k: torch.empty_like(v) for k, v in tensors.items()}
     dcp.load(out, checkpoint_id=str(path), no_dist=True)
     assert all(bits_equal(out[k], v) for k, v in tensors.items())
+
+
+@pytest.mark.parametrize("refused", ["safe_ckpt-write", "safe_ckpt-stage"])
+def test_a_thread_that_cannot_start_fails_the_save_and_gives_every_lease_back(tmp_path, monkeypatch, refused):
+    """The process's thread limit met while a save starts its writers (or its stager): the save
+    fails on its rank with the error, commits nothing, hangs nowhere, and leaves the shared pool
+    as it found it, so the next save succeeds."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from safe_ckpt.staging.pool import shared_pool
+
+    g = torch.Generator().manual_seed(13)
+    # transposed: runs of 4 bytes, so each chunk is copied into a pool lease by the stager
+    tensors = {f"w{i}": torch.randn(96, 96, generator=g).t() for i in range(6)}
+    state = {k: ShardedTensor(k, v, v.dtype, tuple(v.shape), tuple(v.shape), (0, 0), axis_fragmentations=None)
+             for k, v in tensors.items()}
+    opts = safe_ckpt.SaveOptions(io_threads=2, chunk_bytes=16 * 1024, progress_interval_s=0, collective_timeout_s=30)
+    start = threading.Thread.start
+
+    def refuse(self):
+        if self.name.startswith(refused):
+            raise RuntimeError("can't start new thread")
+        return start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    path = tmp_path / "ck"
+    with pytest.raises(safe_ckpt.CheckpointError, match="can't start new thread"):
+        safe_ckpt.save(state, str(path), options=opts)
+    monkeypatch.setattr(threading.Thread, "start", start)
+    assert not (path / ".metadata").exists()
+    assert shared_pool(opts.staging_budget_bytes).stats().leased_bytes == 0
+    safe_ckpt.save(state, str(path), options=opts)
+    import torch.distributed.checkpoint as dcp
+    out = {k: torch.empty(v.shape) for k, v in tensors.items()}
+    dcp.load(out, checkpoint_id=str(path), no_dist=True)
+    assert all(bits_equal(out[k], v.contiguous()) for k, v in tensors.items())

@@ -328,16 +328,20 @@ class Stager:
             if not self.grid or dst is None:
                 return
             index = chunk.device.index
-            stream = self._stream(index)
-            kernels = self._stream(index, self._kernel_streams) if SUMS_BESIDE_COPIES else stream
+            stream = kernels = self._stream(index)
             with torch.cuda.stream(stream):
                 try:
-                    with torch.cuda.stream(kernels):
-                        sums = grid_sums(chunk)
+                    if SUMS_BESIDE_COPIES:
+                        kernels = self._stream(index, self._kernel_streams)
+                    try:
+                        with torch.cuda.stream(kernels):
+                            sums = grid_sums(chunk)
+                    finally:  # also after a failure: the copy stream's last event follows every kernel launched
+                        if kernels is not stream:
+                            computed = torch.cuda.Event()
+                            computed.record(kernels)
+                            stream.wait_event(computed)
                     if kernels is not stream:
-                        computed = torch.cuda.Event()
-                        computed.record(kernels)
-                        stream.wait_event(computed)
                         sums.record_stream(stream)  # freed on the kernels' stream, read on this one
                     self._copy(dst, staged._sums_at, sums, sums.numel() * 4, stream)
                 except torch.cuda.OutOfMemoryError:
@@ -350,7 +354,8 @@ class Stager:
                     log.debug("safe_ckpt: device sums of a %d-byte chunk refused (%s); host hashing",
                               staged.nbytes, exc)
                     return
-                done = self._mark(index, stream)
+                finally:
+                    done = self._mark(index, stream)
             staged._sums, staged._sums_event = sums, done
         finally:
             if staged._sums_issued is not None:
