@@ -25,8 +25,11 @@ attributed:
   ``gated`` / ``early``: the writers wait for every device copy to be issued / start at once,
   whatever the chunk sizes; ``fpw1``: one file per writer instead of two; ``torchcopy``: copies
   through Tensor.copy_ instead of the CUDA driver; ``inline``: grid sums enqueued with each copy
-  even while the writers wait; ``old``: both (the issue path before cuda_driver); ``sumsbeside``:
-  the sums' kernels on their own stream, their copies on the copy stream (stager.SUMS_BESIDE_COPIES);
+  even while the writers wait; ``old``: both (the issue path before cuda_driver); ``sumsbeside`` /
+  ``sumsoncopy``: the sums' kernels on their own stream (the default) / on the copy stream,
+  between the copies (stager.SUMS_BESIDE_COPIES); ``nonice`` / ``nice10``: the writers at the
+  caller's priority / 10 nicer (pipeline.WRITER_NICE_INCREMENT); ``gilrelease``: the copy-issuing
+  driver calls release the GIL (cuda_driver.HOLD_GIL_ON_ISSUE off); ``oldissue``: both as before;
 - ``safe_*``: `safe_ckpt.save` / `async_save` with the defaults and with options changed
   (``io16``: 16 writer threads, ``sumN``: N checksum threads, 0 = in the writers, ``chunkN``: N MiB chunks,
   ``hostsum``: device checksums off, every byte hashed on the host; ``gridminN``: device checksums
@@ -213,11 +216,14 @@ def _sums_inline(stage):
 def _safe(state, target: str, budget: int, mode: str, piece_bytes: int | None = None,
           grid_min_bytes: int | None = None, early_min_bytes: int | None = None, files_per_writer: int | None = None,
           torch_copies: bool = False, inline_sums: bool = False, trace: bool = False,
-          blocking_events: bool = False, sums_beside: bool = False, **opts) -> float:
+          blocking_events: bool = False, sums_beside: bool | None = None, nice: int | None = None,
+          gil_held: bool | None = None, **opts) -> float:
     """One save with module constants patched for its duration (None: the shipped value):
     ``torch_copies``: copies through Tensor.copy_, not the CUDA driver; ``inline_sums``: grid sums
     enqueued with each copy even while the writers wait; ``sums_beside``: the sums' kernels on
-    their own stream (stager.SUMS_BESIDE_COPIES)."""
+    their own stream or (False) on the copy stream (stager.SUMS_BESIDE_COPIES); ``nice``: the
+    writers' nice increment (pipeline.WRITER_NICE_INCREMENT); ``gil_held``: the copy-issuing
+    driver calls keep the GIL (cuda_driver.HOLD_GIL_ON_ISSUE)."""
     from safe_ckpt import cuda_driver, pipeline, saving
     from safe_ckpt.staging import stager
 
@@ -225,7 +231,8 @@ def _safe(state, target: str, budget: int, mode: str, piece_bytes: int | None = 
                (pipeline, "EARLY_WRITERS_MIN_CHUNK_BYTES", early_min_bytes),
                (saving, "FILES_PER_WRITER", files_per_writer),
                (torch.cuda, "Event", functools.partial(torch.cuda.Event, blocking=True) if blocking_events else None),
-               (stager, "SUMS_BESIDE_COPIES", True if sums_beside else None),
+               (stager, "SUMS_BESIDE_COPIES", sums_beside), (pipeline, "WRITER_NICE_INCREMENT", nice),
+               (cuda_driver, "HOLD_GIL_ON_ISSUE", gil_held),
                (cuda_driver, "copies_available", (lambda: False) if torch_copies else None),
                (stager.Stager, "stage", _sums_inline(stager.Stager.stage) if inline_sums else None)]
     saved = [(module, name, getattr(module, name)) for module, name, value in patches if value is not None]
@@ -260,7 +267,8 @@ def _safe_once(state, target: str, budget: int, mode: str, **opts) -> float:
 def _traced(state, target: str, budget: int, mode: str = "sync", **opts) -> float:
     """A save with every writer lane timed: when it first got an item, how long it waited
     for copies to land (`StagedChunk.ready`), how long it spent in its items, when it finished;
-    and when the staging thread had issued its last copy. Prints one ``trace`` line."""
+    when the staging thread had issued its last copy (``last_issued_at_s``) and when they had all
+    landed (``staging_done_at_s``). Prints one ``trace`` line."""
     from safe_ckpt import pipeline
     from safe_ckpt.staging import stager
 
@@ -275,7 +283,14 @@ def _traced(state, target: str, budget: int, mode: str = "sync", **opts) -> floa
 
     orig_ready, orig_item, orig_stage_all = stager.StagedChunk.ready, pipeline.RankWriter._write_item, \
         pipeline.RankWriter._stage_all
-    orig_grid = stager.StagedChunk.grid
+    orig_grid, orig_stage = stager.StagedChunk.grid, stager.Stager.stage
+
+    def stage_timed(self, *a, **kw):
+        try:
+            return orig_stage(self, *a, **kw)
+        finally:  # the latest issue: whether copies land late because they were issued late
+            with lock:
+                marks.setdefault("issue", {})["last_issued_at_s"] = time.perf_counter() - t_base[0]
 
     def timed(fn, key):
         def wrapper(self):
@@ -307,7 +322,7 @@ def _traced(state, target: str, budget: int, mode: str = "sync", **opts) -> floa
 
     stager.StagedChunk.ready, pipeline.RankWriter._write_item, pipeline.RankWriter._stage_all = \
         ready, write_item, stage_all
-    stager.StagedChunk.grid = grid
+    stager.StagedChunk.grid, stager.Stager.stage = grid, stage_timed
     try:
         shutil.rmtree(target, ignore_errors=True)
         options = safe_ckpt.SaveOptions(staging_budget_bytes=budget, **opts)
@@ -324,7 +339,7 @@ def _traced(state, target: str, budget: int, mode: str = "sync", **opts) -> floa
     finally:
         stager.StagedChunk.ready, pipeline.RankWriter._write_item, pipeline.RankWriter._stage_all = \
             orig_ready, orig_item, orig_stage_all
-        stager.StagedChunk.grid = orig_grid
+        stager.StagedChunk.grid, stager.Stager.stage = orig_grid, orig_stage
         shutil.rmtree(target, ignore_errors=True)
     lanes = {k: v for k, v in marks.items() if k.startswith("safe_ckpt-write")}
     stage = marks.get("safe_ckpt-stage", {})
@@ -338,6 +353,7 @@ def _traced(state, target: str, budget: int, mode: str = "sync", **opts) -> floa
                       "stall_s": None if stall is None else round(stall, 4),
                       "plan_s": round(t.plan_s, 4), "write_s": round(t.write_s, 4), "commit_s": round(t.commit_s, 4),
                       "lanes": len(lanes), "staging_done_at_s": round(stage.get("staging_done_at_s", 0.0), 4),
+                      "last_issued_at_s": round(marks.get("issue", {}).get("last_issued_at_s", 0.0), 4),
                       "stager_ready_wait_s": round(stage.get("ready_wait_s", 0.0), 4),
                       "lane_first_item_at_s": spread("first_item_at_s"), "lane_ready_wait_s": spread("ready_wait_s"),
                       "lane_grid_wait_s": spread("grid_wait_s"),
@@ -444,7 +460,11 @@ def main() -> None:
     mv = host_memoryview(pinned[:nbytes])
     pageable = pinned[:nbytes].clone()
     pmv = host_memoryview(pageable)
-    print(json.dumps({"state": state.description, "bytes": nbytes, "cores": os.cpu_count()}), flush=True)
+    from safe_ckpt import cuda_driver
+
+    lib = cuda_driver.library()
+    print(json.dumps({"state": state.description, "bytes": nbytes, "cores": os.cpu_count(),
+                      "gil_holding_driver_handle": getattr(lib, "safe_ckpt_gil_held", None) is not None}), flush=True)
 
     def d2h_beside_write() -> float:
         box = {}
@@ -568,7 +588,11 @@ def main() -> None:
            for mode in ("sync", "async") for io in ("", "_io16")
            for suffix, kw in (("_torchcopy", {"torch_copies": True}), ("_inline", {"inline_sums": True}),
                               ("_old", {"torch_copies": True, "inline_sums": True}), ("_gated", {"early_min_bytes": 1 << 62}),
-                              ("_sumsbeside", {"sums_beside": True}), ("_sumsbeside_trace", {"sums_beside": True, "trace": True}),
+                              ("_sumsbeside", {"sums_beside": True}), ("_sumsoncopy", {"sums_beside": False}),
+                              ("_sumsoncopy_trace", {"sums_beside": False, "trace": True}),
+                              ("_nonice", {"nice": 0}), ("_nice10", {"nice": 10}), ("_gilrelease", {"gil_held": False}),
+                              ("_oldissue", {"nice": 0, "gil_held": False}),
+                              ("_oldissue_trace", {"nice": 0, "gil_held": False, "trace": True}),
                               ("_old_trace", {"torch_copies": True, "inline_sums": True, "trace": True}),
                               ("_new_trace", {"trace": True}))},
     }

@@ -27,12 +27,14 @@ RES=${RES:-/tmp/safe_ckpt_results}
 mkdir -p "$OUT" "$RES"
 export PYTHONUNBUFFERED=1
 SITE=/tmp/site
-if ls .whl/*.whl >/dev/null 2>&1; then
+# Installed once per machine: a later call of this script on a warm machine skips it.
+if ls .whl/*.whl >/dev/null 2>&1 && ! [ -e "$SITE/.safe_ckpt_installed" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl \
     || exit 1
 fi
 # Packages too large for a wheel in one call (Ray) travel as an xz tarball of the installed tree.
-for t in .whl/*.tar.xz; do [ -e "$t" ] && tar -xJf "$t" -C "$SITE"; done
+[ -e "$SITE/.safe_ckpt_installed" ] || for t in .whl/*.tar.xz; do [ -e "$t" ] && tar -xJf "$t" -C "$SITE"; done
+mkdir -p "$SITE" && touch "$SITE/.safe_ckpt_installed"
 export PYTHONPATH=$SITE:$PWD
 # Megatron-LM's megatron.training (not on PyPI), for the real-model tests: carried as .mlm/
 [ -d .mlm/megatron/training ] && export PYTHONPATH=$PWD/.mlm:$PYTHONPATH

@@ -21,6 +21,13 @@ CU_POINTER_ATTRIBUTE_MAPPED = 13
 
 _lock = threading.Lock()
 _loaded: list = []  # [ctypes.CDLL or None], filled once
+# The calls on the copy-issuing path (`current_device`, `memcpy_dtoh_async`) keep the GIL:
+# they return in microseconds, and each release let one of 16 busy writer threads take the
+# GIL, so the issuing thread slept until it got it back. With every copy issued that way, a
+# 9.23 GB async save to disk issued its last copy at 0.35-0.41 s, when the copies alone take
+# 0.17 s (H200, h200_diag_ttd_anchor_disk_issue). Such a call blocks only while the driver's
+# queue is full, and then holds the GIL only until the copy engine frees a slot.
+HOLD_GIL_ON_ISSUE = True
 
 
 class CudaDriverError(RuntimeError):
@@ -40,6 +47,12 @@ def library():
                     continue
             if lib is not None:
                 _declare(lib)
+                try:  # the same library, called without releasing the GIL (see HOLD_GIL_ON_ISSUE)
+                    held = ctypes.PyDLL(lib._name)
+                    _declare(held)
+                    lib.safe_ckpt_gil_held = held
+                except (OSError, AttributeError):
+                    pass
             _loaded.append(lib)
         return _loaded[0]
 
@@ -94,9 +107,16 @@ def _required():
     return lib
 
 
+def _issuing():
+    """libcuda for the copy-issuing calls: the GIL-holding handle where there is one."""
+    lib = _required()
+    held = getattr(lib, "safe_ckpt_gil_held", None) if HOLD_GIL_ON_ISSUE else None
+    return lib if held is None else held
+
+
 def current_device() -> int | None:
     """The device of the calling thread's current context, or None where it has none."""
-    lib = _required()
+    lib = _issuing()
     ctx = ctypes.c_void_p()
     if lib.cuCtxGetCurrent(ctypes.byref(ctx)) != _CUDA_SUCCESS or not ctx.value:
         return None
@@ -110,6 +130,6 @@ def memcpy_dtoh_async(dst_address: int, src_address: int, nbytes: int, stream_ha
     """Enqueue a copy of ``nbytes`` from device ``src_address`` to host ``dst_address`` on the
     stream (a raw CUstream, e.g. `torch.cuda.Stream.cuda_stream`); the destination must be
     page-locked for the copy to be asynchronous."""
-    rc = _required().cuMemcpyDtoHAsync_v2(dst_address, src_address, nbytes, stream_handle)
+    rc = _issuing().cuMemcpyDtoHAsync_v2(dst_address, src_address, nbytes, stream_handle)
     if rc != _CUDA_SUCCESS:
         raise CudaDriverError(f"cuMemcpyDtoHAsync of {nbytes} bytes from {src_address:#x} failed: {error_name(rc)}")

@@ -47,6 +47,25 @@ log = logging.getLogger(__name__)
 FUSED_PIECE_BYTES = 2 << 20  # hashed, then written while still in the core's cache
 # Device chunks at least this large on average: the writers start at once (see above).
 EARLY_WRITERS_MIN_CHUNK_BYTES = 16 << 20
+# Writer threads run this much nicer than the thread that started the save: on a host whose
+# cores the writers fill (16 writers, 16 cores), the thread that issues the device copies
+# otherwise waits for a core each time it wakes, and a 9.23 GB async save to disk issued
+# its last copy at 0.35-0.41 s where the copies alone take 0.17 s (H200). The writes are
+# background work beside a training loop too. 0: leave the writers' priority alone.
+WRITER_NICE_INCREMENT = 5
+
+
+def _lower_thread_priority(increment: int) -> None:
+    """Make the calling thread nicer by ``increment`` (Linux: a thread id names one thread).
+    A thread can never get its priority back without privileges: only threads that end
+    with the save may call this, never the caller's."""
+    if increment <= 0 or not hasattr(os, "setpriority"):
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + increment))
+    except OSError as exc:
+        log.debug("safe_ckpt: writer priority unchanged: %s", exc)
 
 
 def _checksum_threads(asked: int | None, lanes: int) -> int:
@@ -153,7 +172,7 @@ class RankWriter:
         self._threads.append(threading.Thread(target=self._stage_all, name="safe_ckpt-stage", daemon=True))
         if self.work.layout.files:
             for lane in range(self._lanes):
-                self._threads.append(threading.Thread(target=self._write_loop, name=f"safe_ckpt-write-{lane}",
+                self._threads.append(threading.Thread(target=self._writer_thread, name=f"safe_ckpt-write-{lane}",
                                                       daemon=True))
         for t in self._threads:
             try:
@@ -295,6 +314,10 @@ class RankWriter:
                                  on_wait=self._writers_go.set, defer_sums=not self._writers_go.is_set())
 
     # ----------------------------------------------------------------- writing
+    def _writer_thread(self) -> None:
+        _lower_thread_priority(WRITER_NICE_INCREMENT)
+        self._write_loop()
+
     def _write_loop(self) -> None:
         """Take staged items until none are left; open a file at its first item, and sync and
         close it after its last. Never leaves early: a writer gone while items remain would

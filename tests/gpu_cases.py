@@ -277,8 +277,8 @@ def pool_reuse(rank, world, root) -> dict:
     return out
 
 
-MODES_DEVICE_CHECKSUMS = ("sync", "async", "off", "sync_early", "sync_torch_copies", "async_sums_beside",
-                          "sync_early_sums_beside")
+MODES_DEVICE_CHECKSUMS = ("sync", "async", "off", "sync_early", "sync_torch_copies", "async_sums_on_copy",
+                          "sync_early_sums_on_copy")
 
 
 def device_checksums(rank, world, ckpt_dir) -> dict:
@@ -305,7 +305,7 @@ def device_checksums(rank, world, ckpt_dir) -> dict:
     # sync / async: writers held until every copy is issued, so the sums are deferred (and flushed
     # when the 128 MiB pool runs out); sync_early: writers from the start, sums enqueued with each
     # copy; sync_torch_copies: copies through Tensor.copy_ instead of the CUDA driver;
-    # *_sums_beside: the sums' kernels on their own stream (stager.SUMS_BESIDE_COPIES).
+    # *_sums_on_copy: the sums' kernels on the copy stream, between the copies (stager.SUMS_BESIDE_COPIES off).
     from safe_ckpt.staging import stager
 
     for mode in MODES_DEVICE_CHECKSUMS:
@@ -313,11 +313,11 @@ def device_checksums(rank, world, ckpt_dir) -> dict:
         opts = small_options(chunk_bytes=12 << 20, staging_budget_bytes=128 << 20, device_checksums=mode != "off")
         path = f"{ckpt_dir}_{mode}"
         saved = pipeline.EARLY_WRITERS_MIN_CHUNK_BYTES, cuda_driver.copies_available, stager.SUMS_BESIDE_COPIES
-        if mode in ("sync_early", "sync_early_sums_beside"):
+        if mode in ("sync_early", "sync_early_sums_on_copy"):
             pipeline.EARLY_WRITERS_MIN_CHUNK_BYTES = 1
         if mode == "sync_torch_copies":
             cuda_driver.copies_available = lambda: False
-        stager.SUMS_BESIDE_COPIES = mode.endswith("_sums_beside")
+        stager.SUMS_BESIDE_COPIES = not mode.endswith("_sums_on_copy")
         torch.cuda.synchronize()
         try:
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

@@ -33,13 +33,13 @@ log = logging.getLogger(__name__)
 # Smaller chunks are hashed on the host: the ~90 us of launches per chunk, GIL-bound on the
 # issuing thread, cost more than the hashing (qwen3-4b-dp8's 1217 chunks on an H200).
 GRID_MIN_PAYLOAD_BYTES = 8 << 20
-# Not yet measured, so off: the sums' kernels on a stream of their own (they read the device
-# source, not the copy, so they can run beside the copies instead of between them), only
-# their small copy to the host on the copy stream, behind its chunk's copy. With the
-# kernels on the copy stream the copy engine waits out each chunk's sums: the async stall
-# of a 9.23 GB save rose from 0.18-0.21 s to 0.21-0.36 s. With the sums' copies on a second
-# stream too (before b152293) they landed late behind the payload copies.
-SUMS_BESIDE_COPIES = False
+# The sums' kernels run on a stream of their own: they read the device source, not the copy,
+# so they can run beside the copies instead of between them. Only their small copy to the
+# host goes on the copy stream, behind its chunk's copy. (With the sums' copies on a second
+# stream too, before b152293, they landed late behind the payload copies. With the kernels
+# on the copy stream, b152293-d16d295, the copy engine waited out each chunk's sums: a
+# 9.23 GB async save to disk stalled 0.37 s against 0.29 s this way, h200_diag_ttd_anchor_disk_sums_beside.)
+SUMS_BESIDE_COPIES = True
 
 
 _memory_view = ctypes.pythonapi.PyMemoryView_FromMemory  # ~1 us; a ctypes array type per length took ~8
@@ -178,14 +178,15 @@ def record_producer_fence(devices: set[int]) -> ProducerFence:
 
 
 class Stager:
-    """Stages chunks for one save. Per device, payload copies and grid sums go on one side
-    stream ordered after the producer's fence, each chunk's sums right behind its copy.
-    (With the sums on a second stream, each of an H200's 16 writers waited 0.12-0.16 s in
+    """Stages chunks for one save. Per device, payload copies go on one side stream ordered
+    after the producer's fence; each chunk's grid sums are computed on a second stream
+    (`SUMS_BESIDE_COPIES`) and copied to the host on the first, right behind its chunk's copy.
+    (With the sums' copies on the second stream too, each of an H200's 16 writers waited 0.12-0.16 s in
     `grid()` for sums that landed late, and a 9.23 GB save to tmpfs took 0.47 s instead of
     0.36 s.) The sums' launches (~70 us a chunk, the larger part of issuing one) can wait
     until the writers are released (`stage`'s ``defer_sums``); deferred sums then queue
     behind every copy issued before them, which writers held back until the last copy is
-    issued would be waiting for anyway. (`SUMS_BESIDE_COPIES`: the kernels on a second stream.)"""
+    issued would be waiting for anyway."""
 
     def __init__(self, pool: PinnedPool, fence: ProducerFence | None = None, lease_timeout_s: float | None = None,
                  grid: bool = False, driver_copies: bool | None = None):
