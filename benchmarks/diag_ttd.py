@@ -27,15 +27,15 @@ attributed:
   through Tensor.copy_ instead of the CUDA driver; ``inline``: grid sums enqueued with each copy
   even while the writers wait; ``old``: both (the issue path before cuda_driver); ``sumsbeside`` /
   ``sumsoncopy``: the sums' kernels on their own stream (the default) / on the copy stream,
-  between the copies (stager.SUMS_BESIDE_COPIES); ``nonice`` / ``nice10``: the writers at the
-  caller's priority / 10 nicer (pipeline.WRITER_NICE_INCREMENT); ``gilrelease``: the copy-issuing
-  driver calls release the GIL (cuda_driver.HOLD_GIL_ON_ISSUE off); ``oldissue``: both as before;
+  between the copies (stager.SUMS_BESIDE_COPIES); ``nice5`` / ``nice10``: the writers 5 / 10
+  nicer than the caller (cpu.WRITER_NICE_INCREMENT); ``gilheld``: the copy-issuing driver
+  calls keep the GIL (cuda_driver.HOLD_GIL_ON_ISSUE); ``newissue``: nice5 and gilheld;
 - ``safe_*``: `safe_ckpt.save` / `async_save` with the defaults and with options changed
   (``io16``: 16 writer threads, ``sumN``: N checksum threads, 0 = in the writers, ``chunkN``: N MiB chunks,
   ``hostsum``: device checksums off, every byte hashed on the host; ``gridminN``: device checksums
   only for chunks of N MiB or more; ``poolN``: an N MiB staging pool, so copies are paced to
   the writes; ``blocking``: CUDA events that block instead of spinning while a writer waits).
-Prints one JSON line per case (median, min, max of --reps). Usage:
+Prints a ``run_of`` line per save as it ends, then one JSON line per case (median, min, max of --reps). Usage:
 python benchmarks/diag_ttd.py [--preset anchor] [--gib 8.6] [--target /dev/shm/safe_ckpt_diag]
 """
 
@@ -222,16 +222,16 @@ def _safe(state, target: str, budget: int, mode: str, piece_bytes: int | None = 
     ``torch_copies``: copies through Tensor.copy_, not the CUDA driver; ``inline_sums``: grid sums
     enqueued with each copy even while the writers wait; ``sums_beside``: the sums' kernels on
     their own stream or (False) on the copy stream (stager.SUMS_BESIDE_COPIES); ``nice``: the
-    writers' nice increment (pipeline.WRITER_NICE_INCREMENT); ``gil_held``: the copy-issuing
+    writers' nice increment (cpu.WRITER_NICE_INCREMENT); ``gil_held``: the copy-issuing
     driver calls keep the GIL (cuda_driver.HOLD_GIL_ON_ISSUE)."""
-    from safe_ckpt import cuda_driver, pipeline, saving
+    from safe_ckpt import cpu, cuda_driver, pipeline, saving
     from safe_ckpt.staging import stager
 
     patches = [(pipeline, "FUSED_PIECE_BYTES", piece_bytes), (stager, "GRID_MIN_PAYLOAD_BYTES", grid_min_bytes),
                (pipeline, "EARLY_WRITERS_MIN_CHUNK_BYTES", early_min_bytes),
                (saving, "FILES_PER_WRITER", files_per_writer),
                (torch.cuda, "Event", functools.partial(torch.cuda.Event, blocking=True) if blocking_events else None),
-               (stager, "SUMS_BESIDE_COPIES", sums_beside), (pipeline, "WRITER_NICE_INCREMENT", nice),
+               (stager, "SUMS_BESIDE_COPIES", sums_beside), (cpu, "WRITER_NICE_INCREMENT", nice),
                (cuda_driver, "HOLD_GIL_ON_ISSUE", gil_held),
                (cuda_driver, "copies_available", (lambda: False) if torch_copies else None),
                (stager.Stager, "stage", _sums_inline(stager.Stager.stage) if inline_sums else None)]
@@ -590,9 +590,9 @@ def main() -> None:
                               ("_old", {"torch_copies": True, "inline_sums": True}), ("_gated", {"early_min_bytes": 1 << 62}),
                               ("_sumsbeside", {"sums_beside": True}), ("_sumsoncopy", {"sums_beside": False}),
                               ("_sumsoncopy_trace", {"sums_beside": False, "trace": True}),
-                              ("_nonice", {"nice": 0}), ("_nice10", {"nice": 10}), ("_gilrelease", {"gil_held": False}),
-                              ("_oldissue", {"nice": 0, "gil_held": False}),
-                              ("_oldissue_trace", {"nice": 0, "gil_held": False, "trace": True}),
+                              ("_nice5", {"nice": 5}), ("_nice10", {"nice": 10}), ("_gilheld", {"gil_held": True}),
+                              ("_newissue", {"nice": 5, "gil_held": True}),
+                              ("_newissue_trace", {"nice": 5, "gil_held": True, "trace": True}),
                               ("_old_trace", {"torch_copies": True, "inline_sums": True, "trace": True}),
                               ("_new_trace", {"trace": True}))},
     }
@@ -601,10 +601,14 @@ def main() -> None:
                 if (not only or any(k == p or (p.endswith("*") and k.startswith(p[:-1])) for p in only))
                 and (cuda or not k.startswith(("d2h", "pipe")))}
     runs = {k: [] for k in selected}
-    for _ in range(args.reps):  # rounds interleave the cases, so drift hits all alike
+    for round_ in range(args.reps):  # rounds interleave the cases, so drift hits all alike
         for name, fn in selected.items():
             CASE[0] = name
             runs[name].append(fn())
+            # each run as it ends: a run stopped at a time limit still says what it measured
+            stall = STALLS[name][-1] if len(STALLS.get(name, ())) == len(runs[name]) else None
+            print(json.dumps({"run_of": name, "round": round_, "s": round(runs[name][-1], 4),
+                              "stall_s": None if stall is None else round(stall, 4)}), flush=True)
     for name, times in runs.items():
         row = {"case": name, "median_s": statistics.median(times), "min_s": min(times),
                "max_s": max(times), "gbps_median": nbytes / statistics.median(times) / 1e9}

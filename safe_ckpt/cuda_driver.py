@@ -21,13 +21,14 @@ CU_POINTER_ATTRIBUTE_MAPPED = 13
 
 _lock = threading.Lock()
 _loaded: list = []  # [ctypes.CDLL or None], filled once
-# The calls on the copy-issuing path (`current_device`, `memcpy_dtoh_async`) keep the GIL:
-# they return in microseconds, and each release let one of 16 busy writer threads take the
-# GIL, so the issuing thread slept until it got it back. With every copy issued that way, a
-# 9.23 GB async save to disk issued its last copy at 0.35-0.41 s, when the copies alone take
-# 0.17 s (H200, h200_diag_ttd_anchor_disk_issue). Such a call blocks only while the driver's
-# queue is full, and then holds the GIL only until the copy engine frees a slot.
-HOLD_GIL_ON_ISSUE = True
+# Not yet measured, so off: the calls on the copy-issuing path (`current_device`,
+# `memcpy_dtoh_async`) keeping the GIL. They return in microseconds, and each release lets
+# one of 16 busy writer threads take the GIL, so the issuing thread waits to get it back:
+# a 9.23 GB async save to disk issued its last copy at 0.35-0.41 s, right when staging
+# ended, where the copies alone beside 16 writers take 0.18 s (H200,
+# h200_diag_ttd_anchor_disk_issue_trace). Such a call blocks only while the driver's queue
+# is full, and would then hold the GIL until the copy engine frees a slot.
+HOLD_GIL_ON_ISSUE = False
 
 
 class CudaDriverError(RuntimeError):

@@ -13,9 +13,10 @@ copy has been issued (or earlier, when the staging pool is full and only writing
 it): issuing a thousand small copies while eight writers compete for the GIL took 0.4-0.9 s
 on an H200 instead of 0.13 s, and a writer has nothing to write before the first copy lands
 anyway. With large chunks (sync or async) the writers start at once: holding them back
-cost 20-45 ms of idle writers (H200, tmpfs), and since the copies are enqueued through the
-driver (`staging.stager`), writers busy from the start no longer slow the staging (a
-9.23 GB async save to disk staged in 0.20 s either way).
+cost 20-45 ms of idle writers (H200, tmpfs). Writers busy from the start do slow the
+staging where they fill every core: a 9.23 GB async save to disk on a 16-core H200 host
+issued its last copy at 0.35-0.41 s, where the copies alone take 0.18 s (see
+`cpu.WRITER_NICE_INCREMENT` and `cuda_driver.HOLD_GIL_ON_ISSUE`, both still to be measured).
 
 Must not: decide what goes where (the layout did), talk to other ranks, or publish.
 """
@@ -38,6 +39,8 @@ from .integrity import ALGORITHM, GRID_ALGORITHM, GRID_ROW_BYTES, Hasher, ItemCh
 from .progress import Progress
 from .residence import HOST_RESIDENCES, Residence
 from .sinks.base import Sink
+from . import cpu
+from .cpu import checksum_threads as _checksum_threads, lower_thread_priority
 from .staging.dispatch import Dispatch
 from .staging.stager import Stager, StagedChunk, chunk_view
 
@@ -47,42 +50,6 @@ log = logging.getLogger(__name__)
 FUSED_PIECE_BYTES = 2 << 20  # hashed, then written while still in the core's cache
 # Device chunks at least this large on average: the writers start at once (see above).
 EARLY_WRITERS_MIN_CHUNK_BYTES = 16 << 20
-# Writer threads run this much nicer than the thread that started the save: on a host whose
-# cores the writers fill (16 writers, 16 cores), the thread that issues the device copies
-# otherwise waits for a core each time it wakes, and a 9.23 GB async save to disk issued
-# its last copy at 0.35-0.41 s where the copies alone take 0.17 s (H200). The writes are
-# background work beside a training loop too. 0: leave the writers' priority alone.
-WRITER_NICE_INCREMENT = 5
-
-
-def _lower_thread_priority(increment: int) -> None:
-    """Make the calling thread nicer by ``increment`` (Linux: a thread id names one thread).
-    A thread can never get its priority back without privileges: only threads that end
-    with the save may call this, never the caller's."""
-    if increment <= 0 or not hasattr(os, "setpriority"):
-        return
-    try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + increment))
-    except OSError as exc:
-        log.debug("safe_ckpt: writer priority unchanged: %s", exc)
-
-
-def _checksum_threads(asked: int | None, lanes: int) -> int:
-    """Beside-the-writes hashing needs idle cores; where the writers take them all, hashing
-    in the writer threads costs less than twice as many threads fighting for the cores (on a
-    16-core H200 host, 16 writers + 16 hashers took 0.52 s where 16 writers without
-    checksums took 0.40 s)."""
-    if asked is not None:
-        return asked
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    spare = cores - lanes
-    return min(lanes, spare) if spare > 0 else 0
-
-
 def _pieces(buffers: list, limit_bytes: int):
     """The buffers regrouped, in order, into lists of at most ``limit_bytes`` (or one buffer slice)."""
     group, size = [], 0
@@ -315,7 +282,7 @@ class RankWriter:
 
     # ----------------------------------------------------------------- writing
     def _writer_thread(self) -> None:
-        _lower_thread_priority(WRITER_NICE_INCREMENT)
+        lower_thread_priority(cpu.WRITER_NICE_INCREMENT)
         self._write_loop()
 
     def _write_loop(self) -> None:

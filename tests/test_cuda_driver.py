@@ -89,6 +89,7 @@ def test_an_unknown_address_counts_as_unmapped(fake):
 def test_copy_issuing_calls_hold_the_gil_through_their_own_handle_unless_switched_off(fake, monkeypatch):
     lib = fake(copy_rc=700, with_ctx=False)
     lib.safe_ckpt_gil_held = _FakeDriver(copy_rc=0, with_ctx=True)  # what library() builds with ctypes.PyDLL
+    monkeypatch.setattr(cuda_driver, "HOLD_GIL_ON_ISSUE", True)
     cuda_driver.memcpy_dtoh_async(0x1000, 0x2000, 16, 0)
     assert cuda_driver.current_device() == 3
     monkeypatch.setattr(cuda_driver, "HOLD_GIL_ON_ISSUE", False)

@@ -165,14 +165,14 @@ def test_pool_calls_on_wait_only_before_a_real_wait_and_outside_its_lock():
 
 
 def test_checksum_threads_beside_the_writers_only_while_cores_are_spare(monkeypatch):
-    from safe_ckpt import pipeline
+    from safe_ckpt import cpu
 
-    monkeypatch.setattr(pipeline.os, "sched_getaffinity", lambda pid: set(range(16)))
-    assert pipeline._checksum_threads(None, 8) == 8
-    assert pipeline._checksum_threads(None, 12) == 4
-    assert pipeline._checksum_threads(None, 16) == 0
-    assert pipeline._checksum_threads(None, 32) == 0
-    assert pipeline._checksum_threads(3, 16) == 3 and pipeline._checksum_threads(0, 2) == 0
+    monkeypatch.setattr(cpu.os, "sched_getaffinity", lambda pid: set(range(16)))
+    assert cpu.checksum_threads(None, 8) == 8
+    assert cpu.checksum_threads(None, 12) == 4
+    assert cpu.checksum_threads(None, 16) == 0
+    assert cpu.checksum_threads(None, 32) == 0
+    assert cpu.checksum_threads(3, 16) == 3 and cpu.checksum_threads(0, 2) == 0
 
 
 def test_write_ceiling_thread_counts_include_one_writer_per_core(monkeypatch):

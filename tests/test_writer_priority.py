@@ -1,4 +1,4 @@
-"""Writer threads run nicer than the thread that saves (`pipeline.WRITER_NICE_INCREMENT`):
+"""Writer threads run nicer than the thread that saves (`cpu.WRITER_NICE_INCREMENT`):
 the thread that issues device copies, and a training loop beside an async save, get the
 cores first. The caller's own priority never changes: a thread cannot get it back."""
 
@@ -9,7 +9,7 @@ import threading
 import pytest
 
 import safe_ckpt
-from safe_ckpt import pipeline
+from safe_ckpt import cpu, pipeline
 from tests.test_commit_prepare import _load, _state
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
@@ -22,7 +22,7 @@ def _priority() -> int:
 @pytest.mark.parametrize("mode", ["sync", "async"])
 @pytest.mark.parametrize("increment", [0, 3])
 def test_writers_run_nicer_and_the_caller_keeps_its_priority(tmp_path, monkeypatch, mode, increment):
-    monkeypatch.setattr(pipeline, "WRITER_NICE_INCREMENT", increment)
+    monkeypatch.setattr(cpu, "WRITER_NICE_INCREMENT", increment)
     seen, loop = [], pipeline.RankWriter._write_loop
 
     def recording(self):
@@ -47,7 +47,7 @@ def test_a_thread_already_at_the_lowest_priority_stays_there(monkeypatch):
     calls = []
     monkeypatch.setattr(os, "getpriority", lambda which, who: 18)
     monkeypatch.setattr(os, "setpriority", lambda which, who, value: calls.append(value))
-    t = threading.Thread(target=pipeline._lower_thread_priority, args=(5,))
+    t = threading.Thread(target=cpu.lower_thread_priority, args=(5,))
     t.start()
     t.join()
     assert calls == [19]
@@ -58,4 +58,4 @@ def test_a_refused_priority_change_is_not_an_error(monkeypatch):
         raise PermissionError("not allowed")
 
     monkeypatch.setattr(os, "setpriority", refuse)
-    pipeline._lower_thread_priority(5)  # logs at debug level and returns
+    cpu.lower_thread_priority(5)  # logs at debug level and returns

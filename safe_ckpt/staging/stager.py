@@ -36,9 +36,10 @@ GRID_MIN_PAYLOAD_BYTES = 8 << 20
 # The sums' kernels run on a stream of their own: they read the device source, not the copy,
 # so they can run beside the copies instead of between them. Only their small copy to the
 # host goes on the copy stream, behind its chunk's copy. (With the sums' copies on a second
-# stream too, before b152293, they landed late behind the payload copies. With the kernels
-# on the copy stream, b152293-d16d295, the copy engine waited out each chunk's sums: a
-# 9.23 GB async save to disk stalled 0.37 s against 0.29 s this way, h200_diag_ttd_anchor_disk_sums_beside.)
+# stream too, before b152293, they landed late behind the payload copies.) Against the
+# kernels on the copy stream (b152293-d16d295), one diag process on an H200 measured sync
+# saves of 9.23 GB in 0.418 / 4.62 s instead of 0.462 / 4.88 s (tmpfs / disk); the async
+# stalls moved within their spread (h200_diag_ttd_anchor_*sums_beside_2026-12-01.txt).
 SUMS_BESIDE_COPIES = True
 
 

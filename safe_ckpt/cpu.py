@@ -1,0 +1,49 @@
+"""How much of the host's CPU the save's threads take, and at what priority.
+
+One job: decide how many hashing threads fit beside the writers, and lower a writer
+thread's scheduling priority. Must not: start threads, or touch the priority of any thread
+but the calling one (a thread cannot get its priority back without privileges).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+log = logging.getLogger(__name__)
+
+# Not yet measured, so 0: writer threads this much nicer than the thread that started the
+# save. On a host whose cores the writers fill (16 writers, 16 cores), the thread that issues
+# the device copies waits for a core each time it wakes: a 9.23 GB async save to disk issued
+# its last copy at 0.35-0.41 s where the copies alone take 0.18 s (H200). The writes are
+# background work beside a training loop too. 0: the writers' priority is left alone.
+WRITER_NICE_INCREMENT = 0
+
+
+def lower_thread_priority(increment: int) -> None:
+    """Make the calling thread nicer by ``increment`` (Linux: a thread id names one thread).
+    A thread can never get its priority back without privileges: only threads that end
+    with the save may call this, never the caller's."""
+    if increment <= 0 or not hasattr(os, "setpriority"):
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + increment))
+    except OSError as exc:
+        log.debug("safe_ckpt: writer priority unchanged: %s", exc)
+
+
+def checksum_threads(asked: int | None, lanes: int) -> int:
+    """Beside-the-writes hashing needs idle cores; where the writers take them all, hashing
+    in the writer threads costs less than twice as many threads fighting for the cores (on a
+    16-core H200 host, 16 writers + 16 hashers took 0.52 s where 16 writers without
+    checksums took 0.40 s)."""
+    if asked is not None:
+        return asked
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    spare = cores - lanes
+    return min(lanes, spare) if spare > 0 else 0
