@@ -267,7 +267,7 @@ def _safe_once(state, target: str, budget: int, mode: str, **opts) -> float:
 def _traced(state, target: str, budget: int, mode: str = "sync", **opts) -> float:
     """A save with every writer lane timed: when it first got an item, how long it waited
     for copies to land (`StagedChunk.ready`), how long it spent in its items, when it finished;
-    when the staging thread had issued its last copy (``last_issued_at_s``) and when they had all
+    when the staging thread had issued its last device copy or deferred sums (``last_issued_at_s``) and when they had all
     landed (``staging_done_at_s``). Prints one ``trace`` line."""
     from safe_ckpt import pipeline
     from safe_ckpt.staging import stager
@@ -283,14 +283,26 @@ def _traced(state, target: str, budget: int, mode: str = "sync", **opts) -> floa
 
     orig_ready, orig_item, orig_stage_all = stager.StagedChunk.ready, pipeline.RankWriter._write_item, \
         pipeline.RankWriter._stage_all
-    orig_grid, orig_stage = stager.StagedChunk.grid, stager.Stager.stage
+    orig_grid, orig_stage, orig_flush = stager.StagedChunk.grid, stager.Stager.stage, stager.Stager.flush_sums
 
-    def stage_timed(self, *a, **kw):
+    def issued():  # the latest issue: whether copies land late because they were issued late
+        with lock:
+            marks.setdefault("issue", {})["last_issued_at_s"] = time.perf_counter() - t_base[0]
+
+    def stage_timed(self, chunk, *a, **kw):
         try:
-            return orig_stage(self, *a, **kw)
-        finally:  # the latest issue: whether copies land late because they were issued late
-            with lock:
-                marks.setdefault("issue", {})["last_issued_at_s"] = time.perf_counter() - t_base[0]
+            return orig_stage(self, chunk, *a, **kw)
+        finally:
+            if chunk.device.type != "cpu":
+                issued()
+
+    def flush_timed(self):
+        had = bool(self._pending)
+        try:
+            return orig_flush(self)
+        finally:
+            if had:  # deferred sums' copies issued now
+                issued()
 
     def timed(fn, key):
         def wrapper(self):
@@ -322,7 +334,7 @@ def _traced(state, target: str, budget: int, mode: str = "sync", **opts) -> floa
 
     stager.StagedChunk.ready, pipeline.RankWriter._write_item, pipeline.RankWriter._stage_all = \
         ready, write_item, stage_all
-    stager.StagedChunk.grid, stager.Stager.stage = grid, stage_timed
+    stager.StagedChunk.grid, stager.Stager.stage, stager.Stager.flush_sums = grid, stage_timed, flush_timed
     try:
         shutil.rmtree(target, ignore_errors=True)
         options = safe_ckpt.SaveOptions(staging_budget_bytes=budget, **opts)
@@ -339,7 +351,7 @@ def _traced(state, target: str, budget: int, mode: str = "sync", **opts) -> floa
     finally:
         stager.StagedChunk.ready, pipeline.RankWriter._write_item, pipeline.RankWriter._stage_all = \
             orig_ready, orig_item, orig_stage_all
-        stager.StagedChunk.grid, stager.Stager.stage = orig_grid, orig_stage
+        stager.StagedChunk.grid, stager.Stager.stage, stager.Stager.flush_sums = orig_grid, orig_stage, orig_flush
         shutil.rmtree(target, ignore_errors=True)
     lanes = {k: v for k, v in marks.items() if k.startswith("safe_ckpt-write")}
     stage = marks.get("safe_ckpt-stage", {})

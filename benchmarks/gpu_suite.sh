@@ -26,15 +26,21 @@ OUT=${OUT:-/tmp/safe_ckpt_gpu_out}
 RES=${RES:-/tmp/safe_ckpt_results}
 mkdir -p "$OUT" "$RES"
 export PYTHONUNBUFFERED=1
-SITE=/tmp/site
-# Installed once per machine: a later call of this script on a warm machine skips it.
-if ls .whl/*.whl >/dev/null 2>&1 && ! [ -e "$SITE/.safe_ckpt_installed" ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl \
-    || exit 1
+SITE=/tmp/site; mkdir -p "$SITE"
+# Installed once per machine and set of carried files: a later call on a warm machine with
+# the same .whl/ skips it. Ray, too large for a wheel in one call, travels as an xz tarball
+# of the installed tree. The marker is written only once every step succeeded.
+SIG=$(stat -c '%n %s' .whl/* 2>/dev/null | sha1sum | cut -c1-40)
+if [ -d .whl ] && [ "$(cat "$SITE/.safe_ckpt_installed" 2>/dev/null)" != "$SIG" ]; then
+  if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl \
+      || exit 1
+  fi
+  for t in .whl/*.tar.xz; do
+    if [ -e "$t" ]; then tar -xJf "$t" -C "$SITE" || exit 1; fi
+  done
+  echo "$SIG" > "$SITE/.safe_ckpt_installed"
 fi
-# Packages too large for a wheel in one call (Ray) travel as an xz tarball of the installed tree.
-[ -e "$SITE/.safe_ckpt_installed" ] || for t in .whl/*.tar.xz; do [ -e "$t" ] && tar -xJf "$t" -C "$SITE"; done
-mkdir -p "$SITE" && touch "$SITE/.safe_ckpt_installed"
 export PYTHONPATH=$SITE:$PWD
 # Megatron-LM's megatron.training (not on PyPI), for the real-model tests: carried as .mlm/
 [ -d .mlm/megatron/training ] && export PYTHONPATH=$PWD/.mlm:$PYTHONPATH

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 
 log = logging.getLogger(__name__)
@@ -17,7 +18,9 @@ log = logging.getLogger(__name__)
 # save. On a host whose cores the writers fill (16 writers, 16 cores), the thread that issues
 # the device copies waits for a core each time it wakes: a 9.23 GB async save to disk issued
 # its last copy at 0.35-0.41 s where the copies alone take 0.18 s (H200). The writes are
-# background work beside a training loop too. 0: the writers' priority is left alone.
+# background work beside a training loop too. Threads a writer starts (the hashing pool's
+# workers, started on a writer's first submit) inherit it: they do the writers' work.
+# 0: the writers' priority is left alone.
 WRITER_NICE_INCREMENT = 0
 
 
@@ -25,7 +28,7 @@ def lower_thread_priority(increment: int) -> None:
     """Make the calling thread nicer by ``increment`` (Linux: a thread id names one thread).
     A thread can never get its priority back without privileges: only threads that end
     with the save may call this, never the caller's."""
-    if increment <= 0 or not hasattr(os, "setpriority"):
+    if increment <= 0 or not sys.platform.startswith("linux"):  # elsewhere the id would name a process
         return
     try:
         tid = threading.get_native_id()

@@ -1,6 +1,7 @@
 """The few CUDA driver entry points safe_ckpt calls directly, through ctypes on libcuda.
 
-One job: load libcuda once and wrap, with argument types, the calls torch does not offer
+One job: load libcuda once (with a second, GIL-holding handle on it for the calls that
+issue copies, used while `HOLD_GIL_ON_ISSUE` is on) and wrap, with argument types, the calls torch does not offer
 at the cost we need: `cuPointerGetAttribute` (is a device address backed by memory? A
 copy out of a paused range kills the process instead of raising) and
 `cuMemcpyDtoHAsync` (one device-to-host copy enqueued for ~2 us of the issuing thread,
@@ -27,7 +28,8 @@ _loaded: list = []  # [ctypes.CDLL or None], filled once
 # a 9.23 GB async save to disk issued its last copy at 0.35-0.41 s, right when staging
 # ended, where the copies alone beside 16 writers take 0.18 s (H200,
 # h200_diag_ttd_anchor_disk_issue_trace). Such a call blocks only while the driver's queue
-# is full, and would then hold the GIL until the copy engine frees a slot.
+# is full, and would then hold the GIL until the copy engine frees a slot; a copy into
+# memory that is not page-locked runs synchronously, so it always releases the GIL.
 HOLD_GIL_ON_ISSUE = False
 
 
@@ -48,12 +50,13 @@ def library():
                     continue
             if lib is not None:
                 _declare(lib)
+                held = None
                 try:  # the same library, called without releasing the GIL (see HOLD_GIL_ON_ISSUE)
                     held = ctypes.PyDLL(lib._name)
                     _declare(held)
-                    lib.safe_ckpt_gil_held = held
                 except (OSError, AttributeError):
-                    pass
+                    held = None
+                lib.safe_ckpt_gil_held = held  # always set: a missing attribute would be looked up as a symbol
             _loaded.append(lib)
         return _loaded[0]
 
@@ -108,10 +111,11 @@ def _required():
     return lib
 
 
-def _issuing():
-    """libcuda for the copy-issuing calls: the GIL-holding handle where there is one."""
+def _issuing(page_locked: bool = True):
+    """libcuda for the copy-issuing calls: the GIL-holding handle where there is one and the
+    call returns at once (a copy into pageable memory does not)."""
     lib = _required()
-    held = getattr(lib, "safe_ckpt_gil_held", None) if HOLD_GIL_ON_ISSUE else None
+    held = getattr(lib, "safe_ckpt_gil_held", None) if HOLD_GIL_ON_ISSUE and page_locked else None
     return lib if held is None else held
 
 
@@ -127,10 +131,11 @@ def current_device() -> int | None:
     return device.value
 
 
-def memcpy_dtoh_async(dst_address: int, src_address: int, nbytes: int, stream_handle: int) -> None:
+def memcpy_dtoh_async(dst_address: int, src_address: int, nbytes: int, stream_handle: int,
+                      page_locked: bool = True) -> None:
     """Enqueue a copy of ``nbytes`` from device ``src_address`` to host ``dst_address`` on the
     stream (a raw CUstream, e.g. `torch.cuda.Stream.cuda_stream`); the destination must be
-    page-locked for the copy to be asynchronous."""
-    rc = _issuing().cuMemcpyDtoHAsync_v2(dst_address, src_address, nbytes, stream_handle)
+    page-locked for the copy to be asynchronous (``page_locked``: it is)."""
+    rc = _issuing(page_locked).cuMemcpyDtoHAsync_v2(dst_address, src_address, nbytes, stream_handle)
     if rc != _CUDA_SUCCESS:
         raise CudaDriverError(f"cuMemcpyDtoHAsync of {nbytes} bytes from {src_address:#x} failed: {error_name(rc)}")

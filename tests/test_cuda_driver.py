@@ -96,3 +96,46 @@ def test_copy_issuing_calls_hold_the_gil_through_their_own_handle_unless_switche
     assert cuda_driver.current_device() is None
     with pytest.raises(cuda_driver.CudaDriverError):
         cuda_driver.memcpy_dtoh_async(0x1000, 0x2000, 16, 0)
+
+
+def test_pageable_destinations_never_take_the_gil_holding_handle(fake, monkeypatch):
+    lib = fake(copy_rc=0)
+    lib.safe_ckpt_gil_held = _FakeDriver(copy_rc=700)  # taking it would raise
+    monkeypatch.setattr(cuda_driver, "HOLD_GIL_ON_ISSUE", True)
+    cuda_driver.memcpy_dtoh_async(0x1000, 0x2000, 16, 0, page_locked=False)
+    with pytest.raises(cuda_driver.CudaDriverError):
+        cuda_driver.memcpy_dtoh_async(0x1000, 0x2000, 16, 0)
+
+
+def test_loading_declares_the_library_and_its_gil_holding_handle(monkeypatch):
+    made = []
+
+    class Loaded(_FakeDriver):
+        def __init__(self, name, kind):
+            super().__init__()
+            self._name, self.kind = name, kind
+            made.append(self)
+
+    monkeypatch.setattr(cuda_driver, "_loaded", [])
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: Loaded(name, "CDLL"))
+    monkeypatch.setattr(ctypes, "PyDLL", lambda name: Loaded(name, "PyDLL"))
+    lib = cuda_driver.library()
+    assert lib.kind == "CDLL" and lib.safe_ckpt_gil_held.kind == "PyDLL"
+    assert lib.safe_ckpt_gil_held._name == lib._name == "libcuda.so.1"
+    for handle in made:  # both declared: arguments typed for ctypes
+        assert handle.cuMemcpyDtoHAsync_v2.argtypes and handle.cuMemcpyDtoHAsync_v2.restype is ctypes.c_int
+    assert cuda_driver.library() is lib and len(made) == 2  # loaded once
+
+
+def test_a_library_without_a_gil_holding_handle_still_issues(monkeypatch):
+    monkeypatch.setattr(cuda_driver, "_loaded", [])
+
+    def no_pydll(name):
+        raise OSError("no second handle")
+
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: type("L", (_FakeDriver,), {"_name": name})(copy_rc=0))
+    monkeypatch.setattr(ctypes, "PyDLL", no_pydll)
+    monkeypatch.setattr(cuda_driver, "HOLD_GIL_ON_ISSUE", True)
+    lib = cuda_driver.library()
+    assert lib.safe_ckpt_gil_held is None
+    cuda_driver.memcpy_dtoh_async(0x1000, 0x2000, 16, 0)

@@ -32,6 +32,8 @@ def test_writers_run_nicer_and_the_caller_keeps_its_priority(tmp_path, monkeypat
     monkeypatch.setattr(pipeline.RankWriter, "_write_loop", recording)
     tensors, state = _state(5)
     before = _priority()
+    if before + increment > 19:
+        pytest.skip(f"the test process already runs at nice {before}")
     options = safe_ckpt.SaveOptions(io_threads=3)
     if mode == "sync":
         safe_ckpt.save(state, tmp_path / "ck", options=options)
@@ -43,19 +45,58 @@ def test_writers_run_nicer_and_the_caller_keeps_its_priority(tmp_path, monkeypat
     assert _load(tmp_path / "ck", tensors)
 
 
-def test_a_thread_already_at_the_lowest_priority_stays_there(monkeypatch):
+@pytest.mark.parametrize("start, expected", [(18, 19), (19, 19), (0, 5)])
+def test_the_priority_is_capped_at_the_lowest(monkeypatch, start, expected):
     calls = []
-    monkeypatch.setattr(os, "getpriority", lambda which, who: 18)
-    monkeypatch.setattr(os, "setpriority", lambda which, who, value: calls.append(value))
-    t = threading.Thread(target=cpu.lower_thread_priority, args=(5,))
+    monkeypatch.setattr(os, "getpriority", lambda which, who: start)
+    monkeypatch.setattr(os, "setpriority", lambda which, who, value: calls.append((who, value)))
+    ids = []
+
+    def run():
+        ids.append(threading.get_native_id())
+        cpu.lower_thread_priority(5)
+
+    t = threading.Thread(target=run)
     t.start()
     t.join()
-    assert calls == [19]
+    assert calls == [(ids[0], expected)]  # the calling thread's own id, never the process's
 
 
 def test_a_refused_priority_change_is_not_an_error(monkeypatch):
+    calls = []
+
     def refuse(*a):
+        calls.append(a)
         raise PermissionError("not allowed")
 
     monkeypatch.setattr(os, "setpriority", refuse)
     cpu.lower_thread_priority(5)  # logs at debug level and returns
+    assert len(calls) == 1
+
+
+def test_no_writer_thread_started_the_caller_writes_at_its_own_priority(tmp_path, monkeypatch):
+    """Where no writer thread can start, `join` drains the staged items on the caller's thread:
+    that must not make the caller (a training loop) nicer for good."""
+    monkeypatch.setattr(cpu, "WRITER_NICE_INCREMENT", 3)
+    start = threading.Thread.start
+
+    def refuse_writers(self):
+        if self.name.startswith("safe_ckpt-write"):
+            raise RuntimeError("can't start new thread")
+        return start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", refuse_writers)
+    seen, loop = [], pipeline.RankWriter._write_loop
+
+    def recording(self):
+        seen.append((threading.get_native_id(), _priority()))
+        return loop(self)
+
+    monkeypatch.setattr(pipeline.RankWriter, "_write_loop", recording)
+    _, state = _state(6)
+    before, me = _priority(), threading.get_native_id()
+    with pytest.raises(safe_ckpt.CheckpointError, match="can't start new thread"):
+        safe_ckpt.save(state, tmp_path / "ck", options=safe_ckpt.SaveOptions(io_threads=2))
+    assert seen == [(me, before)]
+    assert _priority() == before
+    assert not (tmp_path / "ck").exists()

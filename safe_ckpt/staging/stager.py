@@ -7,9 +7,9 @@ memoryview of exactly the chunk's bytes:
 - device chunk: copied device-to-host into a pool lease (through the CUDA driver where it
   can, `cuda_driver`) on a dedicated stream that first waits on an event recorded on the
   producer's stream when the save started; with grid sums asked for, a large contiguous
-  chunk's row and column sums (see `integrity`) are computed on the same stream after its
-  copy and copied beside the payload, so the host never reads the payload to checksum it;
-  `grid()` waits for them.
+  chunk's row and column sums (see `integrity`) are computed on a second stream beside the
+  copies and copied, on the copy stream behind the chunk's copy, beside the payload, so the
+  host never reads the payload to checksum it; `grid()` waits for them.
 
 Must not: allocate host memory per save, synchronize a whole device or stream, copy
 anything host-to-device, or write files.
@@ -318,7 +318,8 @@ class Stager:
     def _copy(self, dst: torch.Tensor, offset: int, src: torch.Tensor, nbytes: int, stream) -> None:
         """Enqueue ``nbytes`` of the contiguous device tensor ``src`` into the host bytes ``dst`` at ``offset``."""
         if self._driver and cuda_driver.current_device() == stream.device_index:
-            cuda_driver.memcpy_dtoh_async(dst.data_ptr() + offset, src.data_ptr(), nbytes, stream.cuda_stream)
+            cuda_driver.memcpy_dtoh_async(dst.data_ptr() + offset, src.data_ptr(), nbytes, stream.cuda_stream,
+                                          page_locked=self.pool.pinned)
         else:
             dst[offset:offset + nbytes].view(src.dtype).view(src.shape).copy_(src, non_blocking=True)
 
