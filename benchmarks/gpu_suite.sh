@@ -8,7 +8,10 @@
 #            (the TensorStore sink is in smoke: 9 GB through it takes 15 s a run on tmpfs);
 #   mixes    the same state with optimizer state in pinned and in pageable host memory, and the
 #            qwen3-4b-dp8 preset, on tmpfs;
-#   bench2   the bench part across every GPU of the host (nvidia-h200-x2 or larger), one rank per GPU;
+#   bench2   the bench part across every GPU of the host (nvidia-h200-x2 or larger), one rank per GPU
+#            (issue 9's DP=8 run: PRESET=qwen3-4b-dp8 GIB= on nvidia-h200-x8);
+#   resume   the real-GPT DistributedOptimizer resume test (and the NCCL-default-group save) with one
+#            data-parallel rank per GPU of the host;
 #   diag     where time goes: benchmarks/diag_ttd.py (anchor, then qwen3-4b-dp8) and diag_staging.py;
 #   diagvs   the anchor diag cases of this tree beside another commit's (VS_TREE, VS_ROUNDS);
 #   cpu      the CPU suite on this machine's Python / megatron-core (from .whl).
@@ -163,10 +166,17 @@ part_bench2() {
   tail -3 "$RES/bench2.log"; grep '^|' "$RES/bench_h200x$NGPU.md"
 }
 
+part_resume() {
+  NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
+  SAFE_CKPT_GPU_WORLD=$NGPU $PYTEST -m gpu tests/test_gpu.py -k "real_gpt or default_group_nccl" -rA --durations=5 --timeout 600 \
+    > "$RES/gpu_resume_dp$NGPU.log" 2>&1
+  grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed" "$RES/gpu_resume_dp$NGPU.log" | tail -8
+}
+
 [ $# -eq 0 ] && set -- tests
 for part in "$@"; do
   case "$part" in
-    cpu|gputests|smoke|tests|bench|mixes|bench2|diag|diagvs) echo "== $part $(date +%T)"; "part_$part" ;;
+    cpu|gputests|smoke|tests|bench|mixes|bench2|resume|diag|diagvs) echo "== $part $(date +%T)"; "part_$part" ;;
     all) part_tests; part_bench; part_mixes ;;
     *) echo "unknown part: $part" >&2; exit 2 ;;
   esac
