@@ -12,6 +12,8 @@
 #            (issue 9's DP=8 run: PRESET=qwen3-4b-dp8 GIB= on nvidia-h200-x8);
 #   resume   the real-GPT DistributedOptimizer resume test (and the NCCL-default-group save) with one
 #            data-parallel rank per GPU of the host;
+#   gil      benchmarks/gil_handoffs.py on tmpfs and disk: what giving up the GIL costs the issuing
+#            thread beside 16 writers, and what nicer writers change (~30 s);
 #   diag     where time goes: benchmarks/diag_ttd.py (anchor, then qwen3-4b-dp8) and diag_staging.py;
 #   diagvs   the anchor diag cases of this tree beside another commit's (VS_TREE, VS_ROUNDS);
 #   cpu      the CPU suite on this machine's Python / megatron-core (from .whl).
@@ -99,6 +101,14 @@ part_smoke() {
 
 part_tests() { part_gputests; part_smoke; }
 
+part_gil() {
+  local t
+  for t in "$SHM" "$DISK"; do
+    $PY benchmarks/gil_handoffs.py --writers ${THREADS:-16} --target "${t}_gil" --rounds ${REPS:-5}
+  done > "$RES/gil_handoffs.txt" 2>&1
+  grep case "$RES/gil_handoffs.txt" | cut -c1-160
+}
+
 part_diag() {
   DIAG_TAG=${DIAG_TAG:+_$DIAG_TAG}
   if [ "${DIAG_ANCHOR:-1}" = 1 ]; then
@@ -176,7 +186,7 @@ part_resume() {
 [ $# -eq 0 ] && set -- tests
 for part in "$@"; do
   case "$part" in
-    cpu|gputests|smoke|tests|bench|mixes|bench2|resume|diag|diagvs) echo "== $part $(date +%T)"; "part_$part" ;;
+    cpu|gputests|smoke|tests|gil|bench|mixes|bench2|resume|diag|diagvs) echo "== $part $(date +%T)"; "part_$part" ;;
     all) part_tests; part_bench; part_mixes ;;
     *) echo "unknown part: $part" >&2; exit 2 ;;
   esac

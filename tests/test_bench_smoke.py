@@ -87,3 +87,22 @@ def test_item_overhead_benchmark_smoke(tmp_path):
     assert report["meta"]["items"] == 40 and report["meta"]["bytes"] > 40 * 4096 * 4
     assert all(r["median_s"] > 0 for r in report["rows"])
     assert "| safe_ckpt |" in (tmp_path / "items.md").read_text()
+
+
+def test_gil_handoffs_benchmark_smoke(tmp_path):
+    """benchmarks/gil_handoffs.py runs at a small size and reports every case, with and
+    without writers, the writers at their priority and 5 nicer, and cleans its files up."""
+    import os
+
+    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "gil_handoffs.py")
+    target = tmp_path / "gil"
+    cmd = [sys.executable, script, "--writers", "2", "--piece-mib", "1", "--chunks", "4", "--calls", "3",
+           "--rounds", "1", "--target", str(target)]
+    env = dict(os.environ, PYTHONPATH=os.path.join(os.path.dirname(__file__), ".."))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if '"case"' in line]
+    assert {(r["case"], r["writers"], r["writer_nice"]) for r in rows} == {
+        (k, w, n) for k in ("release", "hold", "torch", "python") for w, n in ((0, 0), (2, 0), (2, 5))}
+    assert all(r["us_per_chunk_median"] > 0 for r in rows)
+    assert not target.exists()
