@@ -30,6 +30,7 @@ attributed:
   between the copies (stager.SUMS_BESIDE_COPIES); ``nice5`` / ``nice10``: the writers 5 / 10
   nicer than the caller (cpu.WRITER_NICE_INCREMENT); ``gilheld``: the copy-issuing driver
   calls keep the GIL (cuda_driver.HOLD_GIL_ON_ISSUE); ``newissue``: nice5 and gilheld;
+  ``spare1`` / ``spare2``: the writers keep off the last 1 / 2 cores (cpu.WRITER_SPARED_CPUS);
 - ``safe_*``: `safe_ckpt.save` / `async_save` with the defaults and with options changed
   (``io16``: 16 writer threads, ``sumN``: N checksum threads, 0 = in the writers, ``chunkN``: N MiB chunks,
   ``hostsum``: device checksums off, every byte hashed on the host; ``gridminN``: device checksums
@@ -217,13 +218,14 @@ def _safe(state, target: str, budget: int, mode: str, piece_bytes: int | None = 
           grid_min_bytes: int | None = None, early_min_bytes: int | None = None, files_per_writer: int | None = None,
           torch_copies: bool = False, inline_sums: bool = False, trace: bool = False,
           blocking_events: bool = False, sums_beside: bool | None = None, nice: int | None = None,
-          gil_held: bool | None = None, **opts) -> float:
+          gil_held: bool | None = None, spare: int | None = None, **opts) -> float:
     """One save with module constants patched for its duration (None: the shipped value):
     ``torch_copies``: copies through Tensor.copy_, not the CUDA driver; ``inline_sums``: grid sums
     enqueued with each copy even while the writers wait; ``sums_beside``: the sums' kernels on
     their own stream or (False) on the copy stream (stager.SUMS_BESIDE_COPIES); ``nice``: the
     writers' nice increment (cpu.WRITER_NICE_INCREMENT); ``gil_held``: the copy-issuing
-    driver calls keep the GIL (cuda_driver.HOLD_GIL_ON_ISSUE)."""
+    driver calls keep the GIL (cuda_driver.HOLD_GIL_ON_ISSUE); ``spare``: cores the writers keep
+    off (cpu.WRITER_SPARED_CPUS)."""
     from safe_ckpt import cpu, cuda_driver, pipeline, saving
     from safe_ckpt.staging import stager
 
@@ -232,6 +234,7 @@ def _safe(state, target: str, budget: int, mode: str, piece_bytes: int | None = 
                (saving, "FILES_PER_WRITER", files_per_writer),
                (torch.cuda, "Event", functools.partial(torch.cuda.Event, blocking=True) if blocking_events else None),
                (stager, "SUMS_BESIDE_COPIES", sums_beside), (cpu, "WRITER_NICE_INCREMENT", nice),
+               (cpu, "WRITER_SPARED_CPUS", spare),
                (cuda_driver, "HOLD_GIL_ON_ISSUE", gil_held),
                (cuda_driver, "copies_available", (lambda: False) if torch_copies else None),
                (stager.Stager, "stage", _sums_inline(stager.Stager.stage) if inline_sums else None)]
@@ -605,6 +608,10 @@ def main() -> None:
                               ("_nice5", {"nice": 5}), ("_nice10", {"nice": 10}), ("_gilheld", {"gil_held": True}),
                               ("_newissue", {"nice": 5, "gil_held": True}),
                               ("_newissue_trace", {"nice": 5, "gil_held": True, "trace": True}),
+                              ("_spare1", {"spare": 1}), ("_spare2", {"spare": 2}),
+                              ("_spare1_nice5", {"spare": 1, "nice": 5}),
+                              ("_spare1_trace", {"spare": 1, "trace": True}),
+                              ("_spare1_nice5_gilheld", {"spare": 1, "nice": 5, "gil_held": True}),
                               ("_old_trace", {"torch_copies": True, "inline_sums": True, "trace": True}),
                               ("_new_trace", {"trace": True}))},
     }

@@ -1,8 +1,9 @@
 """How much of the host's CPU the save's threads take, and at what priority.
 
 One job: decide how many hashing threads fit beside the writers, and lower a writer
-thread's scheduling priority. Must not: start threads, or touch the priority of any thread
-but the calling one (a thread cannot get its priority back without privileges).
+thread's scheduling priority or keep it off some cores. Must not: start threads, or touch
+the priority or cores of any thread but the calling one (a thread cannot get its priority
+back without privileges).
 """
 
 from __future__ import annotations
@@ -22,6 +23,27 @@ log = logging.getLogger(__name__)
 # workers, started on a writer's first submit) inherit it: they do the writers' work.
 # 0: the writers' priority is left alone.
 WRITER_NICE_INCREMENT = 0
+
+
+# Not yet measured, so 0: writer threads keep off this many of the process's cores (the
+# highest-numbered), so that the thread issuing the device copies finds an idle core each
+# time it wakes instead of queueing behind a writer; nice alone only shortens that queue.
+# Threads a writer starts inherit it. Never all cores: at least one is always left to them.
+WRITER_SPARED_CPUS = 0
+
+
+def spare_cpus(count: int) -> None:
+    """Keep the calling thread off the last ``count`` of the cores it may run on (Linux: pid 0
+    names the calling thread only). Leaves it alone where fewer than two cores would remain."""
+    if count <= 0 or not hasattr(os, "sched_setaffinity"):
+        return
+    try:
+        allowed = sorted(os.sched_getaffinity(0))
+        if len(allowed) - count < 2:
+            return
+        os.sched_setaffinity(0, allowed[:-count])
+    except OSError as exc:
+        log.debug("safe_ckpt: writer cores unchanged: %s", exc)
 
 
 def lower_thread_priority(increment: int) -> None:

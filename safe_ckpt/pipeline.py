@@ -16,7 +16,7 @@ anyway. With large chunks (sync or async) the writers start at once: holding the
 cost 20-45 ms of idle writers (H200, tmpfs). Writers busy from the start do slow the
 staging where they fill every core: a 9.23 GB async save to disk on a 16-core H200 host
 issued its last copy at 0.35-0.41 s, where the copies alone take 0.18 s (see
-`cpu.WRITER_NICE_INCREMENT` and `cuda_driver.HOLD_GIL_ON_ISSUE`, both still to be measured).
+`cpu.WRITER_NICE_INCREMENT`, `cpu.WRITER_SPARED_CPUS` and `cuda_driver.HOLD_GIL_ON_ISSUE`).
 
 Must not: decide what goes where (the layout did), talk to other ranks, or publish.
 """
@@ -40,7 +40,7 @@ from .progress import Progress
 from .residence import HOST_RESIDENCES, Residence
 from .sinks.base import Sink
 from . import cpu
-from .cpu import checksum_threads as _checksum_threads, lower_thread_priority
+from .cpu import checksum_threads as _checksum_threads, lower_thread_priority, spare_cpus
 from .staging.dispatch import Dispatch
 from .staging.stager import Stager, StagedChunk, chunk_view
 
@@ -283,6 +283,7 @@ class RankWriter:
     # ----------------------------------------------------------------- writing
     def _writer_thread(self) -> None:
         lower_thread_priority(cpu.WRITER_NICE_INCREMENT)
+        spare_cpus(cpu.WRITER_SPARED_CPUS)
         self._write_loop()
 
     def _write_loop(self) -> None:
