@@ -22,14 +22,16 @@ CU_POINTER_ATTRIBUTE_MAPPED = 13
 
 _lock = threading.Lock()
 _loaded: list = []  # [ctypes.CDLL or None], filled once
-# Not yet measured, so off: the calls on the copy-issuing path (`current_device`,
+# Measured, no help, so off: the calls on the copy-issuing path (`current_device`,
 # `memcpy_dtoh_async`) keeping the GIL. They return in microseconds, and each release lets
 # one of 16 busy writer threads take the GIL, so the issuing thread waits to get it back:
 # a 9.23 GB async save to disk issued its last copy at 0.35-0.41 s, right when staging
 # ended, where the copies alone beside 16 writers take 0.18 s (H200,
 # h200_diag_ttd_anchor_disk_issue_trace). Such a call blocks only while the driver's queue
 # is full, and would then hold the GIL until the copy engine frees a slot; a copy into
-# memory that is not page-locked runs synchronously, so it always releases the GIL.
+# memory that is not page-locked runs synchronously, so it always releases the GIL. Holding
+# it left that save's stall at 0.33 s against 0.32 s (median of 3); the issuing thread waits
+# for a core, not for the GIL, and nicer writers fix that (cpu.WRITER_NICE_INCREMENT).
 HOLD_GIL_ON_ISSUE = False
 
 

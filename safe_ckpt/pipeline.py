@@ -16,7 +16,7 @@ anyway. With large chunks (sync or async) the writers start at once: holding the
 cost 20-45 ms of idle writers (H200, tmpfs). Writers busy from the start do slow the
 staging where they fill every core: a 9.23 GB async save to disk on a 16-core H200 host
 issued its last copy at 0.35-0.41 s, where the copies alone take 0.18 s (see
-`cpu.WRITER_NICE_INCREMENT`, `cpu.WRITER_SPARED_CPUS` and `cuda_driver.HOLD_GIL_ON_ISSUE`).
+`cpu.WRITER_NICE_INCREMENT`: with the writers 5 nicer, the stall was 0.19 s).
 
 Must not: decide what goes where (the layout did), talk to other ranks, or publish.
 """
