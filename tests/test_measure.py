@@ -1,0 +1,41 @@
+"""The bench's peak-RSS measure: exact from the kernel's high-water mark where it can be reset,
+with no thread of its own beside the save; sampled otherwise."""
+
+import sys
+import threading
+import time
+
+import pytest
+
+from safe_ckpt.bench.measure import RssPeak
+
+MiB = 1 << 20
+
+
+def _touch(nbytes: int) -> bytearray:
+    block = bytearray(nbytes)
+    for i in range(0, nbytes, 4096):  # resident only once written
+        block[i] = 1
+    return block
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="VmHWM is Linux's")
+def test_a_short_peak_is_seen_exactly_and_no_thread_runs_beside_the_call():
+    _touch(256 * MiB)  # let the allocator's arena exist before the base is taken
+    before = threading.active_count()
+    with RssPeak(period_s=10.0) as rss:  # a sampler this slow would see nothing
+        assert threading.active_count() == before
+        block = _touch(192 * MiB)
+        del block
+    assert not rss.sampled
+    assert 180 * MiB <= rss.extra_bytes < 400 * MiB, rss.extra_bytes
+
+
+def test_without_the_high_water_mark_it_samples(monkeypatch):
+    monkeypatch.setattr(RssPeak, "_reset_high_water", staticmethod(lambda: False))
+    with RssPeak(period_s=0.001) as rss:
+        block = _touch(128 * MiB)
+        time.sleep(0.05)
+        del block
+    assert rss.sampled
+    assert rss.extra_bytes >= 120 * MiB, rss.extra_bytes
