@@ -31,6 +31,7 @@ attributed:
   nicer than the caller (cpu.WRITER_NICE_INCREMENT); ``gilheld``: the copy-issuing driver
   calls keep the GIL (cuda_driver.HOLD_GIL_ON_ISSUE); ``newissue``: nice5 and gilheld;
   ``spare1`` / ``spare2``: the writers keep off the last 1 / 2 cores (cpu.WRITER_SPARED_CPUS);
+  ``pythread``: another Python thread beside the save wakes every 2 ms (like a training process's);
 - ``safe_*``: `safe_ckpt.save` / `async_save` with the defaults and with options changed
   (``io16``: 16 writer threads, ``sumN``: N checksum threads, 0 = in the writers, ``chunkN``: N MiB chunks,
   ``hostsum``: device checksums off, every byte hashed on the host; ``gridminN``: device checksums
@@ -218,14 +219,17 @@ def _safe(state, target: str, budget: int, mode: str, piece_bytes: int | None = 
           grid_min_bytes: int | None = None, early_min_bytes: int | None = None, files_per_writer: int | None = None,
           torch_copies: bool = False, inline_sums: bool = False, trace: bool = False,
           blocking_events: bool = False, sums_beside: bool | None = None, nice: int | None = None,
-          gil_held: bool | None = None, spare: int | None = None, **opts) -> float:
+          gil_held: bool | None = None, spare: int | None = None, pythread_s: float | None = None,
+          **opts) -> float:
     """One save with module constants patched for its duration (None: the shipped value):
     ``torch_copies``: copies through Tensor.copy_, not the CUDA driver; ``inline_sums``: grid sums
     enqueued with each copy even while the writers wait; ``sums_beside``: the sums' kernels on
     their own stream or (False) on the copy stream (stager.SUMS_BESIDE_COPIES); ``nice``: the
     writers' nice increment (cpu.WRITER_NICE_INCREMENT); ``gil_held``: the copy-issuing
     driver calls keep the GIL (cuda_driver.HOLD_GIL_ON_ISSUE); ``spare``: cores the writers keep
-    off (cpu.WRITER_SPARED_CPUS)."""
+    off (cpu.WRITER_SPARED_CPUS); ``pythread_s``: another Python thread beside the save, waking
+    this often to read /proc/self/statm (what the bench's RSS sampler did, and a training
+    process's own threads do)."""
     from safe_ckpt import cpu, cuda_driver, pipeline, saving
     from safe_ckpt.staging import stager
 
@@ -242,13 +246,24 @@ def _safe(state, target: str, budget: int, mode: str, piece_bytes: int | None = 
     for module, name, value in patches:
         if value is not None:
             setattr(module, name, value)
+    stop = threading.Event()
+    if pythread_s:
+        threading.Thread(target=_wake_often, args=(stop, pythread_s), daemon=True).start()
     try:
         if trace:
             return _traced(state, target, budget, mode, **opts)
         return _safe_once(state, target, budget, mode, **opts)
     finally:
+        stop.set()
         for module, name, value in saved:
             setattr(module, name, value)
+
+
+def _wake_often(stop: threading.Event, period_s: float) -> None:
+    while not stop.is_set():
+        with open("/proc/self/statm") as f:
+            f.read()
+        time.sleep(period_s)
 
 
 def _safe_once(state, target: str, budget: int, mode: str, **opts) -> float:
@@ -612,6 +627,9 @@ def main() -> None:
                               ("_spare1_nice5", {"spare": 1, "nice": 5}),
                               ("_spare1_trace", {"spare": 1, "trace": True}),
                               ("_spare1_nice5_gilheld", {"spare": 1, "nice": 5, "gil_held": True}),
+                              ("_pythread", {"pythread_s": 0.002}),
+                              ("_pythread_gilheld", {"pythread_s": 0.002, "gil_held": True}),
+                              ("_pythread_trace", {"pythread_s": 0.002, "trace": True}),
                               ("_old_trace", {"torch_copies": True, "inline_sums": True, "trace": True}),
                               ("_new_trace", {"trace": True}))},
     }
