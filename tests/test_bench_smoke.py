@@ -36,6 +36,8 @@ def test_bench_harness_smoke(tmp_path):
         assert "needs CUDA" in megatron["error"]
     md = (tmp_path / "bench.md").read_text()
     assert "| safe_sync |" in md and "| plan s | write s | commit s |" in md
+    sync = rows[("safe_sync", "cold")]  # both ceilings side by side in the row's cell
+    assert f"| {sync['vs_write_ceiling']:.0%} ({sync['vs_write_ceiling_median']:.0%}) |" in md
     # a run cut short keeps its rows and meta: the report can be rebuilt from them alone
     (tmp_path / "bench.md").unlink()
     proc = subprocess.run([sys.executable, "-m", "safe_ckpt.bench", "--rebuild", str(out)], capture_output=True,

@@ -63,6 +63,13 @@ def _f(v, fmt):
     return "" if v is None else format(v, fmt)
 
 
+def _ceiling(s: dict) -> str:
+    """Against the best ceiling measured at the start, and in brackets against the median of
+    those measured between rounds: a target whose speed drifts during the run shows both."""
+    between = s.get("vs_write_ceiling_median")
+    return _f(s.get("vs_write_ceiling"), ".0%") + (f" ({between:.0%})" if between else "")
+
+
 def to_markdown(summary: list[dict], meta: dict) -> str:
     c = meta["ceilings"]
     lines = [f"# {meta.get('label', 'benchmark')}", "", meta.get("machine_line", ""), "",
@@ -78,7 +85,7 @@ def to_markdown(summary: list[dict], meta: dict) -> str:
              *[f"Write ceiling measured between rounds, {t}: median {statistics.median(v):.2f} GB/s "
                f"[{min(v):.2f}-{max(v):.2f}], {len(v)} runs" for t, v in (meta.get("write_samples_gbps") or {}).items()],
              "",
-             "| residence | target | cache | peer | stall s | time-to-durable s | GB/s | vs write ceiling | "
+             "| residence | target | cache | peer | stall s | time-to-durable s | GB/s | vs write ceiling, best (between rounds) | "
              "vs best peer | vs megatron sync | stall vs megatron async | ideal stall s | peak extra RSS MiB | "
              "pinned alloc MiB |",
              "|" + "---|" * 14]
@@ -91,7 +98,7 @@ def to_markdown(summary: list[dict], meta: dict) -> str:
             f"| {s['residence']} | {s['target']} | {s['cache']} | {s['peer']} | "
             f"{s['stall_s']:.2f} [{s['stall_s_min']:.2f}-{s['stall_s_max']:.2f}] | "
             f"{s['total_s']:.2f} [{s['total_s_min']:.2f}-{s['total_s_max']:.2f}] | {s['gbps']:.2f} | "
-            f"{_f(s.get('vs_write_ceiling'), '.0%')} | {_f(s.get('vs_best_peer'), '.2f')}x | "
+            f"{_ceiling(s)} | {_f(s.get('vs_best_peer'), '.2f')}{'x' if s.get('vs_best_peer') else ''} | "
             f"{_f(s.get('vs_megatron_sync'), '.2f')}{'x' if s.get('vs_megatron_sync') else ''} | "
             f"{_f(s.get('stall_vs_megatron_async'), '.3f')} | {_f(s.get('ideal_stall_s'), '.3f')} | "
             f"{_f(s.get('extra_rss_bytes', 0) / 2**20, '.0f')} | "
