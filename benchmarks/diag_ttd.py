@@ -246,15 +246,18 @@ def _safe(state, target: str, budget: int, mode: str, piece_bytes: int | None = 
     for module, name, value in patches:
         if value is not None:
             setattr(module, name, value)
-    stop = threading.Event()
-    if pythread_s:
-        threading.Thread(target=_wake_often, args=(stop, pythread_s), daemon=True).start()
+    stop, beside = threading.Event(), None
     try:
+        if pythread_s:
+            beside = threading.Thread(target=_wake_often, args=(stop, pythread_s), daemon=True)
+            beside.start()
         if trace:
             return _traced(state, target, budget, mode, **opts)
         return _safe_once(state, target, budget, mode, **opts)
     finally:
         stop.set()
+        if beside is not None:
+            beside.join()
         for module, name, value in saved:
             setattr(module, name, value)
 

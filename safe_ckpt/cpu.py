@@ -30,8 +30,9 @@ WRITER_NICE_INCREMENT = 5
 # the thread issuing the device copies finds an idle core. Measured, no help, so 0: on the
 # same 9.23 GB async save to disk, sparing 1 / 2 cores stalled 0.32 / 0.37 s against 0.32 s,
 # and sparing 1 slowed a tmpfs save from 0.37 to 0.41 s (H200, diag_ttd `*_spare1`); nicer
-# writers (above) do what it was for. Threads a writer starts inherit it; at least two cores
-# are always left to them.
+# writers (above) do what it was for. Where cores have two hardware threads the last logical
+# CPUs may be siblings of the first, so sparing them need not free a whole core. Threads a
+# writer starts inherit it; at least two cores are always left to them.
 WRITER_SPARED_CPUS = 0
 
 

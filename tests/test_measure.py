@@ -21,14 +21,24 @@ def _touch(nbytes: int) -> bytearray:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="VmHWM is Linux's")
 def test_a_short_peak_is_seen_exactly_and_no_thread_runs_beside_the_call():
-    _touch(256 * MiB)  # let the allocator's arena exist before the base is taken
+    # an earlier, larger peak: a reset that did nothing would report it instead
+    _touch(256 * MiB)  # freed at once
     before = threading.active_count()
     with RssPeak(period_s=10.0) as rss:  # a sampler this slow would see nothing
         assert threading.active_count() == before
-        block = _touch(192 * MiB)
+        status = RssPeak._status()
+        assert status["VmHWM"] - status["VmRSS"] < 16 * MiB  # the reset took
+        block = _touch(128 * MiB)
         del block
     assert not rss.sampled
-    assert 180 * MiB <= rss.extra_bytes < 400 * MiB, rss.extra_bytes
+    assert 120 * MiB <= rss.extra_bytes < 200 * MiB, rss.extra_bytes
+
+
+def test_an_ignored_reset_falls_back_to_sampling(monkeypatch):
+    """A /proc that accepts the write and keeps the old peak must not pass the lifetime peak
+    off as this call's."""
+    monkeypatch.setattr(RssPeak, "_status", staticmethod(lambda: {"VmHWM": 900 * MiB, "VmRSS": 100 * MiB}))
+    assert RssPeak._reset_high_water() is False
 
 
 def test_without_the_high_water_mark_it_samples(monkeypatch):

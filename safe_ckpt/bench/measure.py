@@ -1,7 +1,8 @@
 """What a benchmark row records besides time: peak extra RSS, pinned host bytes allocated
 by torch during the call, and host-to-device copies seen by the CUDA profiler.
-Must not: change what it measures (the peak comes from the kernel's high-water mark where it
-can be reset, otherwise from sampling in a thread of its own).
+Must not: run a thread beside the call where the kernel's peak can be reset (it samples in a
+thread of its own only where it cannot), or be nested: the reset is the whole process's, so
+an inner measure would erase an outer one's peak.
 """
 
 from __future__ import annotations
@@ -34,23 +35,33 @@ class RssPeak:
 
     @staticmethod
     def _reset_high_water() -> bool:
+        """Reset the peak and check that it took: a write accepted and ignored (a sandboxed
+        /proc) would report the process's lifetime peak as this call's."""
         try:
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")  # 5: reset the peak RSS only (the other values clear page bits)
-            return RssPeak._high_water() is not None
         except OSError:
             return False
+        status = RssPeak._status()
+        peak, now = status.get("VmHWM"), status.get("VmRSS")
+        return peak is not None and now is not None and peak - now <= 8 * 2**20
 
     @staticmethod
-    def _high_water() -> int | None:
+    def _status() -> dict:
+        out = {}
         try:
             with open("/proc/self/status") as f:
                 for line in f:
-                    if line.startswith("VmHWM:"):
-                        return int(line.split()[1]) * 1024
-        except OSError:
+                    key, _, rest = line.partition(":")
+                    if key in ("VmHWM", "VmRSS"):
+                        out[key] = int(rest.split()[0]) * 1024
+        except (OSError, ValueError, IndexError):
             pass
-        return None
+        return out
+
+    @staticmethod
+    def _high_water() -> int | None:
+        return RssPeak._status().get("VmHWM")
 
     def __enter__(self) -> "RssPeak":
         self.base = self.peak = self.rss()

@@ -67,7 +67,7 @@ def _ceiling(s: dict) -> str:
     """Against the best ceiling measured at the start, and in brackets against the median of
     those measured between rounds: a target whose speed drifts during the run shows both."""
     between = s.get("vs_write_ceiling_median")
-    return _f(s.get("vs_write_ceiling"), ".0%") + (f" ({between:.0%})" if between else "")
+    return (_f(s.get("vs_write_ceiling"), ".0%") + (f" ({between:.0%})" if between else "")).strip()
 
 
 def to_markdown(summary: list[dict], meta: dict) -> str:
