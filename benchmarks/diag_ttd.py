@@ -32,6 +32,8 @@ attributed:
   calls keep the GIL (cuda_driver.HOLD_GIL_ON_ISSUE); ``newissue``: nice5 and gilheld;
   ``spare1`` / ``spare2``: the writers keep off the last 1 / 2 cores (cpu.WRITER_SPARED_CPUS);
   ``pythread``: another Python thread beside the save wakes every 2 ms (like a training process's);
+  ``wb0`` / ``wbN``: the kernel's writeback left to fsync / started every N MiB a file gets
+  (posix.EARLY_WRITEBACK_BYTES; ``write_16_wb32``: the same for the ceiling's writers);
 - ``safe_*``: `safe_ckpt.save` / `async_save` with the defaults and with options changed
   (``io16``: 16 writer threads, ``sumN``: N checksum threads, 0 = in the writers, ``chunkN``: N MiB chunks,
   ``hostsum``: device checksums off, every byte hashed on the host; ``gridminN``: device checksums
@@ -58,6 +60,7 @@ import torch
 import safe_ckpt
 from safe_ckpt.bench.state import build
 from safe_ckpt.integrity import checksum_of
+from safe_ckpt.sinks import posix
 from safe_ckpt.staging.pool import PinnedPool, shared_pool
 from safe_ckpt.staging.stager import host_memoryview
 
@@ -76,15 +79,19 @@ def _spans(nbytes: int, parts: int) -> list[range]:
 
 
 def _write_lanes(target: str, mv: memoryview, threads: int, piece: int, hash_mode: str | None = None,
-                 reuse_bytes: int = 0, shift_bytes: int = 0) -> float:
-    """``reuse_bytes``: read every piece from the first that many bytes (the old ceiling's 1 GiB buffer);
+                 reuse_bytes: int = 0, shift_bytes: int = 0, writeback_bytes: int = 0) -> float:
+    """``writeback_bytes``: start the kernel's writeback of every that many written bytes
+    (posix.EarlyWriteback), as safe_ckpt does with ``posix.EARLY_WRITEBACK_BYTES``;
+    ``reuse_bytes``: read every piece from the first that many bytes (the old ceiling's 1 GiB buffer);
     ``shift_bytes``: each file's bytes start that far in (a hole before them), so the page cache's
     pages and the source's are that far out of step (a packed torch_dist file's payloads are)."""
     d = _fresh(target)
     hasher = ThreadPoolExecutor(threads) if hash_mode == "beside" else None
 
     def lane(i: int, span: range) -> None:
-        fd = os.open(os.path.join(d, f"f{i}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        path = os.path.join(d, f"f{i}")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        early = posix.EarlyWriteback(fd, path, writeback_bytes) if writeback_bytes else None
         try:
             for off in range(span.start, span.stop, piece):
                 n = min(piece, span.stop - off)
@@ -94,6 +101,8 @@ def _write_lanes(target: str, mv: memoryview, threads: int, piece: int, hash_mod
                 if hash_mode == "fused":
                     checksum_of([buf])
                 os.pwrite(fd, buf, off - span.start + shift_bytes)
+                if early is not None:
+                    early.wrote(off - span.start + shift_bytes, n)
                 if pending:
                     pending.result()
             os.fsync(fd)
@@ -220,7 +229,7 @@ def _safe(state, target: str, budget: int, mode: str, piece_bytes: int | None = 
           torch_copies: bool = False, inline_sums: bool = False, trace: bool = False,
           blocking_events: bool = False, sums_beside: bool | None = None, nice: int | None = None,
           gil_held: bool | None = None, spare: int | None = None, pythread_s: float | None = None,
-          **opts) -> float:
+          writeback_bytes: int | None = None, **opts) -> float:
     """One save with module constants patched for its duration (None: the shipped value):
     ``torch_copies``: copies through Tensor.copy_, not the CUDA driver; ``inline_sums``: grid sums
     enqueued with each copy even while the writers wait; ``sums_beside``: the sums' kernels on
@@ -229,7 +238,7 @@ def _safe(state, target: str, budget: int, mode: str, piece_bytes: int | None = 
     driver calls keep the GIL (cuda_driver.HOLD_GIL_ON_ISSUE); ``spare``: cores the writers keep
     off (cpu.WRITER_SPARED_CPUS); ``pythread_s``: another Python thread beside the save, waking
     this often to read /proc/self/statm (what the bench's RSS sampler did, and a training
-    process's own threads do)."""
+    process's own threads do); ``writeback_bytes``: posix.EARLY_WRITEBACK_BYTES (0: off)."""
     from safe_ckpt import cpu, cuda_driver, pipeline, saving
     from safe_ckpt.staging import stager
 
@@ -240,6 +249,7 @@ def _safe(state, target: str, budget: int, mode: str, piece_bytes: int | None = 
                (stager, "SUMS_BESIDE_COPIES", sums_beside), (cpu, "WRITER_NICE_INCREMENT", nice),
                (cpu, "WRITER_SPARED_CPUS", spare),
                (cuda_driver, "HOLD_GIL_ON_ISSUE", gil_held),
+               (posix, "EARLY_WRITEBACK_BYTES", writeback_bytes),
                (cuda_driver, "copies_available", (lambda: False) if torch_copies else None),
                (stager.Stager, "stage", _sums_inline(stager.Stager.stage) if inline_sums else None)]
     saved = [(module, name, getattr(module, name)) for module, name, value in patches if value is not None]
@@ -553,6 +563,7 @@ def main() -> None:
         "write_8": lambda: _write_lanes(args.target, mv, 8, 64 * MiB),
         "write_12": lambda: _write_lanes(args.target, mv, 12, 64 * MiB),
         "write_16": lambda: _write_lanes(args.target, mv, 16, 64 * MiB),
+        "write_16_wb32": lambda: _write_lanes(args.target, mv, 16, 64 * MiB, writeback_bytes=32 * MiB),
         **{f"write_16_shift{n}": (lambda n=n: _write_lanes(args.target, mv, 16, 64 * MiB, shift_bytes=n))
            for n in (1, 8, 64, 2048, 4096)},
         "write_8_pageable": lambda: _write_lanes(args.target, pmv, 8, 64 * MiB),
@@ -604,8 +615,10 @@ def main() -> None:
         "safe_async_io16": lambda: _safe(state, args.target, budget, "async", io_threads=16),
         # A small pool paces the device-to-host copies to the writers: the bytes a writer reads
         # may still be in the last-level cache the copy wrote them through.
-        **{f"safe_sync_io16_pool{m}m": (lambda m=m: _safe(state, args.target, m * MiB, "sync", io_threads=16))
-           for m in (256, 1024)},
+        **{f"safe_{mode}_io16_pool{m}m{suffix}": (
+            lambda m=m, mode=mode, kw=kw: _safe(state, args.target, m * MiB, mode, io_threads=16, **kw))
+           for m in (256, 1024, 2048) for mode in ("sync", "async")
+           for suffix, kw in (("", {}), ("_wb0", {"writeback_bytes": 0}), ("_wb32", {"writeback_bytes": 32 * MiB}))},
         "safe_sync_io16_sum0": lambda: _safe(state, args.target, budget, "sync", io_threads=16, checksum_threads=0),
         "safe_sync_io16_sum0_p1m": lambda: _safe(state, args.target, budget, "sync", MiB, io_threads=16,
                                                  checksum_threads=0),
@@ -633,6 +646,9 @@ def main() -> None:
                               ("_pythread", {"pythread_s": 0.002}),
                               ("_pythread_gilheld", {"pythread_s": 0.002, "gil_held": True}),
                               ("_pythread_trace", {"pythread_s": 0.002, "trace": True}),
+                              ("_wb0", {"writeback_bytes": 0}), ("_wb8", {"writeback_bytes": 8 * MiB}),
+                              ("_wb32", {"writeback_bytes": 32 * MiB}), ("_wb128", {"writeback_bytes": 128 * MiB}),
+                              ("_wb32_trace", {"writeback_bytes": 32 * MiB, "trace": True}),
                               ("_old_trace", {"torch_copies": True, "inline_sums": True, "trace": True}),
                               ("_new_trace", {"trace": True}))},
     }

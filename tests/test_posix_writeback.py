@@ -1,0 +1,113 @@
+"""The POSIX sink's early writeback: which byte runs it hands to the kernel, what it does
+when the kernel refuses, and that files it touched hold exactly what was written."""
+
+import ctypes
+import errno
+import os
+
+import pytest
+import torch
+
+from safe_ckpt.sinks import posix
+
+MiB = 1 << 20
+
+
+def _random_bytes(n: int, seed: int) -> bytes:
+    return torch.empty(n, dtype=torch.uint8).random_(generator=torch.Generator().manual_seed(seed)).numpy().tobytes()
+
+
+@pytest.fixture
+def threshold(monkeypatch):
+    monkeypatch.setattr(posix, "EARLY_WRITEBACK_BYTES", 4 * MiB)
+    return 4 * MiB
+
+
+def _recording(monkeypatch, result=0, code=0):
+    calls = []
+
+    def fake(fd, offset, length, flags):
+        calls.append((offset, length, flags))
+        ctypes.set_errno(code)
+        return result
+
+    monkeypatch.setattr(posix, "_sync_file_range", fake)
+    return calls
+
+
+@pytest.mark.skipif(posix._sync_file_range is None, reason="no sync_file_range in this libc")
+def test_real_kernel_call_starts_runs_and_the_file_is_exact(tmp_path, threshold):
+    data = _random_bytes(10 * MiB + 123, seed=11)
+    f = posix.PosixFile(str(tmp_path / "a"), fsync=True)
+    for off in range(0, len(data), MiB):
+        f.write_at(off, [data[off:off + MiB]])
+    started = f.writeback.started_bytes
+    f.sync()
+    f.close()
+    assert started == 8 * MiB  # two full 4 MiB runs; the tail is left to fsync
+    assert (tmp_path / "a").read_bytes() == data
+
+
+def test_runs_follow_contiguous_writes_and_a_jump_starts_the_pending_run(tmp_path, threshold, monkeypatch):
+    calls = _recording(monkeypatch)
+    f = posix.PosixFile(str(tmp_path / "b"), fsync=True)
+    piece = _random_bytes(MiB, seed=3)
+    for off in (0, MiB, 2 * MiB):  # 3 MiB pending, under the threshold
+        f.write_at(off, [piece])
+    assert calls == []
+    f.write_at(20 * MiB, [piece])  # not contiguous: the 3 MiB run goes now
+    assert calls == [(0, 3 * MiB, posix._SYNC_FILE_RANGE_WRITE)]
+    for off in (21 * MiB, 22 * MiB, 23 * MiB):
+        f.write_at(off, [piece])
+    assert calls[1:] == [(20 * MiB, 4 * MiB, posix._SYNC_FILE_RANGE_WRITE)]
+    assert f.writeback.started_bytes == 7 * MiB
+    f.close()
+
+
+def test_a_vectored_write_counts_every_buffer(tmp_path, threshold, monkeypatch):
+    calls = _recording(monkeypatch)
+    f = posix.PosixFile(str(tmp_path / "c"), fsync=True)
+    f.write_at(0, [b"x" * 100, _random_bytes(4 * MiB, seed=4), b"y" * 28])
+    assert calls == [(0, 4 * MiB + 128, posix._SYNC_FILE_RANGE_WRITE)]
+    f.close()
+
+
+@pytest.mark.parametrize("code", [errno.ENOSYS, errno.EINVAL, errno.ESPIPE, errno.EOPNOTSUPP])
+def test_a_kernel_or_file_that_cannot_is_left_to_fsync(tmp_path, threshold, monkeypatch, code):
+    calls = _recording(monkeypatch, result=-1, code=code)
+    f = posix.PosixFile(str(tmp_path / "d"), fsync=True)
+    data = _random_bytes(12 * MiB, seed=5)
+    for off in range(0, len(data), 4 * MiB):
+        f.write_at(off, [data[off:off + 4 * MiB]])
+    assert len(calls) == 1  # asked once, then not again for this file
+    assert f.writeback.started_bytes == 0
+    f.sync()
+    f.close()
+    assert (tmp_path / "d").read_bytes() == data
+
+
+def test_a_failed_writeback_is_the_write_failure_and_names_the_file(tmp_path, threshold, monkeypatch):
+    _recording(monkeypatch, result=-1, code=errno.EIO)
+    path = str(tmp_path / "e")
+    f = posix.PosixFile(path, fsync=True)
+    with pytest.raises(OSError) as info:
+        f.write_at(0, [_random_bytes(4 * MiB, seed=6)])
+    assert info.value.errno == errno.EIO and info.value.filename == path
+    f.close()
+
+
+def test_off_without_fsync_or_at_zero(tmp_path, monkeypatch):
+    monkeypatch.setattr(posix, "EARLY_WRITEBACK_BYTES", 4 * MiB)
+    assert posix.PosixFile(str(tmp_path / "f"), fsync=False).writeback is None
+    monkeypatch.setattr(posix, "EARLY_WRITEBACK_BYTES", 0)
+    assert posix.PosixFile(str(tmp_path / "g"), fsync=True).writeback is None
+
+
+def test_no_libc_function_means_no_calls(tmp_path, threshold, monkeypatch):
+    monkeypatch.setattr(posix, "_sync_file_range", None)
+    f = posix.PosixFile(str(tmp_path / "h"), fsync=True)
+    data = _random_bytes(8 * MiB, seed=7)
+    f.write_at(0, [data])
+    assert f.writeback.started_bytes == 0
+    f.close()
+    assert os.path.getsize(tmp_path / "h") == len(data)
