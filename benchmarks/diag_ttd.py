@@ -618,7 +618,8 @@ def main() -> None:
         **{f"safe_{mode}_io16_pool{m}m{suffix}": (
             lambda m=m, mode=mode, kw=kw: _safe(state, args.target, m * MiB, mode, io_threads=16, **kw))
            for m in (256, 1024, 2048) for mode in ("sync", "async")
-           for suffix, kw in (("", {}), ("_wb0", {"writeback_bytes": 0}), ("_wb32", {"writeback_bytes": 32 * MiB}))},
+           for suffix, kw in (("", {}), ("_wb0", {"writeback_bytes": 0}), ("_wb32", {"writeback_bytes": 32 * MiB}),
+                              ("_wb32_trace", {"writeback_bytes": 32 * MiB, "trace": True}))},
         "safe_sync_io16_sum0": lambda: _safe(state, args.target, budget, "sync", io_threads=16, checksum_threads=0),
         "safe_sync_io16_sum0_p1m": lambda: _safe(state, args.target, budget, "sync", MiB, io_threads=16,
                                                  checksum_threads=0),

@@ -1,5 +1,7 @@
 """POSIX sink: positional vectored writes (`pwritev`) and `fsync` on a local or shared
-filesystem. One job: bytes to files at offsets, durably. Must not: know about tensors.
+filesystem, optionally handing written runs to the kernel's writeback early
+(`sync_file_range`). One job: bytes to files at offsets, durably. Must not: know about
+tensors.
 """
 
 from __future__ import annotations
@@ -16,14 +18,16 @@ _MAX_IOV = 1024  # IOV_MAX
 
 # Once a file has this many contiguous bytes written and not yet handed to the kernel's
 # writeback, ask it to start writing them (`sync_file_range(SYNC_FILE_RANGE_WRITE)`, which
-# does not wait for them). Without it a host with plenty of memory keeps a whole save dirty
-# in the page cache (below `dirty_background_ratio`) and the disk idles until the final
-# `fsync`. 0 leaves everything to `fsync`. Only for files that are fsynced.
-# Off: on the H200 host (ext4 on a virtio disk, 125 GiB RAM) every 32 MiB neither the
+# does not wait for them to land). The hypothesis it was built to test: on a host with
+# plenty of memory a whole save can stay dirty in the page cache (under the kernel's
+# background-writeback threshold) and the disk idle until the final `fsync`. 0 leaves
+# everything to `fsync`. Only for files that are fsynced.
+# Off: on the H200 host (ext4 on a virtio disk, 125 GiB RAM), every 32 MiB, neither the
 # write ceiling (3.81-5.08 s without, 4.08-5.31 s with) nor a save's time-to-durable moved
-# beyond the disk's drift, and with the default 2 GiB pool the writers blocked in the call
-# (the device queue was full), so an async save waited for the disk: stall 2.96-4.03 s
-# against 0.36-0.43 s (h200_diag_ttd_anchor_disk_writeback_pythread_2026-12-01.txt).
+# beyond the disk's drift, and with the default 2 GiB pool an async save stalled 2.96-4.03 s
+# against 0.36-0.43 s: the writers, which free the pool, spent that long in the call, most
+# likely waiting for the device to take the pages (not traced; the `*_pool2048m_wb32_trace`
+# diag case would show it) (h200_diag_ttd_anchor_disk_writeback_pythread_2026-12-01.txt).
 EARLY_WRITEBACK_BYTES = 0
 _SYNC_FILE_RANGE_WRITE = 2
 # errnos that mean "this file or kernel cannot do it", not "the write failed"
@@ -87,11 +91,13 @@ def fsync_path(path: str, directory: bool = False) -> None:
 
 
 class EarlyWriteback:
-    """Hands a file's freshly written bytes to the kernel's writeback in runs of at least
-    ``threshold_bytes``, so the disk works while the save still writes. The writes of one
-    file come from one thread at a time (the sink's contract), so this keeps no lock. A
-    failure to start writeback is raised as the write's failure; a file or kernel that
-    cannot do it is left to `fsync`."""
+    """Hands a file's freshly written bytes to the kernel's writeback in contiguous runs of
+    ``threshold_bytes`` or more, so the disk works while the save still writes. A write that
+    does not continue the pending run starts a new one; the shorter run it leaves behind is
+    left to `fsync` (writes in any order would otherwise make a call per write). The writes
+    of one file come from one thread at a time (the sink's contract), so this keeps no lock.
+    A failure to start writeback is raised from the write that asked for it, naming the byte
+    range; a file or kernel that cannot do it is left to `fsync`."""
 
     def __init__(self, fd: int, path: str, threshold_bytes: int) -> None:
         self._fd, self._path, self._threshold_bytes = fd, path, threshold_bytes
@@ -100,10 +106,9 @@ class EarlyWriteback:
         self._enabled = _sync_file_range is not None
 
     def wrote(self, offset_bytes: int, length_bytes: int) -> None:
-        if not self._enabled:
+        if not self._enabled or length_bytes <= 0:
             return
         if offset_bytes != self._end_bytes:
-            self._start()
             self._start_bytes = offset_bytes
         self._end_bytes = offset_bytes + length_bytes
         if self._end_bytes - self._start_bytes >= self._threshold_bytes:
@@ -111,14 +116,13 @@ class EarlyWriteback:
 
     def _start(self) -> None:
         length_bytes = self._end_bytes - self._start_bytes
-        if length_bytes <= 0 or not self._enabled:
-            return
         if _sync_file_range(self._fd, self._start_bytes, length_bytes, _SYNC_FILE_RANGE_WRITE) != 0:
             code = ctypes.get_errno()
             if code in _WRITEBACK_UNSUPPORTED:
                 self._enabled = False
                 return
-            raise OSError(code, f"starting write-back: {os.strerror(code)}", self._path)
+            raise OSError(code, f"starting write-back of bytes {self._start_bytes}-{self._end_bytes}: "
+                                f"{os.strerror(code)}", self._path)
         self.started_bytes += length_bytes
         self._start_bytes = self._end_bytes
 
