@@ -88,7 +88,7 @@ part_gputests() {
 }
 
 part_smoke() {
-  $PY -m safe_ckpt.bench --gib 1 --reps 3 --peer-reps 1 --targets "$SHM" --cache cold --count-h2d \
+  $PY -m safe_ckpt.bench --gib 1 --reps 3 --peer-reps 1 --targets "$SHM" --cache cold --count-h2d --ceiling-beside-d2h \
     --peers safe_sync,safe_async,safe_sync_nosum,safe_sync_tensorstore,megatron_sync,megatron_async,dcp_sync,dcp_async_pinned \
     --label "H200 1 GiB, memcpy counts" --out "$RES/bench_smoke" > "$RES/bench_smoke.log" 2>&1
   grep '^|' "$RES/bench_smoke.md" | head -12
@@ -147,10 +147,10 @@ part_diagvs() {
 # the per-round ceilings take about 10 minutes, so run TARGETS=$SHM and TARGETS=$DISK as two calls).
 part_bench() {
   $BENCH --reps ${REPS:-5} --peer-reps ${PEER_REPS:-3} --targets "${TARGETS:-$SHM,$DISK}" --cache ${CACHE:-cold,warm} \
-    --peer-cache cold --residences gpu --ceiling-each-rep --threads ${THREADS:-8} \
+    --peer-cache cold --residences gpu --ceiling-each-rep --ceiling-beside-d2h --threads ${THREADS:-8} \
     --peers ${PEERS:-safe_sync,safe_async,safe_sync_nosum,megatron_sync,megatron_async,dcp_sync,dcp_async_pinned} \
     --label "H200 ${PRESET:-anchor} one rank" --out "$RES/bench_h200" > "$RES/bench.log" 2>&1
-  tail -3 "$RES/bench.log"; grep '^|\|^Write ceiling' "$RES/bench_h200.md"
+  tail -3 "$RES/bench.log"; grep '^|\|^Write ceiling\|^write_beside' "$RES/bench_h200.md"
 }
 
 part_mixes() {

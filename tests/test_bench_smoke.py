@@ -4,12 +4,15 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 
 def test_bench_harness_smoke(tmp_path):
     out = tmp_path / "bench"
     cmd = [sys.executable, "-m", "safe_ckpt.bench", "--gib", "0.03", "--reps", "2", "--peer-reps", "1",
            "--targets", str(tmp_path / "target"), "--cache", "cold,warm", "--peer-cache", "cold",
            "--peers", "safe_sync,safe_async,dcp_sync,megatron_sync,safe_sync_nosum", "--ceiling-each-rep",
+           "--ceiling-beside-d2h",
            "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -38,6 +41,14 @@ def test_bench_harness_smoke(tmp_path):
     assert "| safe_sync |" in md and "| plan s | write s | commit s |" in md
     sync = rows[("safe_sync", "cold")]  # both ceilings side by side in the row's cell
     assert f"| {sync['vs_write_ceiling']:.0%} ({sync['vs_write_ceiling_median']:.0%}) |" in md
+    beside = f"write_beside_d2h_gbps[{tmp_path / 'target'}]"
+    if not torch.cuda.is_available():  # a host state has no device bytes to copy beside the writes
+        assert beside not in report["meta"]["ceilings"] and "vs_write_beside_d2h" not in sync
+        assert report["meta"]["ceiling_notes"][beside] == "not measured: no GPU bytes in this state"
+        assert f"{beside}: not measured" in md
+    else:
+        assert report["meta"]["ceilings"][beside] > 0 and sync["vs_write_beside_d2h"] > 0
+    assert "| vs write beside D2H |" in md
     # a run cut short keeps its rows and meta: the report can be rebuilt from them alone
     (tmp_path / "bench.md").unlink()
     proc = subprocess.run([sys.executable, "-m", "safe_ckpt.bench", "--rebuild", str(out)], capture_output=True,
@@ -50,11 +61,15 @@ def test_bench_harness_smoke(tmp_path):
 def _multi_rank(tmp_path, launcher_cmd):
     out = tmp_path / "bench"
     cmd = [*launcher_cmd, "--gib", "0.02", "--reps", "1", "--threads", "2", "--targets", str(tmp_path / "t"),
-           "--peers", "safe_sync,safe_async,dcp_sync", "--out", str(out)]
+           "--peers", "safe_sync,safe_async,dcp_sync", "--ceiling-beside-d2h", "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((tmp_path / "bench.json").read_text())
     assert report["meta"]["world_size"] == 2
+    import torch
+
+    if not torch.cuda.is_available():  # every rank took the same way past the combined ceiling
+        assert report["meta"]["ceiling_notes"][f"write_beside_d2h_gbps[{tmp_path / 't'}]"].startswith("not measured")
     rows = {s["peer"]: s for s in report["summary"]}
     assert rows["safe_sync"]["runs"] == 1 and rows["safe_sync"]["total_s"] > 0
     return report
@@ -67,8 +82,6 @@ def test_bench_two_ranks_with_torchrun(tmp_path):
 
 
 def test_bench_two_ray_actors(tmp_path):
-    import pytest
-
     pytest.importorskip("ray")
     report = _multi_rank(tmp_path, [sys.executable, "-m", "safe_ckpt.bench", "--ray-actors", "2"])
     assert report["meta"]["launcher"] == "ray"
@@ -108,3 +121,94 @@ def test_gil_handoffs_benchmark_smoke(tmp_path):
         (k, w, n) for k in ("release", "hold", "torch", "python") for w, n in ((0, 0), (2, 0), (2, 5))}
     assert all(r["us_per_chunk_median"] > 0 for r in rows)
     assert not target.exists()
+
+
+def test_write_ceiling_beside_a_copy(tmp_path):
+    """The ceiling with a copy beside it runs the copy once per run, at the same time as the
+    writes, keeps the fastest run, leaves no files and raises the copy's failure."""
+    import threading
+
+    import torch
+
+    from safe_ckpt.bench import ceilings
+
+    src = torch.empty(64 << 20, dtype=torch.uint8).random_(generator=torch.Generator().manual_seed(2))
+    dst = torch.empty_like(src)
+    writing, seen = threading.Event(), []
+
+    def copy():
+        seen.append(writing.wait(10))  # the writers have started by the time the copy ends
+        dst.copy_(src)
+
+    real_lanes = ceilings.run_lanes
+
+    def lanes(work, threads):
+        writing.set()
+        try:
+            return real_lanes(work, threads)
+        finally:
+            writing.clear()
+
+    ceilings.run_lanes = lanes
+    try:
+        best = ceilings.write_beside_copy(str(tmp_path / "t"), 32 << 20, 4, copy, reps=3)
+    finally:
+        ceilings.run_lanes = real_lanes
+    assert seen == [True, True, True] and torch.equal(src, dst)
+    assert best.write_s > 0 and best.copy_s > 0 and best.seconds == max(best.write_s, best.copy_s)
+    assert not any((tmp_path / "t").iterdir())
+
+    def broken():
+        raise OSError("no pinned memory")
+
+    with pytest.raises(RuntimeError, match="no pinned memory"):
+        ceilings.write_beside_copy(str(tmp_path / "t"), 8 << 20, 2, broken, reps=1)
+    assert ceilings.device_to_host_copier([src, "not a tensor"]) is None  # nothing on a GPU: nothing to copy
+
+
+def _beside_on_ranks(rank, world, target, fail_rank, fail_at):
+    """The bench's combined ceiling on a real gloo world, a host copy standing for the device
+    one (the GPU suite's bench part runs the real one); ``fail_at`` "alloc" or "copy" on one rank."""
+    from types import SimpleNamespace
+
+    import torch
+    import torch.distributed as dist
+
+    from safe_ckpt.bench import ceilings, run
+
+    src = torch.empty(4 << 20, dtype=torch.uint8).random_(generator=torch.Generator().manual_seed(rank))
+    dst = torch.empty_like(src)
+
+    def copy():
+        if rank == fail_rank and fail_at == "copy":
+            raise OSError("copy broke")
+        dst.copy_(src)
+
+    def copier(tensors):
+        if rank == fail_rank and fail_at == "alloc":
+            raise RuntimeError("no pinned memory")
+        return copy
+
+    ceilings.device_to_host_copier = copier
+    meta = {"ceilings": {}, "ceiling_threads": {target: 2}}
+    run._ceiling_beside_d2h(target, SimpleNamespace(plain={}, nbytes=8 << 20), meta, None, rank, world,
+                            dist.new_group(backend="gloo"))
+    return {"gbps": meta["ceilings"].get(f"write_beside_d2h_gbps[{target}]"),
+            "note": meta.get("ceiling_notes", {}).get(f"write_beside_d2h_gbps[{target}]"),
+            "copied": torch.equal(src, dst)}
+
+
+@pytest.mark.parametrize("fail_rank,fail_at", [(None, None), (1, "alloc"), (0, "copy")])
+def test_combined_ceiling_on_two_ranks_fails_together(tmp_path, fail_rank, fail_at):
+    from tests.mp import run_world
+
+    results = run_world(2, _beside_on_ranks, (str(tmp_path), fail_rank, fail_at), timeout_s=120)
+    assert [status for status, _ in results] == ["ok", "ok"], results
+    values = [v for _, v in results]
+    if fail_rank is None:
+        assert all(v["gbps"] > 0 and v["note"] is None and v["copied"] for v in values)
+        return
+    assert all(v["gbps"] is None for v in values)  # nobody reports a ceiling one rank could not measure
+    own = {"alloc": "failed: RuntimeError: no pinned memory", "copy": "failed: RuntimeError: the copy beside"}[fail_at]
+    assert values[fail_rank]["note"].startswith(own)
+    assert values[1 - fail_rank]["note"] == "failed on another rank"

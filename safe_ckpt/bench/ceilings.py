@@ -5,6 +5,9 @@
   fsync them (GB/s): the best any saver can do to that target. The source holds as many
   distinct bytes as the state (`source_buffer`), as a save reads them; N is each of the
   run's thread counts and the best counts;
+- ``write beside d2h``: the same writes while the state's GPU bytes are copied
+  device-to-host into a pinned buffer beside them (`write_beside_copy`): a staging save
+  must do both at once, and on a page-cache target both draw on host memory bandwidth;
 - ``memcpy``: host-to-host copy (GB/s).
 Each is the fastest of ``reps`` runs (a ceiling is the best the machine did). Must not: leave files behind.
 """
@@ -15,6 +18,8 @@ import os
 import shutil
 import threading
 import time
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -83,6 +88,71 @@ def write_seconds(target: str, nbytes: int, threads: int, reps: int = 3, source:
         times.append(run_lanes(work, threads))
         shutil.rmtree(d, ignore_errors=True)
     return min(times)
+
+
+@dataclass(frozen=True)
+class BesideCopy:
+    """One run of the write ceiling with a copy beside it: the writers' wall seconds and the
+    copy's own seconds in that run."""
+
+    write_s: float
+    copy_s: float
+
+    @property
+    def seconds(self) -> float:
+        return max(self.write_s, self.copy_s)
+
+
+def write_beside_copy(target: str, nbytes: int, threads: int, copy: Callable[[], None], reps: int = 3,
+                      source: memoryview | None = None) -> BesideCopy:
+    """The fastest of ``reps`` runs of `write_seconds`' writes with ``copy()`` (which returns
+    once its bytes have landed) started on another thread just before them."""
+    runs = []
+    for _ in range(reps):
+        box: dict = {}
+
+        def run_copy() -> None:
+            t0 = time.perf_counter()
+            try:
+                copy()
+                box["s"] = time.perf_counter() - t0
+            except BaseException as exc:  # raised below, on the caller's thread
+                box["error"] = exc
+
+        side = threading.Thread(target=run_copy, name="ceiling-copy")
+        side.start()
+        try:
+            write_s = write_seconds(target, nbytes, threads, 1, source)
+        finally:
+            side.join()
+        if "error" in box:
+            raise RuntimeError(f"the copy beside the write ceiling failed: {box['error']!r}") from box["error"]
+        runs.append(BesideCopy(write_s, box["s"]))
+    return min(runs, key=lambda r: r.seconds)
+
+
+def device_to_host_copier(tensors) -> Callable[[], None] | None:
+    """A callable that copies every CUDA tensor of ``tensors`` into one pinned buffer (allocated
+    here, reused by every call) on a side stream and waits for the copies; None if none is on
+    a GPU. The buffer lives as long as the callable."""
+    cuda = [t for t in tensors if isinstance(t, torch.Tensor) and t.is_cuda]
+    if not cuda:
+        return None
+    dst = torch.empty(sum(t.numel() * t.element_size() for t in cuda), dtype=torch.uint8, pin_memory=True)
+    stream = torch.cuda.Stream(device=cuda[0].device)
+    stream.wait_stream(torch.cuda.current_stream(cuda[0].device))  # the state's producers first
+
+    def copy() -> None:
+        offset = 0
+        with torch.cuda.stream(stream):
+            for t in cuda:
+                n = t.numel() * t.element_size()
+                dst[offset:offset + n].copy_(t.reshape(-1).view(torch.uint8), non_blocking=True)
+                offset += n
+        stream.synchronize()
+
+    copy()  # untimed: the first copy pays for mapping the buffer
+    return copy
 
 
 def run_lanes(work, threads: int) -> float:

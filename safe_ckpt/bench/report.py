@@ -37,6 +37,9 @@ def summarize(rows: list[dict], meta: dict) -> list[dict]:
         samples = (meta.get("write_samples_gbps") or {}).get(target)
         if samples:
             s["vs_write_ceiling_median"] = s["gbps"] / statistics.median(samples)
+        beside = meta["ceilings"].get(f"write_beside_d2h_gbps[{target}]")
+        if beside:
+            s["vs_write_beside_d2h"] = s["gbps"] / beside
         d2h = meta["ceilings"].get("d2h_gbps")
         dev = ok[0].get("device_bytes", 0)
         if d2h and dev:
@@ -70,6 +73,16 @@ def _ceiling(s: dict) -> str:
     return (_f(s.get("vs_write_ceiling"), ".0%") + (f" ({between:.0%})" if between else "")).strip()
 
 
+def _beside_lines(meta: dict) -> list[str]:
+    lines = []
+    for target, b in (meta.get("beside_d2h") or {}).items():
+        gbps = meta["ceilings"].get(f"write_beside_d2h_gbps[{target}]")
+        if gbps:
+            lines.append(f"Write ceiling with the GPU bytes copied device-to-host beside it, {target}: {gbps:.2f} GB/s "
+                         f"(best of 3; writers {b['write_s']:.2f} s, copy {b['copy_s']:.2f} s)")
+    return lines + [f"{key}: {note}" for key, note in (meta.get("ceiling_notes") or {}).items()]
+
+
 def to_markdown(summary: list[dict], meta: dict) -> str:
     c = meta["ceilings"]
     lines = [f"# {meta.get('label', 'benchmark')}", "", meta.get("machine_line", ""), "",
@@ -84,21 +97,22 @@ def to_markdown(summary: list[dict], meta: dict) -> str:
                (meta.get("write_gbps_by_threads") or {}).items()],
              *[f"Write ceiling measured between rounds, {t}: median {statistics.median(v):.2f} GB/s "
                f"[{min(v):.2f}-{max(v):.2f}], {len(v)} runs" for t, v in (meta.get("write_samples_gbps") or {}).items()],
+             *_beside_lines(meta),
              "",
              "| residence | target | cache | peer | stall s | time-to-durable s | GB/s | vs write ceiling, best (between rounds) | "
-             "vs best peer | vs megatron sync | stall vs megatron async | ideal stall s | peak extra RSS MiB | "
-             "pinned alloc MiB |",
-             "|" + "---|" * 14]
+             "vs write beside D2H | vs best peer | vs megatron sync | stall vs megatron async | ideal stall s | "
+             "peak extra RSS MiB | pinned alloc MiB |",
+             "|" + "---|" * 15]
     for s in summary:
         if "error" in s:
             lines.append(f"| {s['residence']} | {s['target']} | {s['cache']} | {s['peer']} | "
-                         f"n/a: {s['error'][:90]} |" + " |" * 9)
+                         f"n/a: {s['error'][:90]} |" + " |" * 10)
             continue
         lines.append(
             f"| {s['residence']} | {s['target']} | {s['cache']} | {s['peer']} | "
             f"{s['stall_s']:.2f} [{s['stall_s_min']:.2f}-{s['stall_s_max']:.2f}] | "
             f"{s['total_s']:.2f} [{s['total_s_min']:.2f}-{s['total_s_max']:.2f}] | {s['gbps']:.2f} | "
-            f"{_ceiling(s)} | {_f(s.get('vs_best_peer'), '.2f')}{'x' if s.get('vs_best_peer') else ''} | "
+            f"{_ceiling(s)} | {_f(s.get('vs_write_beside_d2h'), '.0%')} | {_f(s.get('vs_best_peer'), '.2f')}{'x' if s.get('vs_best_peer') else ''} | "
             f"{_f(s.get('vs_megatron_sync'), '.2f')}{'x' if s.get('vs_megatron_sync') else ''} | "
             f"{_f(s.get('stall_vs_megatron_async'), '.3f')} | {_f(s.get('ideal_stall_s'), '.3f')} | "
             f"{_f(s.get('extra_rss_bytes', 0) / 2**20, '.0f')} | "

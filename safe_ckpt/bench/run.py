@@ -146,6 +146,8 @@ def run(args) -> str:
                 meta.setdefault("write_gbps_by_threads", {})[target] = by_threads
                 meta.setdefault("ceiling_threads", {})[target] = max(by_threads, key=by_threads.get)
                 meta["ceilings"][key] = max(by_threads.values())
+                if args.ceiling_beside_d2h:  # from the same source bytes as the ceiling above
+                    _ceiling_beside_d2h(target, state, meta, source, rank, world, group)
                 if not args.ceiling_each_rep:
                     source = None  # the savers should not run beside a state-sized buffer they never read
                 if rank == 0:
@@ -202,6 +204,46 @@ def _ceiling_rate(target, state, threads, reps, source, rank, world, group) -> f
     seconds = ceilings.write_seconds(os.path.join(target, f"rank{rank}"), state.nbytes, threads, reps, source)
     slowest = _max_over_ranks({"s": seconds}, group)["s"]
     return state.nbytes // threads * threads * world / slowest / 1e9
+
+
+def _ceiling_beside_d2h(target, state, meta, source, rank, world, group) -> None:
+    """The write ceiling with this rank's GPU bytes copied device-to-host beside it (best of 3),
+    every rank at once; recorded as ``write_beside_d2h_gbps[target]``, or, where it cannot run,
+    why. Every rank reaches the same collectives whatever fails on one of them."""
+    key = f"write_beside_d2h_gbps[{target}]"
+    threads = meta["ceiling_threads"][target]
+    error, copy = None, None
+    try:
+        copy = ceilings.device_to_host_copier(state.plain.values())
+    except Exception as exc:
+        error = exc
+    ready = _max_over_ranks({"failed": float(error is not None), "gpu": float(copy is not None)}, group)
+    try:
+        notes = meta.setdefault("ceiling_notes", {})
+        if ready["failed"]:
+            notes[key] = (f"failed: {type(error).__name__}: {error}" if error else "failed on another rank")[:300]
+            return
+        if not ready["gpu"]:
+            notes[key] = "not measured: no GPU bytes in this state"
+            return
+        dist.barrier()
+        best, error = None, None
+        try:
+            best = ceilings.write_beside_copy(os.path.join(target, f"rank{rank}"), state.nbytes, threads, copy, 3,
+                                              source)
+        except Exception as exc:  # a ceiling that cannot be measured must not cost the run its rows
+            error = exc
+        done = _max_over_ranks({"failed": float(error is not None), "s": best.seconds if best else 0.0,
+                                "write_s": best.write_s if best else 0.0, "copy_s": best.copy_s if best else 0.0},
+                               group)
+        if done["failed"]:
+            notes[key] = (f"failed: {type(error).__name__}: {error}" if error else "failed on another rank")[:300]
+            return
+        meta["ceilings"][key] = state.nbytes // threads * threads * world / done["s"] / 1e9
+        meta.setdefault("beside_d2h", {})[target] = {"write_s": done["write_s"], "copy_s": done["copy_s"]}
+    finally:
+        del copy
+        _empty_caches()  # the copy's pinned buffer must not sit in the host cache during warm rows
 
 
 def _save_meta(prefix: str, meta: dict) -> None:
@@ -261,6 +303,8 @@ def main(argv=None) -> int:
     ap.add_argument("--count-h2d", action="store_true", help="count memcpy events per peer with the profiler")
     ap.add_argument("--ceiling-each-rep", action="store_true",
                     help="also measure the write ceiling once per round of runs (reports its median beside the best)")
+    ap.add_argument("--ceiling-beside-d2h", action="store_true",
+                    help="also measure the write ceiling with the state's GPU bytes copied device-to-host beside it")
     ap.add_argument("--label", default=None)
     ap.add_argument("--out", default=None, help="output prefix (writes .json, .md, .png)")
     ap.add_argument("--rebuild", metavar="PREFIX", default=None,
