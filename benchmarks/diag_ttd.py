@@ -58,6 +58,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 import safe_ckpt
+from safe_ckpt.bench.ceilings import copy_to_host
 from safe_ckpt.bench.state import build
 from safe_ckpt.integrity import checksum_of
 from safe_ckpt.sinks import posix
@@ -125,13 +126,7 @@ def _write_lanes(target: str, mv: memoryview, threads: int, piece: int, hash_mod
 def _d2h(sources: list[torch.Tensor], pinned: torch.Tensor, stream) -> float:
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    off = 0
-    with torch.cuda.stream(stream):
-        for s in sources:
-            n = s.numel() * s.element_size()
-            pinned[off:off + n].copy_(s.view(-1).view(torch.uint8), non_blocking=True)
-            off += n
-    stream.synchronize()
+    copy_to_host(sources, pinned, stream)
     return time.perf_counter() - t0
 
 

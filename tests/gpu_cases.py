@@ -353,3 +353,28 @@ def device_checksums(rank, world, ckpt_dir) -> dict:
             out["corrupt_findings"] = [(f.path, f.message) for f in verify(bad).findings if f.severity == "error"]
             out["corrupt_item"] = f"{item.relative_path}@{item.offset_bytes}"
     return out
+
+
+def bench_device_copy(rank, world, root) -> dict:
+    """The bench's combined ceiling's device-to-host copy: every CUDA tensor's bytes, back to
+    back, bit-exact, again after the sources change; and that ceiling measured beside writes."""
+    from safe_ckpt.bench import ceilings
+
+    g = torch.Generator(device="cuda").manual_seed(21)
+    sources = [torch.randn(1000, 37, device="cuda", generator=g).to(torch.bfloat16),
+               torch.randn(4097, device="cuda", generator=g),
+               torch.randint(0, 1 << 30, (513,), device="cuda", generator=g, dtype=torch.int64)]
+    host = torch.randn(64)
+    copy = ceilings.device_to_host_copier([sources[0], host, "not a tensor", *sources[1:]])
+
+    def expected() -> bytes:
+        return b"".join(t.cpu().reshape(-1).view(torch.uint8).numpy().tobytes() for t in sources)
+
+    first = copy.buffer.numpy().tobytes() == expected()
+    for t in sources:
+        t.add_(1)  # queued on the current stream: the copier's stream must wait for it
+    copy()
+    second = copy.buffer.numpy().tobytes() == expected()
+    best = ceilings.write_beside_copy(os.path.join(root, "w"), 64 << 20, 4, copy, reps=2)
+    return {"first": first, "second": second, "tensors": len(copy.tensors),
+            "write_s": best.write_s, "copy_s": best.copy_s}

@@ -169,3 +169,9 @@ def test_device_checksums(tmp_path):
             assert grid > 0 and host > 0, (mode, m["algorithms"])
     assert [p for p, _ in r["corrupt_findings"]] == [r["corrupt_item"]], r["corrupt_findings"]
     assert "checksum mismatch" in r["corrupt_findings"][0][1]
+
+
+def test_bench_device_copy_is_exact(tmp_path):
+    (r,) = values(run_world(1, _cases().bench_device_copy, (str(tmp_path),)))
+    assert r["first"] and r["second"] and r["tensors"] == 3, r
+    assert r["write_s"] > 0 and r["copy_s"] > 0

@@ -131,28 +131,40 @@ def write_beside_copy(target: str, nbytes: int, threads: int, copy: Callable[[],
     return min(runs, key=lambda r: r.seconds)
 
 
-def device_to_host_copier(tensors) -> Callable[[], None] | None:
-    """A callable that copies every CUDA tensor of ``tensors`` into one pinned buffer (allocated
-    here, reused by every call) on a side stream and waits for the copies; None if none is on
-    a GPU. The buffer lives as long as the callable."""
+class DeviceToHostCopy:
+    """Copies the given CUDA tensors back to back into one pinned buffer (allocated once, reused
+    by every call) on a side stream, and waits for them. The first copy, which pays for mapping
+    the buffer, is made here, untimed."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self.tensors = tensors
+        self.buffer = torch.empty(sum(t.numel() * t.element_size() for t in tensors), dtype=torch.uint8,
+                                  pin_memory=True)
+        self._device = tensors[0].device
+        self._stream = torch.cuda.Stream(device=self._device)
+        self()
+
+    def __call__(self) -> None:
+        self._stream.wait_stream(torch.cuda.current_stream(self._device))  # whatever wrote the tensors first
+        copy_to_host(self.tensors, self.buffer, self._stream)
+
+
+def device_to_host_copier(tensors) -> DeviceToHostCopy | None:
+    """A `DeviceToHostCopy` of every CUDA tensor among ``tensors``; None if none is on a GPU."""
     cuda = [t for t in tensors if isinstance(t, torch.Tensor) and t.is_cuda]
-    if not cuda:
-        return None
-    dst = torch.empty(sum(t.numel() * t.element_size() for t in cuda), dtype=torch.uint8, pin_memory=True)
-    stream = torch.cuda.Stream(device=cuda[0].device)
-    stream.wait_stream(torch.cuda.current_stream(cuda[0].device))  # the state's producers first
+    return DeviceToHostCopy(cuda) if cuda else None
 
-    def copy() -> None:
-        offset = 0
-        with torch.cuda.stream(stream):
-            for t in cuda:
-                n = t.numel() * t.element_size()
-                dst[offset:offset + n].copy_(t.reshape(-1).view(torch.uint8), non_blocking=True)
-                offset += n
-        stream.synchronize()
 
-    copy()  # untimed: the first copy pays for mapping the buffer
-    return copy
+def copy_to_host(tensors, dst: torch.Tensor, stream) -> None:
+    """Copy the contiguous CUDA ``tensors`` back to back into the pinned bytes ``dst`` on
+    ``stream``, and wait for them."""
+    offset = 0
+    with torch.cuda.stream(stream):
+        for t in tensors:
+            n = t.numel() * t.element_size()
+            dst[offset:offset + n].copy_(t.reshape(-1).view(torch.uint8), non_blocking=True)
+            offset += n
+    stream.synchronize()
 
 
 def run_lanes(work, threads: int) -> float:
