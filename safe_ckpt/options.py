@@ -56,6 +56,9 @@ class SaveOptions:
     gc_freeze: during the save, keep Python's cyclic garbage collector off the objects that
         existed when it began (`gc.freeze()`, undone when the save ends), so collections the
         save's own allocations trigger do not walk the whole training process's heap.
+    writer_nice: how much nicer than the saving thread the writer threads run (their own
+        threads only: the caller's priority never changes). None uses the measured default,
+        `cpu.WRITER_NICE_INCREMENT` (5); 0 leaves them at the caller's priority.
     sink_factory: builds the byte sink for a staging directory, or wraps the kvstore sink
         (tests inject faults here); None means the POSIX (or kvstore) sink.
     kvstore_spec: a TensorStore kvstore spec (e.g. {"driver": "gcs", "bucket": "b"}); the
@@ -76,6 +79,7 @@ class SaveOptions:
     replace: str = "checkpoint"
     progress_interval_s: float = 10.0
     gc_freeze: bool = True
+    writer_nice: Optional[int] = None
     sink_factory: Optional[Callable] = None
     kvstore_spec: Optional[dict] = None
 
@@ -97,6 +101,8 @@ class SaveOptions:
             problems.append(f"replace={self.replace!r} must be one of {REPLACE_POLICIES}")
         if self.unmapped_policy not in UNMAPPED_POLICIES:
             problems.append(f"unmapped_policy={self.unmapped_policy!r} must be one of {UNMAPPED_POLICIES}")
+        if self.writer_nice is not None and not (0 <= self.writer_nice <= 19):
+            problems.append(f"writer_nice={self.writer_nice} must be None or within [0, 19]")
         if self.progress_interval_s < 0:
             problems.append(f"progress_interval_s={self.progress_interval_s} must be >= 0")
         if problems:

@@ -103,8 +103,9 @@ class RankWriter:
 
     def __init__(self, work: RankWork, sink: Sink, stager: Stager, *, crc32: bool, progress: Progress,
                  checksums: bool = False, lanes: int | None = None, checksum_threads: int | None = None,
-                 whole_writes: bool = False) -> None:
-        """``whole_writes``: the sink takes each item in one `write_at` (kvstore values)."""
+                 whole_writes: bool = False, nice: int | None = None) -> None:
+        """``whole_writes``: the sink takes each item in one `write_at` (kvstore values);
+        ``nice``: how much nicer the writer threads run (None: `cpu.WRITER_NICE_INCREMENT`)."""
         self.work = work
         self.checksums = checksums
         self._hasher: ThreadPoolExecutor | None = None
@@ -124,6 +125,7 @@ class RankWriter:
         self._handles: list = [None] * len(files)  # open files (one writer at a time each)
         self._checksum_threads = _checksum_threads(checksum_threads, self._lanes) if checksums else 0
         self._whole_writes = whole_writes
+        self._nice = nice
         self._threads: list[threading.Thread] = []
         self._t0 = 0.0
         self._staged_at = 0.0
@@ -282,7 +284,7 @@ class RankWriter:
 
     # ----------------------------------------------------------------- writing
     def _writer_thread(self) -> None:
-        lower_thread_priority(cpu.WRITER_NICE_INCREMENT)
+        lower_thread_priority(cpu.WRITER_NICE_INCREMENT if self._nice is None else self._nice)
         spare_cpus(cpu.WRITER_SPARED_CPUS)
         self._write_loop()
 

@@ -200,7 +200,7 @@ class _Job:
         self.writer = RankWriter(
             work, sink, Stager(self.pool, fence, grid=opts.checksums and opts.device_checksums), crc32=opts.zip_crc32,
             progress=progress, checksums=opts.checksums, lanes=opts.io_threads, checksum_threads=opts.checksum_threads,
-            whole_writes=self.kv,
+            whole_writes=self.kv, nice=opts.writer_nice,
         )
         self.t_planned = time.perf_counter()  # plan_s ends where write_s begins
         if not self.kv and not os.path.isdir(self.staging_dir):

@@ -135,3 +135,38 @@ def test_spared_cores_leave_at_least_two(monkeypatch, cores, count, expected):
     monkeypatch.setattr(os, "sched_setaffinity", lambda pid, mask: calls.append((pid, list(mask))), raising=False)
     cpu.spare_cpus(count)
     assert calls == ([] if expected is None else [(0, expected)])
+
+
+def test_the_save_option_overrides_the_default_and_is_validated(tmp_path, monkeypatch):
+    monkeypatch.setattr(cpu, "WRITER_NICE_INCREMENT", 3)
+    seen, loop = [], pipeline.RankWriter._write_loop
+
+    def recording(self):
+        seen.append(_priority())
+        return loop(self)
+
+    monkeypatch.setattr(pipeline.RankWriter, "_write_loop", recording)
+    tensors, state = _state(5)
+    before = _priority()
+    if before + 2 > 19:
+        pytest.skip(f"the test process already runs at nice {before}")
+    safe_ckpt.save(state, tmp_path / "ck", options=safe_ckpt.SaveOptions(io_threads=2, writer_nice=2))
+    assert seen == [before + 2] * 2 and _priority() == before
+    assert _load(tmp_path / "ck", tensors)
+    seen.clear()
+    safe_ckpt.save(state, tmp_path / "ck0", options=safe_ckpt.SaveOptions(io_threads=2, writer_nice=0))
+    assert seen == [before] * 2
+    for bad in (-1, 20):
+        with pytest.raises(safe_ckpt.ValidationError, match=f"writer_nice={bad}"):
+            safe_ckpt.SaveOptions(writer_nice=bad)
+
+
+def test_slime_flag_reaches_the_option():
+    import argparse
+
+    from safe_ckpt.integrations import slime
+    from safe_ckpt.megatron.training import options_from_args
+
+    parser = slime.add_arguments(argparse.ArgumentParser())
+    assert options_from_args(parser.parse_args(["--safe-ckpt-writer-nice", "7"])).writer_nice == 7
+    assert options_from_args(parser.parse_args([])).writer_nice is None

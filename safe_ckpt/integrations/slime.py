@@ -42,6 +42,8 @@ def add_arguments(parser):
     group.add_argument("--safe-ckpt-staging-budget-gib", type=float, default=None,
                        help="pinned staging pool per rank, allocated once (default 2 GiB)")
     group.add_argument("--safe-ckpt-io-threads", type=int, default=None, help="writer threads per rank (default 8)")
+    group.add_argument("--safe-ckpt-writer-nice", type=int, default=None,
+                       help="how much nicer than the training thread the writer threads run (default 5; 0: not)")
     group.add_argument("--safe-ckpt-unmapped-policy", choices=["error", "cpu_backup"], default="error",
                        help="paused GPU memory: refuse (error) or read torch_memory_saver's CPU backup")
     group.add_argument("--safe-ckpt-timeout-s", type=float, default=None,

@@ -58,6 +58,7 @@ def options_from_args(args) -> SaveOptions:
         staging_budget_bytes=int(budget * GiB) if budget else 2 * GiB,
         unmapped_policy=getattr(args, "safe_ckpt_unmapped_policy", None) or "error",
         collective_timeout_s=float(getattr(args, "safe_ckpt_timeout_s", None) or 600.0),
+        writer_nice=getattr(args, "safe_ckpt_writer_nice", None),
     )
 
 
