@@ -101,8 +101,8 @@ class SaveOptions:
             problems.append(f"replace={self.replace!r} must be one of {REPLACE_POLICIES}")
         if self.unmapped_policy not in UNMAPPED_POLICIES:
             problems.append(f"unmapped_policy={self.unmapped_policy!r} must be one of {UNMAPPED_POLICIES}")
-        if self.writer_nice is not None and not (0 <= self.writer_nice <= 19):
-            problems.append(f"writer_nice={self.writer_nice} must be None or within [0, 19]")
+        if self.writer_nice is not None and (type(self.writer_nice) is not int or not 0 <= self.writer_nice <= 19):
+            problems.append(f"writer_nice={self.writer_nice!r} must be None or an int within [0, 19]")
         if self.progress_interval_s < 0:
             problems.append(f"progress_interval_s={self.progress_interval_s} must be >= 0")
         if problems:

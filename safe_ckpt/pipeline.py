@@ -126,6 +126,7 @@ class RankWriter:
         self._checksum_threads = _checksum_threads(checksum_threads, self._lanes) if checksums else 0
         self._whole_writes = whole_writes
         self._nice = nice
+        self._files_finished = 0  # files whose last item was written (then synced and closed)
         self._threads: list[threading.Thread] = []
         self._t0 = 0.0
         self._staged_at = 0.0
@@ -175,6 +176,10 @@ class RankWriter:
                     log.debug("safe_ckpt: closing an abandoned file failed: %s", exc)
         if self._hasher is not None:
             self._hasher.shutdown(wait=True)
+        files = len(self.work.layout.files)
+        if not self._errors and self._files_finished != files:  # a writer gone without a word
+            self._fail(None, CheckpointError(f"internal error: {files - self._files_finished} of {files} data files "
+                                             "were never finished; nothing is published"))
         if not self._errors:
             try:
                 for name, data in self.work.whole_files.items():
@@ -284,8 +289,11 @@ class RankWriter:
 
     # ----------------------------------------------------------------- writing
     def _writer_thread(self) -> None:
-        lower_thread_priority(cpu.WRITER_NICE_INCREMENT if self._nice is None else self._nice)
-        spare_cpus(cpu.WRITER_SPARED_CPUS)
+        try:
+            lower_thread_priority(cpu.WRITER_NICE_INCREMENT if self._nice is None else self._nice)
+            spare_cpus(cpu.WRITER_SPARED_CPUS)
+        except Exception as exc:  # a priority or affinity left as it was must not cost the save a writer
+            log.warning("safe_ckpt: writer thread kept its priority and cores: %s", exc)
         self._write_loop()
 
     def _write_loop(self) -> None:
@@ -324,6 +332,8 @@ class RankWriter:
             return None
 
     def _finish_file(self, file_index: int) -> None:
+        with self._lock:
+            self._files_finished += 1
         handle, self._handles[file_index] = self._handles[file_index], None
         if handle is None:
             return

@@ -41,7 +41,7 @@ def test_bench_harness_smoke(tmp_path):
     assert "| safe_sync |" in md and "| plan s | write s | commit s |" in md
     sync = rows[("safe_sync", "cold")]  # both ceilings side by side in the row's cell
     assert f"| {sync['vs_write_ceiling']:.0%} ({sync['vs_write_ceiling_median']:.0%}) |" in md
-    beside = f"write_beside_d2h_gbps[{tmp_path / 'target'}]"
+    beside = f"write_beside_d2h_gbps[gpu {tmp_path / 'target'}]"
     if not torch.cuda.is_available():  # a host state has no device bytes to copy beside the writes
         assert beside not in report["meta"]["ceilings"] and "vs_write_beside_d2h" not in sync
         assert report["meta"]["ceiling_notes"][beside] == "not measured: no GPU bytes in this state"
@@ -69,7 +69,7 @@ def _multi_rank(tmp_path, launcher_cmd):
     import torch
 
     if not torch.cuda.is_available():  # every rank took the same way past the combined ceiling
-        assert report["meta"]["ceiling_notes"][f"write_beside_d2h_gbps[{tmp_path / 't'}]"].startswith("not measured")
+        assert report["meta"]["ceiling_notes"][f"write_beside_d2h_gbps[gpu {tmp_path / 't'}]"].startswith("not measured")
     rows = {s["peer"]: s for s in report["summary"]}
     assert rows["safe_sync"]["runs"] == 1 and rows["safe_sync"]["total_s"] > 0
     return report
@@ -168,7 +168,8 @@ def test_write_ceiling_beside_a_copy(tmp_path):
 
 def _beside_on_ranks(rank, world, target, fail_rank, fail_at):
     """The bench's combined ceiling on a real gloo world, a host copy standing for the device
-    one (the GPU suite's bench part runs the real one); ``fail_at`` "alloc" or "copy" on one rank."""
+    one (the GPU suite's bench part runs the real one); ``fail_at`` "alloc" or "copy" on one
+    rank, or "nogpu": that rank has no GPU bytes and only writes."""
     from types import SimpleNamespace
 
     import torch
@@ -178,37 +179,44 @@ def _beside_on_ranks(rank, world, target, fail_rank, fail_at):
 
     src = torch.empty(4 << 20, dtype=torch.uint8).random_(generator=torch.Generator().manual_seed(rank))
     dst = torch.empty_like(src)
+    closed = []
 
-    def copy():
-        if rank == fail_rank and fail_at == "copy":
-            raise OSError("copy broke")
-        dst.copy_(src)
+    class HostCopy:
+        def __call__(self):
+            if rank == fail_rank and fail_at == "copy":
+                raise OSError("copy broke")
+            dst.copy_(src)
+
+        def close(self):
+            closed.append(True)
 
     def copier(tensors):
         if rank == fail_rank and fail_at == "alloc":
             raise RuntimeError("no pinned memory")
-        return copy
+        return None if rank == fail_rank and fail_at == "nogpu" else HostCopy()
 
     ceilings.device_to_host_copier = copier
     meta = {"ceilings": {}, "ceiling_threads": {target: 2}}
-    run._ceiling_beside_d2h(target, SimpleNamespace(plain={}, nbytes=8 << 20), meta, None, rank, world,
-                            dist.new_group(backend="gloo"))
-    return {"gbps": meta["ceilings"].get(f"write_beside_d2h_gbps[{target}]"),
-            "note": meta.get("ceiling_notes", {}).get(f"write_beside_d2h_gbps[{target}]"),
-            "copied": torch.equal(src, dst)}
+    key = "write_beside_d2h_gbps[gpu t]"
+    run._ceiling_beside_d2h(key, target, SimpleNamespace(plain={}, nbytes=8 << 20, device_bytes=4 << 20), meta,
+                            None, rank, world, dist.new_group(backend="gloo"))
+    return {"gbps": meta["ceilings"].get(key), "note": meta.get("ceiling_notes", {}).get(key),
+            "copied": torch.equal(src, dst), "closed": closed == [True]}
 
 
-@pytest.mark.parametrize("fail_rank,fail_at", [(None, None), (1, "alloc"), (0, "copy")])
+@pytest.mark.parametrize("fail_rank,fail_at", [(None, None), (1, "alloc"), (0, "copy"), (1, "nogpu")])
 def test_combined_ceiling_on_two_ranks_fails_together(tmp_path, fail_rank, fail_at):
     from tests.mp import run_world
 
     results = run_world(2, _beside_on_ranks, (str(tmp_path), fail_rank, fail_at), timeout_s=120)
     assert [status for status, _ in results] == ["ok", "ok"], results
     values = [v for _, v in results]
-    if fail_rank is None:
-        assert all(v["gbps"] > 0 and v["note"] is None and v["copied"] for v in values)
+    if fail_at in (None, "nogpu"):  # a rank without GPU bytes writes beside the others' copies
+        assert all(v["gbps"] > 0 and v["note"] is None for v in values), values
+        assert [v["copied"] for v in values] == [fail_rank != r for r in range(2)]
+        assert [v["closed"] for v in values] == [fail_rank != r for r in range(2)]
         return
     assert all(v["gbps"] is None for v in values)  # nobody reports a ceiling one rank could not measure
-    own = {"alloc": "failed: RuntimeError: no pinned memory", "copy": "failed: RuntimeError: the copy beside"}[fail_at]
-    assert values[fail_rank]["note"].startswith(own)
-    assert values[1 - fail_rank]["note"] == "failed on another rank"
+    reason = {"alloc": "RuntimeError: no pinned memory", "copy": "RuntimeError: the copy beside"}[fail_at]
+    assert all(v["note"].startswith(f"failed on rank {fail_rank}: {reason}") for v in values), values
+    assert all(v["closed"] for r, v in enumerate(values) if not (fail_at == "alloc" and r == fail_rank))

@@ -156,9 +156,29 @@ def test_the_save_option_overrides_the_default_and_is_validated(tmp_path, monkey
     seen.clear()
     safe_ckpt.save(state, tmp_path / "ck0", options=safe_ckpt.SaveOptions(io_threads=2, writer_nice=0))
     assert seen == [before] * 2
-    for bad in (-1, 20):
-        with pytest.raises(safe_ckpt.ValidationError, match=f"writer_nice={bad}"):
+    for bad in (-1, 20, 1.5, True, "5"):
+        with pytest.raises(safe_ckpt.ValidationError, match=f"writer_nice={bad!r}"):
             safe_ckpt.SaveOptions(writer_nice=bad)
+
+
+def test_a_writer_whose_priority_cannot_be_set_still_writes(tmp_path, monkeypatch):
+    def broken(increment):
+        raise TypeError("not a number")
+
+    monkeypatch.setattr(pipeline, "lower_thread_priority", broken)
+    tensors, state = _state(5)
+    safe_ckpt.save(state, tmp_path / "ck", options=safe_ckpt.SaveOptions(io_threads=3))
+    assert _load(tmp_path / "ck", tensors)
+
+
+def test_files_never_finished_fail_the_save_and_publish_nothing(tmp_path, monkeypatch):
+    """A writer that vanished without an error (the files' ends never reached) must not let the
+    save report success over missing data files."""
+    monkeypatch.setattr(pipeline.RankWriter, "_finish_file", lambda self, index: None)
+    _, state = _state(5)
+    with pytest.raises(safe_ckpt.CheckpointError, match="data files were never finished"):
+        safe_ckpt.save(state, tmp_path / "ck", options=safe_ckpt.SaveOptions(io_threads=2))
+    assert not (tmp_path / "ck").exists()
 
 
 def test_slime_flag_reaches_the_option():

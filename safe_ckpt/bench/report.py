@@ -11,6 +11,11 @@ from collections import defaultdict
 BREAKDOWN = ("plan_s", "write_s", "commit_s")  # safe_ckpt rows: where the time-to-durable went
 
 
+def beside_key(residence: str, target: str) -> str:
+    """The key of the write ceiling measured with a residence's GPU bytes copied beside it."""
+    return f"write_beside_d2h_gbps[{residence} {target}]"
+
+
 def summarize(rows: list[dict], meta: dict) -> list[dict]:
     groups = defaultdict(list)
     for r in rows:
@@ -37,7 +42,7 @@ def summarize(rows: list[dict], meta: dict) -> list[dict]:
         samples = (meta.get("write_samples_gbps") or {}).get(target)
         if samples:
             s["vs_write_ceiling_median"] = s["gbps"] / statistics.median(samples)
-        beside = meta["ceilings"].get(f"write_beside_d2h_gbps[{target}]")
+        beside = meta["ceilings"].get(beside_key(residence, target))
         if beside:
             s["vs_write_beside_d2h"] = s["gbps"] / beside
         d2h = meta["ceilings"].get("d2h_gbps")
@@ -75,11 +80,12 @@ def _ceiling(s: dict) -> str:
 
 def _beside_lines(meta: dict) -> list[str]:
     lines = []
-    for target, b in (meta.get("beside_d2h") or {}).items():
-        gbps = meta["ceilings"].get(f"write_beside_d2h_gbps[{target}]")
+    for key, b in (meta.get("beside_d2h") or {}).items():
+        gbps = meta["ceilings"].get(key)
         if gbps:
-            lines.append(f"Write ceiling with the GPU bytes copied device-to-host beside it, {target}: {gbps:.2f} GB/s "
-                         f"(best of 3; writers {b['write_s']:.2f} s, copy {b['copy_s']:.2f} s)")
+            lines.append(f"{key}: {gbps:.2f} GB/s, the write ceiling with {b['device_bytes'] / 1e9:.2f} GB a rank "
+                         f"copied device-to-host beside it (best of 3; rank {b['rank']}'s writers "
+                         f"{b['write_s']:.2f} s, its copy {b['copy_s']:.2f} s)")
     return lines + [f"{key}: {note}" for key, note in (meta.get("ceiling_notes") or {}).items()]
 
 

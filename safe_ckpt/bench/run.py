@@ -18,6 +18,8 @@ import socket
 import sys
 import time
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
@@ -146,14 +148,18 @@ def run(args) -> str:
                 meta.setdefault("write_gbps_by_threads", {})[target] = by_threads
                 meta.setdefault("ceiling_threads", {})[target] = max(by_threads, key=by_threads.get)
                 meta["ceilings"][key] = max(by_threads.values())
-                if args.ceiling_beside_d2h:  # from the same source bytes as the ceiling above
-                    _ceiling_beside_d2h(target, state, meta, source, rank, world, group)
-                if not args.ceiling_each_rep:
-                    source = None  # the savers should not run beside a state-sized buffer they never read
                 if rank == 0:
                     print(f"ceiling write {target}: {meta['ceilings'][key]:.2f} GB/s (by threads: "
                           f"{ {n: round(r, 2) for n, r in by_threads.items()} })", flush=True)
-                    _save_meta(args.out, meta)
+            beside = report.beside_key(residence, target)
+            if args.ceiling_beside_d2h and beside not in meta["ceilings"]:
+                if source is None:
+                    source = ceilings.source_buffer(state.nbytes)
+                _ceiling_beside_d2h(beside, target, state, meta, source, rank, world, group)
+            if not args.ceiling_each_rep:
+                source = None  # the savers should not run beside a state-sized buffer they never read
+            if rank == 0:
+                _save_meta(args.out, meta)
             for cache in args.cache.split(","):
                 for rep in range(args.reps):
                     if args.ceiling_each_rep:
@@ -206,44 +212,60 @@ def _ceiling_rate(target, state, threads, reps, source, rank, world, group) -> f
     return state.nbytes // threads * threads * world / slowest / 1e9
 
 
-def _ceiling_beside_d2h(target, state, meta, source, rank, world, group) -> None:
+def _ceiling_beside_d2h(key, target, state, meta, source, rank, world, group) -> None:
     """The write ceiling with this rank's GPU bytes copied device-to-host beside it (best of 3),
-    every rank at once; recorded as ``write_beside_d2h_gbps[target]``, or, where it cannot run,
-    why. Every rank reaches the same collectives whatever fails on one of them."""
-    key = f"write_beside_d2h_gbps[{target}]"
+    every rank at once (a rank without GPU bytes writes only); recorded under ``key``, or, where
+    it cannot run, why (``ceiling_notes``). Every rank reaches the same collectives whatever
+    fails on one of them; only strings outlive a failure, so the buffer is freed at once."""
     threads = meta["ceiling_threads"][target]
-    error, copy = None, None
+    copy, note = None, None
     try:
         copy = ceilings.device_to_host_copier(state.plain.values())
     except Exception as exc:
-        error = exc
-    ready = _max_over_ranks({"failed": float(error is not None), "gpu": float(copy is not None)}, group)
+        note = f"failed on rank {rank}: {type(exc).__name__}: {exc}"[:300]
     try:
-        notes = meta.setdefault("ceiling_notes", {})
-        if ready["failed"]:
-            notes[key] = (f"failed: {type(error).__name__}: {error}" if error else "failed on another rank")[:300]
-            return
-        if not ready["gpu"]:
-            notes[key] = "not measured: no GPU bytes in this state"
+        ready = _gathered(note, copy is not None, group)
+        if ready.note or not ready.gpu:
+            meta.setdefault("ceiling_notes", {})[key] = ready.note or "not measured: no GPU bytes in this state"
             return
         dist.barrier()
-        best, error = None, None
+        best = None
         try:
-            best = ceilings.write_beside_copy(os.path.join(target, f"rank{rank}"), state.nbytes, threads, copy, 3,
-                                              source)
+            best = ceilings.write_beside_copy(os.path.join(target, f"rank{rank}"), state.nbytes, threads,
+                                              copy or (lambda: None), 3, source)
         except Exception as exc:  # a ceiling that cannot be measured must not cost the run its rows
-            error = exc
-        done = _max_over_ranks({"failed": float(error is not None), "s": best.seconds if best else 0.0,
-                                "write_s": best.write_s if best else 0.0, "copy_s": best.copy_s if best else 0.0},
-                               group)
-        if done["failed"]:
-            notes[key] = (f"failed: {type(error).__name__}: {error}" if error else "failed on another rank")[:300]
+            note = f"failed on rank {rank}: {type(exc).__name__}: {exc}"[:300]
+        done = _gathered(note, True, group)
+        slowest = _max_over_ranks({"s": best.seconds if best else 0.0}, group)["s"]
+        if done.note:
+            meta.setdefault("ceiling_notes", {})[key] = done.note
             return
-        meta["ceilings"][key] = state.nbytes // threads * threads * world / done["s"] / 1e9
-        meta.setdefault("beside_d2h", {})[target] = {"write_s": done["write_s"], "copy_s": done["copy_s"]}
+        meta["ceilings"][key] = state.nbytes // threads * threads * world / slowest / 1e9
+        meta.setdefault("beside_d2h", {})[key] = {"write_s": best.write_s, "copy_s": best.copy_s, "rank": rank,
+                                                 "device_bytes": state.device_bytes}
     finally:
+        if copy is not None:
+            copy.close()
         del copy
-        _empty_caches()  # the copy's pinned buffer must not sit in the host cache during warm rows
+        _empty_caches()
+
+
+@dataclass(frozen=True)
+class _Gathered:
+    note: str | None  # the first rank's failure, if any
+    gpu: bool  # some rank has GPU bytes
+
+
+def _gathered(note: str | None, gpu: bool, group) -> _Gathered:
+    """Every rank's failure note and GPU flag, the same answer on every rank."""
+    mine = {"note": note, "gpu": gpu}
+    if group is None:
+        everyone = [mine]
+    else:
+        everyone = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, mine, group=group)
+    notes = [e["note"] for e in everyone if e["note"]]
+    return _Gathered(notes[0] if notes else None, any(e["gpu"] for e in everyone))
 
 
 def _save_meta(prefix: str, meta: dict) -> None:
