@@ -46,6 +46,7 @@ python benchmarks/diag_ttd.py [--preset anchor] [--gib 8.6] [--target /dev/shm/s
 from __future__ import annotations
 
 import argparse
+import errno
 import functools
 import json
 import os
@@ -74,14 +75,19 @@ def _fresh(target: str) -> str:
     return target
 
 
-def _spans(nbytes: int, parts: int) -> list[range]:
+def _spans(nbytes: int, parts: int, align: int = 1) -> list[range]:
     per = -(-nbytes // parts)
+    per = -(-per // align) * align
     return [range(i * per, min(nbytes, (i + 1) * per)) for i in range(parts)]
 
 
 def _write_lanes(target: str, mv: memoryview, threads: int, piece: int, hash_mode: str | None = None,
-                 reuse_bytes: int = 0, shift_bytes: int = 0, writeback_bytes: int = 0) -> float:
-    """``writeback_bytes``: start the kernel's writeback of every that many written bytes
+                 reuse_bytes: int = 0, shift_bytes: int = 0, writeback_bytes: int = 0,
+                 direct: bool = False) -> float:
+    """``direct``: O_DIRECT (bypassing the page cache) for every whole 4 KiB block of a file, its
+    unaligned tail through the page cache, to see whether the disk takes bytes faster than the
+    buffered write + fsync ceiling (the source is page-aligned pinned memory);
+    ``writeback_bytes``: start the kernel's writeback of every that many written bytes
     (posix.EarlyWriteback), as safe_ckpt does with ``posix.EARLY_WRITEBACK_BYTES``;
     ``reuse_bytes``: read every piece from the first that many bytes (the old ceiling's 1 GiB buffer);
     ``shift_bytes``: each file's bytes start that far in (a hole before them), so the page cache's
@@ -91,6 +97,8 @@ def _write_lanes(target: str, mv: memoryview, threads: int, piece: int, hash_mod
 
     def lane(i: int, span: range) -> None:
         path = os.path.join(d, f"f{i}")
+        if direct:
+            return _direct_lane(path, mv, span, piece)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         early = posix.EarlyWriteback(fd, path, writeback_bytes) if writeback_bytes else None
         try:
@@ -101,7 +109,7 @@ def _write_lanes(target: str, mv: memoryview, threads: int, piece: int, hash_mod
                 pending = hasher.submit(checksum_of, [buf]) if hasher else None
                 if hash_mode == "fused":
                     checksum_of([buf])
-                os.pwrite(fd, buf, off - span.start + shift_bytes)
+                _pwrite_all(fd, buf, off - span.start + shift_bytes)
                 if early is not None:
                     early.wrote(off - span.start + shift_bytes, n)
                 if pending:
@@ -110,8 +118,17 @@ def _write_lanes(target: str, mv: memoryview, threads: int, piece: int, hash_mod
         finally:
             os.close(fd)
 
+    spans = _spans(len(mv), threads, align=DIRECT_ALIGN if direct else 1)
+    errors: list[BaseException] = []
+
+    def guarded(i: int, span: range) -> None:
+        try:
+            lane(i, span)
+        except BaseException as e:  # a lane's failure must fail the case, not vanish with its thread
+            errors.append(e)
+
     t0 = time.perf_counter()
-    ts = [threading.Thread(target=lane, args=(i, s)) for i, s in enumerate(_spans(len(mv), threads))]
+    ts = [threading.Thread(target=guarded, args=(i, s)) for i, s in enumerate(spans)]
     for t in ts:
         t.start()
     for t in ts:
@@ -120,7 +137,42 @@ def _write_lanes(target: str, mv: memoryview, threads: int, piece: int, hash_mod
     if hasher:
         hasher.shutdown()
     shutil.rmtree(d, ignore_errors=True)
+    if errors:
+        raise errors[0]
     return dt
+
+
+DIRECT_ALIGN = 4096
+
+
+def _pwrite_all(fd: int, buf: memoryview, offset: int) -> None:
+    while len(buf):
+        n = os.pwrite(fd, buf, offset)
+        buf, offset = buf[n:], offset + n
+
+
+def _direct_lane(path: str, mv: memoryview, span: range, piece: int) -> None:
+    whole = (len(span) // DIRECT_ALIGN) * DIRECT_ALIGN
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+    try:
+        for off in range(0, whole, piece):
+            n = min(piece, whole - off)
+            _pwrite_all(fd, mv[span.start + off:span.start + off + n], off)
+    except OSError as e:
+        if e.errno == errno.EINVAL:
+            raise OSError(e.errno, f"O_DIRECT write refused at {path}: the source must be page-aligned "
+                                   "(the CUDA pinned buffer is; a CPU-only run's is not) and the "
+                                   "filesystem must take O_DIRECT") from e
+        raise
+    finally:
+        os.close(fd)
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        if whole < len(span):
+            _pwrite_all(fd, mv[span.start + whole:span.stop], whole)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _d2h(sources: list[torch.Tensor], pinned: torch.Tensor, stream) -> float:
@@ -496,6 +548,8 @@ def main() -> None:
             pinned[off:off + n].copy_(s.reshape(-1).view(torch.uint8))
             off += n
     mv = host_memoryview(pinned[:nbytes])
+    # O_DIRECT needs a page-aligned source; the pool's buffer is torch's (64-byte aligned) memory
+    dmv = mv[(-pinned.data_ptr()) % DIRECT_ALIGN:]
     pageable = pinned[:nbytes].clone()
     pmv = host_memoryview(pageable)
     from safe_ckpt import cuda_driver
@@ -558,6 +612,9 @@ def main() -> None:
         "write_8": lambda: _write_lanes(args.target, mv, 8, 64 * MiB),
         "write_12": lambda: _write_lanes(args.target, mv, 12, 64 * MiB),
         "write_16": lambda: _write_lanes(args.target, mv, 16, 64 * MiB),
+        **{f"write_{n}_direct{'' if p == 64 else f'_p{p}'}": (
+            lambda n=n, p=p: _write_lanes(args.target, dmv, n, p * MiB, direct=True))
+           for n in (8, 16, 32) for p in (8, 64)},
         "write_16_wb32": lambda: _write_lanes(args.target, mv, 16, 64 * MiB, writeback_bytes=32 * MiB),
         **{f"write_16_shift{n}": (lambda n=n: _write_lanes(args.target, mv, 16, 64 * MiB, shift_bytes=n))
            for n in (1, 8, 64, 2048, 4096)},
