@@ -6,6 +6,7 @@ one state, what the machine itself allows and what safe_ckpt does, so the gap ca
 attributed:
 - ``write_T``: T threads write the state's bytes from pinned memory (64 MiB pieces) + fsync;
   ``write_16_shiftN``: each file's bytes N bytes in, out of step with the source's pages;
+  ``write_T_direct[_p8]``: the same with O_DIRECT for every whole 4 KiB block (8 MiB pieces), the tail buffered;
 - ``write_hash_beside``: 8 writers, each piece checksummed on another thread meanwhile (safe_ckpt's way);
 - ``write_hash_fused``: 8 writers, each 4 MiB piece checksummed then written by the same thread;
 - ``d2h``: the device-to-host copy of every shard into the pinned pool;
