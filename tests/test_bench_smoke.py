@@ -220,3 +220,72 @@ def test_combined_ceiling_on_two_ranks_fails_together(tmp_path, fail_rank, fail_
     reason = {"alloc": "RuntimeError: no pinned memory", "copy": "RuntimeError: the copy beside"}[fail_at]
     assert all(v["note"].startswith(f"failed on rank {fail_rank}: {reason}") for v in values), values
     assert all(v["closed"] for r, v in enumerate(values) if not (fail_at == "alloc" and r == fail_rank))
+
+
+def _diag_ttd():
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "diag_ttd.py")
+    spec = importlib.util.spec_from_file_location("diag_ttd_under_test", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_diag_write_lanes_direct_bytes_and_errors(tmp_path, monkeypatch):
+    """diag_ttd's O_DIRECT lane writes exactly its span (whole blocks past the page cache,
+    the unaligned tail through it), spans for it start on block boundaries, and a lane that
+    fails fails the case instead of vanishing with its thread."""
+    import errno
+    import mmap
+    import os
+    import random
+
+    diag = _diag_ttd()
+    nbytes = 3 * diag.DIRECT_ALIGN * 5 + 777
+    buf = mmap.mmap(-1, nbytes)  # page-aligned, as the CUDA pinned buffer is
+    buf[:] = random.Random(7).randbytes(nbytes)
+    mv = memoryview(buf)
+    spans = diag._spans(nbytes, 3, align=diag.DIRECT_ALIGN)
+    assert all(s.start % diag.DIRECT_ALIGN == 0 for s in spans)
+    assert [s.start for s in spans[1:]] == [s.stop for s in spans[:-1]] and spans[-1].stop == nbytes
+    try:
+        for i, span in enumerate(spans):
+            diag._direct_lane(str(tmp_path / f"f{i}"), mv, span, 2 * diag.DIRECT_ALIGN)
+    except OSError as e:
+        if e.errno == errno.EINVAL:
+            pytest.skip(f"this filesystem takes no O_DIRECT: {e}")
+        raise
+    assert b"".join((tmp_path / f"f{i}").read_bytes() for i in range(3)) == bytes(buf)
+
+    calls = []
+    real = os.pwrite
+
+    def failing(fd, data, offset):
+        calls.append(offset)
+        if len(calls) == 2:
+            raise OSError(errno.EIO, "injected")
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", failing)
+    with pytest.raises(OSError, match="injected"):
+        diag._write_lanes(str(tmp_path / "lanes"), mv, 2, diag.DIRECT_ALIGN)
+    assert not (tmp_path / "lanes").exists()
+
+
+def test_diag_write_lanes_short_writes_are_finished(tmp_path, monkeypatch):
+    """A pwrite that takes fewer bytes than given is continued, not dropped."""
+    import os
+    import random
+
+    diag = _diag_ttd()
+    data = random.Random(3).randbytes(10_000)
+    real = os.pwrite
+    monkeypatch.setattr(os, "pwrite", lambda fd, b, off: real(fd, bytes(b)[:1000], off))
+    fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT)
+    try:
+        diag._pwrite_all(fd, memoryview(data), 5)
+    finally:
+        os.close(fd)
+    assert (tmp_path / "f").read_bytes() == b"\0" * 5 + data
