@@ -49,6 +49,11 @@ def test_bench_harness_smoke(tmp_path):
     else:
         assert report["meta"]["ceilings"][beside] > 0 and sync["vs_write_beside_d2h"] > 0
     assert "| vs write beside D2H |" in md
+    for peer in ("safe_sync", "safe_async"):  # one more save each, loaded back by stock Megatron, bit for bit
+        v = report["meta"]["verified"][f"{peer} gpu {tmp_path / 'target'}"]
+        assert v == {**v, "tensors": 20, "objects": 2, "ranks": 1} and "failed" not in v
+        assert f"Loaded back with stock Megatron, {peer} gpu {tmp_path / 'target'}: 20 tensors and 2 objects bit-exact" in md
+    assert not any("nosum" in k for k in report["meta"]["verified"])  # only the peers --verify names
     # a run cut short keeps its rows and meta: the report can be rebuilt from them alone
     (tmp_path / "bench.md").unlink()
     proc = subprocess.run([sys.executable, "-m", "safe_ckpt.bench", "--rebuild", str(out)], capture_output=True,
@@ -72,6 +77,9 @@ def _multi_rank(tmp_path, launcher_cmd):
         assert report["meta"]["ceiling_notes"][f"write_beside_d2h_gbps[gpu {tmp_path / 't'}]"].startswith("not measured")
     rows = {s["peer"]: s for s in report["summary"]}
     assert rows["safe_sync"]["runs"] == 1 and rows["safe_sync"]["total_s"] > 0
+    for peer in ("safe_sync", "safe_async"):  # every rank loaded its own shard back bit-exact
+        v = report["meta"]["verified"][f"{peer} gpu {tmp_path / 't'}"]
+        assert (v["tensors"], v["objects"], v["ranks"]) == (2 * 20, 2 * 2, 2) and "failed" not in v, v
     return report
 
 
@@ -289,3 +297,69 @@ def test_diag_write_lanes_short_writes_are_finished(tmp_path, monkeypatch):
     finally:
         os.close(fd)
     assert (tmp_path / "f").read_bytes() == b"\0" * 5 + data
+
+
+def test_bench_fails_a_save_that_does_not_load_back(tmp_path, monkeypatch):
+    """A checkpoint whose bytes differ from the state (one payload byte flipped on disk after
+    the save) fails the bench run, after its report is written and naming the rank; stock
+    Megatron's load itself does not check the bytes."""
+    import os
+    import socket
+
+    from safe_ckpt.bench import peers, run
+
+    real = peers.RUNNERS["safe_sync"]
+
+    def corrupting(state, target, threads, budget_bytes):
+        result = real(state, target, threads, budget_bytes)
+        data = max((os.path.join(target, f) for f in os.listdir(target) if f.endswith(".distcp")),
+                   key=os.path.getsize)
+        with open(data, "r+b") as f:
+            f.seek(os.path.getsize(data) // 2)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0x10]))
+        return result
+
+    monkeypatch.setitem(peers.RUNNERS, "safe_sync", corrupting)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for k, v in dict(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)).items():
+        monkeypatch.setenv(k, v)
+    out = tmp_path / "bench"
+    import safe_ckpt
+
+    try:
+        with pytest.raises(RuntimeError, match=r"did not load back bit-exact.*safe_sync gpu .*rank 0: 1 differ"):
+            run.main(["--gib", "0.02", "--reps", "1", "--threads", "2", "--targets", str(tmp_path / "t"),
+                      "--peers", "safe_sync,safe_async", "--budget-gib", "0.1", "--out", str(out)])
+    finally:  # the bench prepares this process's staging pool, as a training job would
+        safe_ckpt.release_staging_pool()
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert "failed" in report["meta"]["verified"][f"safe_sync gpu {tmp_path / 't'}"]
+    assert "failed" not in report["meta"]["verified"][f"safe_async gpu {tmp_path / 't'}"]
+    assert {r["peer"] for r in report["rows"]} == {"safe_sync", "safe_async"}
+    assert "**FAILED**" in (tmp_path / "bench.md").read_text()
+    assert not os.path.exists(tmp_path / "t" / "verify_safe_sync")
+
+
+def test_verify_compare_names_every_difference():
+    """The bench's round-trip check names a flipped bit, a changed object, a changed plain value
+    and a key the load did not return, and passes an exact copy."""
+    import torch
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+
+    from safe_ckpt.bench.verify import compare
+
+    g = torch.Generator().manual_seed(5)
+    a, b = torch.randn(64, generator=g), torch.randn(8, 8, generator=g).to(torch.bfloat16)
+    expected = {"a": ShardedTensor.from_rank_offsets("a", a), "b": ShardedTensor.from_rank_offsets("b", b),
+                "o": ShardedObject("o", {"lr": 1e-4}, (1,), (0,)), "iteration": 4}
+    exact = {"a": a.clone(), "b": b.clone(), "o": {"lr": 1e-4}, "iteration": 4}
+    v = compare(exact, expected)
+    assert (v.tensors, v.objects, v.mismatched) == (2, 2, ())
+    flipped = a.clone()
+    flipped.view(torch.int32)[17] ^= 1
+    v = compare({"a": flipped, "o": {"lr": 2e-4}, "iteration": 5}, expected)
+    assert v.mismatched == ("a", "b (not loaded)", "o", "iteration")

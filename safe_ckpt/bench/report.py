@@ -89,6 +89,17 @@ def _beside_lines(meta: dict) -> list[str]:
     return lines + [f"{key}: {note}" for key, note in (meta.get("ceiling_notes") or {}).items()]
 
 
+def _verified_lines(meta: dict) -> list[str]:
+    lines = []
+    for key, v in (meta.get("verified") or {}).items():
+        if v.get("failed"):
+            lines.append(f"Loaded back with stock Megatron, {key}: **FAILED**: {v['failed']}")
+        else:
+            lines.append(f"Loaded back with stock Megatron, {key}: {v['tensors']} tensors and {v['objects']} "
+                         f"objects bit-exact over {v['ranks']} rank(s) (one more, untimed save after the runs)")
+    return lines
+
+
 def to_markdown(summary: list[dict], meta: dict) -> str:
     c = meta["ceilings"]
     lines = [f"# {meta.get('label', 'benchmark')}", "", meta.get("machine_line", ""), "",
@@ -104,6 +115,7 @@ def to_markdown(summary: list[dict], meta: dict) -> str:
              *[f"Write ceiling measured between rounds, {t}: median {statistics.median(v):.2f} GB/s "
                f"[{min(v):.2f}-{max(v):.2f}], {len(v)} runs" for t, v in (meta.get("write_samples_gbps") or {}).items()],
              *_beside_lines(meta),
+             *_verified_lines(meta),
              "",
              "| residence | target | cache | peer | stall s | time-to-durable s | GB/s | vs write ceiling, best (between rounds) | "
              "vs write beside D2H | vs best peer | vs megatron sync | stall vs megatron async | ideal stall s | "

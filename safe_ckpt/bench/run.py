@@ -85,11 +85,19 @@ def _fs_type(path: str) -> str:
     return fstype
 
 
+def _everyone(mine, group) -> list:
+    """Every rank's ``mine``, in rank order, the same list on every rank."""
+    if group is None:
+        return [mine]
+    gathered = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, mine, group=group)
+    return gathered
+
+
 def _max_over_ranks(values: dict, group) -> dict:
     if group is None:
         return values
-    gathered = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, values, group=group)
+    gathered = _everyone(values, group)
     out = {}
     for k in values:
         vals = [g[k] for g in gathered if isinstance(g.get(k), (int, float))]
@@ -180,6 +188,8 @@ def run(args) -> str:
                             with open(args.out + ".rows.jsonl", "a") as f:  # survives an interrupted run
                                 f.write(json.dumps(row) + "\n")
                             _save_meta(args.out, meta)
+            for peer in [p for p in args.verify.split(",") if p in chosen and p.startswith("safe")]:
+                _verify(peer, state, target, residence, args, budget, meta, rank, group)
             if args.count_h2d and torch.cuda.is_available():
                 meta.setdefault("memcpy_events", {})
                 for peer in chosen:
@@ -200,7 +210,38 @@ def run(args) -> str:
         md = report.write(args.out, meta, rows, summary)
         print(md, flush=True)
     dist.barrier()
+    failed = {k: v for k, v in (meta.get("verified") or {}).items() if v.get("failed")}
+    if failed:  # after the report, so the run's rows are kept; but the run must not pass
+        raise RuntimeError("safe_ckpt bench: a save did not load back bit-exact with stock Megatron: "
+                           + "; ".join(f"{k}: {v['failed']}" for k, v in failed.items()))
     return md
+
+
+def _verify(peer, state, target, residence, args, budget, meta, rank, group) -> None:
+    """One more ``peer`` save, loaded back with stock Megatron and compared on every rank
+    (`verify.round_trip`); the outcome, summed over ranks, goes to ``meta["verified"]``."""
+    from . import verify
+
+    note, result = None, None
+    dist.barrier()
+    try:
+        result = verify.round_trip(state, f"{target}/verify_{peer}",
+                                   lambda st, path: peers.RUNNERS[peer](st, path, args.threads, budget))
+        if result.mismatched:
+            note = f"rank {rank}: {len(result.mismatched)} differ, first {', '.join(result.mismatched[:3])}"
+    except Exception as exc:
+        note = f"rank {rank}: {type(exc).__name__}: {exc}"[:300]
+    everyone = _everyone({"note": note, "result": None if result is None else {
+        "tensors": result.tensors, "objects": result.objects, "load_s": result.load_s}}, group)
+    done = [e["result"] for e in everyone if e["result"]]
+    notes = [e["note"] for e in everyone if e["note"]]
+    entry = {"tensors": sum(d["tensors"] for d in done), "objects": sum(d["objects"] for d in done),
+             "load_s": max((d["load_s"] for d in done), default=None), "ranks": len(everyone)}
+    if notes:
+        entry["failed"] = "; ".join(notes)
+    meta.setdefault("verified", {})[f"{peer} {residence} {target}"] = entry
+    if rank == 0:
+        print(f"verify {peer} {residence} {target}: {entry}", flush=True)
 
 
 def _ceiling_rate(target, state, threads, reps, source, rank, world, group) -> float:
@@ -258,12 +299,7 @@ class _Gathered:
 
 def _gathered(note: str | None, gpu: bool, group) -> _Gathered:
     """Every rank's failure note and GPU flag, the same answer on every rank."""
-    mine = {"note": note, "gpu": gpu}
-    if group is None:
-        everyone = [mine]
-    else:
-        everyone = [None] * dist.get_world_size(group)
-        dist.all_gather_object(everyone, mine, group=group)
+    everyone = _everyone({"note": note, "gpu": gpu}, group)
     notes = [e["note"] for e in everyone if e["note"]]
     return _Gathered(notes[0] if notes else None, any(e["gpu"] for e in everyone))
 
@@ -327,6 +363,10 @@ def main(argv=None) -> int:
                     help="also measure the write ceiling once per round of runs (reports its median beside the best)")
     ap.add_argument("--ceiling-beside-d2h", action="store_true",
                     help="also measure the write ceiling with the state's GPU bytes copied device-to-host beside it")
+    ap.add_argument("--verify", default="safe_sync,safe_async",
+                    help="after each target's timed runs, one more save by each of these safe_ckpt peers, loaded "
+                         "back with stock Megatron and compared bit for bit on every rank; a mismatch fails the "
+                         "run after its report is written ('none': skip)")
     ap.add_argument("--label", default=None)
     ap.add_argument("--out", default=None, help="output prefix (writes .json, .md, .png)")
     ap.add_argument("--rebuild", metavar="PREFIX", default=None,
