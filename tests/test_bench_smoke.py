@@ -61,6 +61,7 @@ def test_bench_harness_smoke(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     rebuilt = (tmp_path / "bench.md").read_text()
     assert "rebuilt from" in rebuilt and rebuilt.count("| safe_sync |") == md.count("| safe_sync |")
+    assert rebuilt.count("bit-exact over 1 rank(s)") == 2
 
 
 def _multi_rank(tmp_path, launcher_cmd):

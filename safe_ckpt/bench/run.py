@@ -242,6 +242,7 @@ def _verify(peer, state, target, residence, args, budget, meta, rank, group) -> 
     meta.setdefault("verified", {})[f"{peer} {residence} {target}"] = entry
     if rank == 0:
         print(f"verify {peer} {residence} {target}: {entry}", flush=True)
+        _save_meta(args.out, meta)  # a run cut short later still reports it (--rebuild)
 
 
 def _ceiling_rate(target, state, threads, reps, source, rank, world, group) -> float:
