@@ -231,6 +231,50 @@ def test_combined_ceiling_on_two_ranks_fails_together(tmp_path, fail_rank, fail_
     assert all(v["closed"] for r, v in enumerate(values) if not (fail_at == "alloc" and r == fail_rank))
 
 
+def _verify_on_ranks(rank, world, target, fail_rank):
+    """The bench's round trip on a real gloo world, one rank (``fail_rank``) failing alone
+    after the save and before the load, as a host running out of memory for the buffers would."""
+    import os
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from safe_ckpt.bench import run, verify
+    from safe_ckpt.bench.state import build
+
+    real = verify._empty_like_sharded
+
+    def buffers(sharded):
+        if rank == fail_rank:
+            raise RuntimeError("no host memory for the buffers")
+        return real(sharded)
+
+    verify._empty_like_sharded = buffers
+    state = build("anchor", 0.004, "gpu", rank, world)
+    meta = {}
+    args = SimpleNamespace(threads=2, out=os.path.join(target, f"out{rank}"))
+    run._verify("safe_sync", state, target, "gpu", args, 128 << 20, meta, rank, dist.new_group(backend="gloo"))
+    return {"entry": meta["verified"][f"safe_sync gpu {target}"],
+            "left": os.path.exists(os.path.join(target, "verify_safe_sync"))}
+
+
+@pytest.mark.parametrize("fail_rank", [None, 1])
+def test_bench_round_trip_on_two_ranks_fails_together(tmp_path, fail_rank):
+    """Both ranks load their shards back, or, where one rank fails alone before the load, no
+    rank enters the load's collectives (nothing hangs), both record that rank's failure, and
+    the checkpoint is gone."""
+    from tests.mp import run_world
+
+    results = run_world(2, _verify_on_ranks, (str(tmp_path), fail_rank), timeout_s=180)
+    assert [status for status, _ in results] == ["ok", "ok"], results
+    entries = [v["entry"] for _, v in results]
+    assert entries[0] == entries[1] and not any(v["left"] for _, v in results)
+    if fail_rank is None:
+        assert (entries[0]["tensors"], entries[0]["ranks"]) == (2 * 20, 2) and "failed" not in entries[0]
+    else:
+        assert entries[0]["failed"] == "rank 1: RuntimeError: no host memory for the buffers", entries[0]
+
+
 def _diag_ttd():
     import importlib.util
     import os
@@ -362,5 +406,10 @@ def test_verify_compare_names_every_difference():
     assert (v.tensors, v.objects, v.mismatched) == (2, 2, ())
     flipped = a.clone()
     flipped.view(torch.int32)[17] ^= 1
-    v = compare({"a": flipped, "o": {"lr": 2e-4}, "iteration": 5}, expected)
+    v = compare({"a": flipped, "o": {"lr": 2e-4}, "iteration": torch.ones(2)}, expected)
     assert v.mismatched == ("a", "b (not loaded)", "o", "iteration")
+    # bf16 values stored as fp32 would load into bf16 buffers unnoticed: the stored metadata tells
+    stored = {"a": ShardedTensor.from_rank_offsets("a", a), "b": ShardedTensor.from_rank_offsets("b", b.float())}
+    v = compare(exact, expected, stored)
+    assert v.mismatched == ("b (stored as (torch.float32, (8, 8)))",)
+    assert compare(exact, expected, {"a": stored["a"]}).mismatched == ("b (stored as None)",)

@@ -94,6 +94,8 @@ def _verified_lines(meta: dict) -> list[str]:
     for key, v in (meta.get("verified") or {}).items():
         if v.get("failed"):
             lines.append(f"Loaded back with stock Megatron, {key}: **FAILED**: {v['failed']}")
+        elif v.get("skipped"):
+            lines.append(f"Loaded back with stock Megatron, {key}: not checked: {v['skipped']}")
         else:
             lines.append(f"Loaded back with stock Megatron, {key}: {v['tensors']} tensors and {v['objects']} "
                          f"objects bit-exact over {v['ranks']} rank(s) (one more, untimed save after the runs)")

@@ -188,7 +188,7 @@ def run(args) -> str:
                             with open(args.out + ".rows.jsonl", "a") as f:  # survives an interrupted run
                                 f.write(json.dumps(row) + "\n")
                             _save_meta(args.out, meta)
-            for peer in [p for p in args.verify.split(",") if p in chosen and p.startswith("safe")]:
+            for peer in [p for p in args.verify if p in chosen]:
                 _verify(peer, state, target, residence, args, budget, meta, rank, group)
             if args.count_h2d and torch.cuda.is_available():
                 meta.setdefault("memcpy_events", {})
@@ -219,26 +219,37 @@ def run(args) -> str:
 
 def _verify(peer, state, target, residence, args, budget, meta, rank, group) -> None:
     """One more ``peer`` save, loaded back with stock Megatron and compared on every rank
-    (`verify.round_trip`); the outcome, summed over ranks, goes to ``meta["verified"]``."""
+    (`verify.round_trip`); the outcome, summed over ranks, goes to ``meta["verified"]``. Every
+    rank reaches the same collectives whichever rank fails, and the checkpoint is removed
+    only once every rank is done with it."""
     from . import verify
 
-    note, result = None, None
+    path = f"{target}/verify_{peer}"
+    note, skipped, result = None, None, None
     dist.barrier()
     try:
-        result = verify.round_trip(state, f"{target}/verify_{peer}",
-                                   lambda st, path: peers.RUNNERS[peer](st, path, args.threads, budget))
-        if result.mismatched:
+        result = verify.round_trip(state, path, lambda st, p: peers.RUNNERS[peer](st, p, args.threads, budget),
+                                   lambda ok: all(_everyone(ok, group)))
+        if result is not None and result.mismatched:
             note = f"rank {rank}: {len(result.mismatched)} differ, first {', '.join(result.mismatched[:3])}"
+    except peers.Unavailable as exc:
+        skipped = str(exc)
     except Exception as exc:
         note = f"rank {rank}: {type(exc).__name__}: {exc}"[:300]
-    everyone = _everyone({"note": note, "result": None if result is None else {
+    everyone = _everyone({"note": note, "skipped": skipped, "result": None if result is None else {
         "tensors": result.tensors, "objects": result.objects, "load_s": result.load_s}}, group)
+    shutil.rmtree(path, ignore_errors=True)
     done = [e["result"] for e in everyone if e["result"]]
     notes = [e["note"] for e in everyone if e["note"]]
+    skips = [e["skipped"] for e in everyone if e["skipped"]]
     entry = {"tensors": sum(d["tensors"] for d in done), "objects": sum(d["objects"] for d in done),
              "load_s": max((d["load_s"] for d in done), default=None), "ranks": len(everyone)}
     if notes:
         entry["failed"] = "; ".join(notes)
+    elif skips:
+        entry["skipped"] = skips[0]
+    elif len(done) < len(everyone):  # cannot happen without a note; never report it as passed
+        entry["failed"] = f"{len(everyone) - len(done)} rank(s) returned no result"
     meta.setdefault("verified", {})[f"{peer} {residence} {target}"] = entry
     if rank == 0:
         print(f"verify {peer} {residence} {target}: {entry}", flush=True)
@@ -378,6 +389,15 @@ def main(argv=None) -> int:
     if args.rebuild:
         print(rebuild(os.path.abspath(args.rebuild)))
         return 0
+    args.verify = [] if args.verify == "none" else [p for p in args.verify.split(",") if p]
+    wrong = [p for p in args.verify if not p.startswith("safe") or p not in peers.RUNNERS]
+    if wrong:
+        ap.error(f"--verify takes safe_ckpt peers ({', '.join(p for p in peers.RUNNERS if p.startswith('safe'))}) "
+                 f"or 'none', not {', '.join(wrong)}")
+    chosen = peers.PEERS if args.peers == "all" else tuple(args.peers.split(","))
+    unused = [p for p in args.verify if p not in chosen]
+    if unused and "--verify" in (argv if argv is not None else sys.argv[1:]):
+        print(f"safe-ckpt bench: --verify {', '.join(unused)}: not among --peers, not verified", file=sys.stderr)
     args.peer_reps = args.reps if args.peer_reps is None else args.peer_reps
     args.peer_cache = args.peer_cache or args.cache
     args.label = args.label or f"safe_ckpt bench {datetime.date.today().isoformat()}"

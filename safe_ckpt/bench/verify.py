@@ -3,14 +3,13 @@ the bench state, loaded back with stock `megatron.core.dist_checkpointing.load` 
 host tensors and compared bit for bit with the state, on every rank.
 
 One job: that round trip for one saver, run after a target's timed runs so it cannot change
-what they measure. Must not: time a save for the report, keep the checkpoint, or copy
-anything host-to-device (the state is read device-to-host to compare it).
+what they measure. Must not: time a save for the report, or copy anything host-to-device
+(the state is read device-to-host to compare it).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import shutil
 import time
 from dataclasses import dataclass
 
@@ -42,8 +41,18 @@ def _empty_like_sharded(sharded: dict) -> dict:
     return out
 
 
-def compare(loaded: dict, expected: dict) -> Verified:
-    """Every tensor, object and plain value of ``expected`` (a sharded state) against ``loaded``."""
+def _same(a, b) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # e.g. a tensor where a plain value was saved
+        return False
+
+
+def compare(loaded: dict, expected: dict, stored: dict | None = None) -> Verified:
+    """Every tensor, object and plain value of ``expected`` (a sharded state) against ``loaded``;
+    with ``stored`` (`load_tensors_metadata` of the checkpoint, by tensor key) also each
+    tensor's stored dtype and global shape, which a load into typed buffers would convert
+    or hide."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
     from ..synthetic import bits_equal
@@ -56,24 +65,41 @@ def compare(loaded: dict, expected: dict) -> Verified:
             continue
         if isinstance(value, ShardedTensor):
             tensors += 1
+            meta = None if stored is None else stored.get(value.key)
+            if stored is not None and (meta is None or meta.dtype != value.dtype
+                                       or tuple(meta.global_shape) != tuple(value.global_shape)):
+                bad.append(f"{key} (stored as {None if meta is None else (meta.dtype, tuple(meta.global_shape))})")
+                continue
             ok = isinstance(loaded[key], torch.Tensor) and bits_equal(loaded[key], value.data)
         else:
             objects += 1
-            ok = loaded[key] == (value.data if isinstance(value, ShardedObject) else value)
+            ok = _same(loaded[key], value.data if isinstance(value, ShardedObject) else value)
         if not ok:
             bad.append(key)
     return Verified(tensors, objects, tuple(bad), 0.0)
 
 
-def round_trip(state, path: str, save) -> Verified:
-    """``save(state, path)`` once more, load it back with stock Megatron, compare, remove it."""
+def round_trip(state, path: str, save, agree) -> Verified | None:
+    """``save(state, path)`` once more, load it back with stock Megatron and compare.
+
+    Call order, the same on every rank: the save (collective; every rank fails it together),
+    the host buffers to load into, then ``agree(ok)`` (True only where every rank got that
+    far: a rank that failed alone must not leave the others in the load's collectives), then
+    the load (collective) and the comparison. Returns None where another rank failed before
+    the load; raises this rank's own failure. The caller removes ``path`` once every rank is done."""
     from megatron.core import dist_checkpointing
 
+    target = None
     try:
         save(state, path)
-        t0 = time.perf_counter()
-        loaded = dist_checkpointing.load(_empty_like_sharded(state.make_sharded()), path)
-        load_s = time.perf_counter() - t0
-        return dataclasses.replace(compare(loaded, state.make_sharded()), load_s=load_s)
+        target = _empty_like_sharded(state.make_sharded())
     finally:
-        shutil.rmtree(path, ignore_errors=True)
+        everyone_ok = agree(target is not None)
+    if not everyone_ok:
+        return None
+    t0 = time.perf_counter()
+    loaded = dist_checkpointing.load(target, path)
+    load_s = time.perf_counter() - t0
+    del target
+    stored = dist_checkpointing.load_tensors_metadata(path)
+    return dataclasses.replace(compare(loaded, state.make_sharded(), stored), load_s=load_s)
