@@ -19,6 +19,8 @@ attributed:
   the copy stream (``_grid``), a host checksum (``_sum``) or a container (``_zip``);
 - ``d2h_beside_write16``: 16 threads write from pinned memory while the state is copied to another
   pinned buffer: the write ceiling under a staging save's memory traffic, without its data dependency;
+  ``d2hR_beside_write16``: the same with the copy paced to R GB/s (issued 64 MiB at a time on a
+  schedule), so its memory traffic is spread over the writes instead of front-loaded;
 - ``*_trace``: the save with every writer lane timed (first item, waits for copies, time in items,
   finish, time in `StagedChunk.grid` waiting for device sums) and the staging thread's finish,
   printed as a ``trace`` line; ``*_phases``: the save's fixed costs, each planning and commit step
@@ -279,7 +281,8 @@ def _safe(state, target: str, budget: int, mode: str, piece_bytes: int | None = 
           torch_copies: bool = False, inline_sums: bool = False, trace: bool = False,
           blocking_events: bool = False, sums_beside: bool | None = None, nice: int | None = None,
           gil_held: bool | None = None, spare: int | None = None, pythread_s: float | None = None,
-          writeback_bytes: int | None = None, **opts) -> float:
+          writeback_bytes: int | None = None, rate_gbps: float | None = None,
+          devpace_gbps: float | None = None, **opts) -> float:
     """One save with module constants patched for its duration (None: the shipped value):
     ``torch_copies``: copies through Tensor.copy_, not the CUDA driver; ``inline_sums``: grid sums
     enqueued with each copy even while the writers wait; ``sums_beside``: the sums' kernels on
@@ -288,7 +291,9 @@ def _safe(state, target: str, budget: int, mode: str, piece_bytes: int | None = 
     driver calls keep the GIL (cuda_driver.HOLD_GIL_ON_ISSUE); ``spare``: cores the writers keep
     off (cpu.WRITER_SPARED_CPUS); ``pythread_s``: another Python thread beside the save, waking
     this often to read /proc/self/statm (what the bench's RSS sampler did, and a training
-    process's own threads do); ``writeback_bytes``: posix.EARLY_WRITEBACK_BYTES (0: off)."""
+    process's own threads do); ``writeback_bytes``: posix.EARLY_WRITEBACK_BYTES (0: off);
+    ``rate_gbps``: the device copies paced to this rate (`_paced`); ``devpace_gbps``: the same
+    paced on the device (`_devpaced`)."""
     from safe_ckpt import cpu, cuda_driver, pipeline, saving
     from safe_ckpt.staging import stager
 
@@ -301,7 +306,9 @@ def _safe(state, target: str, budget: int, mode: str, piece_bytes: int | None = 
                (cuda_driver, "HOLD_GIL_ON_ISSUE", gil_held),
                (posix, "EARLY_WRITEBACK_BYTES", writeback_bytes),
                (cuda_driver, "copies_available", (lambda: False) if torch_copies else None),
-               (stager.Stager, "stage", _sums_inline(stager.Stager.stage) if inline_sums else None)]
+               (stager.Stager, "stage", _sums_inline(stager.Stager.stage) if inline_sums else None),
+               (stager.Stager, "_enqueue_copy", _paced(stager.Stager._enqueue_copy, rate_gbps) if rate_gbps
+                else _devpaced(stager.Stager._enqueue_copy, devpace_gbps) if devpace_gbps else None)]
     saved = [(module, name, getattr(module, name)) for module, name, value in patches if value is not None]
     for module, name, value in patches:
         if value is not None:
@@ -320,6 +327,53 @@ def _safe(state, target: str, budget: int, mode: str, piece_bytes: int | None = 
             beside.join()
         for module, name, value in saved:
             setattr(module, name, value)
+
+
+def _paced(enqueue, rate_gbps: float):
+    """Stager._enqueue_copy that waits until the bytes issued before it would have taken at
+    ``rate_gbps`` since this stager's first copy: a save's copies spread over its writes."""
+    def paced(self, chunk, *a, **k):
+        now = time.perf_counter()
+        t0 = self.__dict__.setdefault("_pace_t0", now)
+        due = t0 + self.device_bytes / (rate_gbps * 1e9)
+        if due > now:
+            time.sleep(due - now)
+        return enqueue(self, chunk, *a, **k)
+    return paced
+
+
+D2H_GBPS = 52.0  # the H200's pinned copy rate, for the spin that pads each copy up to a paced one
+_CYCLES_PER_S: list[float] = []
+
+
+def _cycles_per_s() -> float:
+    """The GPU's spin-kernel cycles per second, timed once with events."""
+    if not _CYCLES_PER_S:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(1000)
+        start.record()
+        torch.cuda._sleep(50_000_000)
+        end.record()
+        end.synchronize()
+        _CYCLES_PER_S.append(50_000_000 / (start.elapsed_time(end) / 1e3))
+    return _CYCLES_PER_S[0]
+
+
+def _devpaced(enqueue, rate_gbps: float):
+    """Stager._enqueue_copy followed, on the same copy stream and after the chunk's event, by a
+    spin kernel lasting what the chunk's bytes take at ``rate_gbps`` less what they take at
+    D2H_GBPS: the copies are issued at once and land at about ``rate_gbps``."""
+    cycles_per_s = _cycles_per_s()
+
+    def paced(self, chunk, *a, **k):
+        done = enqueue(self, chunk, *a, **k)
+        nbytes = chunk.numel() * chunk.element_size()
+        pad_s = nbytes / (rate_gbps * 1e9) - nbytes / (D2H_GBPS * 1e9)
+        if pad_s > 0:
+            with torch.cuda.stream(self._stream(chunk.device.index)):
+                torch.cuda._sleep(int(pad_s * cycles_per_s))
+        return done
+    return paced
 
 
 def _wake_often(stop: threading.Event, period_s: float) -> None:
@@ -573,7 +627,7 @@ def main() -> None:
 
     ring = torch.empty(2 << 30, dtype=torch.uint8, pin_memory=True) if cuda else None
 
-    def d2h_beside_write16() -> float:
+    def d2h_beside_write16(rate_gbps: float | None = None) -> float:
         """16 writers write the state's bytes from pinned memory while the state is copied
         device-to-host at full speed into another pinned buffer (a 2 GiB ring): the write
         ceiling under the memory traffic of a save's staging, without its data dependency."""
@@ -583,19 +637,26 @@ def main() -> None:
         t0 = time.perf_counter()
         writer.start()
         with torch.cuda.stream(stream):
-            at = 0
+            at = issued = 0
             for s in sources:
                 flat = s.view(-1).view(torch.uint8)
                 for start in range(0, flat.numel(), 64 * MiB):
                     part = flat[start:start + 64 * MiB]
                     if at + part.numel() > ring.numel():
                         at = 0
+                    if rate_gbps:
+                        due = t0 + issued / (rate_gbps * 1e9)
+                        now = time.perf_counter()
+                        if due > now:
+                            time.sleep(due - now)
+                    issued += part.numel()
                     ring[at:at + part.numel()].copy_(part, non_blocking=True)
                     at += part.numel()
         stream.synchronize()
         box["d"] = time.perf_counter() - t0
         writer.join()
-        print(json.dumps({"case": "d2h_beside_write16_detail", "d2h_s": box["d"], "write_s": box["w"]}), flush=True)
+        print(json.dumps({"case": "d2h_beside_write16_detail", "rate_gbps": rate_gbps, "d2h_s": box["d"],
+                          "write_s": box["w"]}), flush=True)
         return time.perf_counter() - t0
 
     def swapped_pool(fn):
@@ -630,6 +691,7 @@ def main() -> None:
         "d2h": lambda: _d2h(sources, pinned, stream),
         "d2h_beside_write": d2h_beside_write,
         "d2h_beside_write16": d2h_beside_write16,
+        **{f"d2h{r}_beside_write16": (lambda r=r: d2h_beside_write16(r)) for r in (20, 25, 30, 35, 40)},
         "pipe_chunk": lambda: _pipeline(args.target, sources, pinned, stream, 8, None),
         "pipe_chunk_sum": lambda: _pipeline(args.target, sources, pinned, stream, 8, None, checksum=True),
         "pipe_chunk_zip": lambda: _pipeline(args.target, sources, pinned, stream, 8, None, container=True),
@@ -706,7 +768,11 @@ def main() -> None:
                               ("_wb32", {"writeback_bytes": 32 * MiB}), ("_wb128", {"writeback_bytes": 128 * MiB}),
                               ("_wb32_trace", {"writeback_bytes": 32 * MiB, "trace": True}),
                               ("_old_trace", {"torch_copies": True, "inline_sums": True, "trace": True}),
-                              ("_new_trace", {"trace": True}))},
+                              ("_new_trace", {"trace": True}),
+                              *((f"_rate{r}", {"rate_gbps": r}) for r in (20, 25, 30, 35, 40)),
+                              ("_rate30_trace", {"rate_gbps": 30, "trace": True}),
+                              *((f"_devpace{r}", {"devpace_gbps": r}) for r in (30, 35, 40, 45)),
+                              ("_devpace40_trace", {"devpace_gbps": 40, "trace": True}))},
     }
     only = [p for p in args.only.split(",") if p]
     selected = {k: f for k, f in cases.items()
