@@ -413,3 +413,41 @@ def test_verify_compare_names_every_difference():
     v = compare(exact, expected, stored)
     assert v.mismatched == ("b (stored as (torch.float32, (8, 8)))",)
     assert compare(exact, expected, {"a": stored["a"]}).mismatched == ("b (stored as None)",)
+
+
+def test_bench_peer_with_its_own_thread_count(tmp_path, monkeypatch, capsys):
+    """``NAME@T`` runs that saver with T writer threads beside the same saver at --threads, as
+    a row of its own; a name that is no saver or a count that is no whole number >= 1 is
+    refused before anything runs, naming it."""
+    import socket
+
+    from safe_ckpt.bench import peers, run
+
+    seen = []
+    real = peers.RUNNERS["dcp_sync"]
+
+    def recording(state, target, threads, budget_bytes):
+        seen.append(threads)
+        return real(state, target, threads, budget_bytes)
+
+    monkeypatch.setitem(peers.RUNNERS, "dcp_sync", recording)
+    for bad, said in (("dcp_sync@0", "whole number >= 1"), ("dcp_sync@x", "whole number >= 1"),
+                      ("nope@3", "unknown peer 'nope@3'")):
+        with pytest.raises(SystemExit):
+            run.main(["--peers", f"safe_sync,{bad}", "--out", str(tmp_path / "never")])
+        assert said in capsys.readouterr().err
+        with pytest.raises(ValueError, match=said):
+            peers.resolve(bad)
+    assert not seen and not (tmp_path / "never.rows.jsonl").exists()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for k, v in dict(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)).items():
+        monkeypatch.setenv(k, v)
+    run.main(["--gib", "0.02", "--reps", "1", "--threads", "2", "--targets", str(tmp_path / "t"),
+              "--peers", "dcp_sync,dcp_sync@3", "--verify", "none", "--out", str(tmp_path / "bench")])
+    assert seen == [2, 3]  # one run each, in the round's order
+    report = json.loads((tmp_path / "bench.json").read_text())
+    rows = {s["peer"]: s for s in report["summary"]}
+    assert rows["dcp_sync"]["runs"] == rows["dcp_sync@3"]["runs"] == 1 and rows["dcp_sync@3"]["total_s"] > 0
+    assert "| dcp_sync@3 |" in (tmp_path / "bench.md").read_text()

@@ -195,7 +195,7 @@ def run(args) -> str:
                 for peer in chosen:
                     try:
                         counts = measure.count_memcpy(
-                            lambda p=peer, st=state: peers.RUNNERS[p](st, f"{target}/h2d_{p}", args.threads, budget))
+                            lambda p=peer, st=state: peers.resolve(p)(st, f"{target}/h2d_{p}", args.threads, budget))
                     except Exception as exc:
                         counts = {"error": f"{type(exc).__name__}: {exc}"[:200]}
                     meta["memcpy_events"][f"{peer}|{residence}|{target}"] = counts
@@ -228,7 +228,7 @@ def _verify(peer, state, target, residence, args, budget, meta, rank, group) -> 
     note, skipped, result = None, None, None
     dist.barrier()
     try:
-        result = verify.round_trip(state, path, lambda st, p: peers.RUNNERS[peer](st, p, args.threads, budget),
+        result = verify.round_trip(state, path, lambda st, p: peers.resolve(peer)(st, p, args.threads, budget),
                                    lambda ok: all(_everyone(ok, group)))
         if result is not None and result.mismatched:
             note = f"rank {rank}: {len(result.mismatched)} differ, first {', '.join(result.mismatched[:3])}"
@@ -342,7 +342,7 @@ def _one(peer, state, target, cache, residence, args, budget, group) -> dict:
     before = measure.host_alloc_bytes()
     try:
         with measure.RssPeak() as rss:
-            result = peers.RUNNERS[peer](state, path, args.threads, budget)
+            result = peers.resolve(peer)(state, path, args.threads, budget)
         result["extra_rss_bytes"] = rss.extra_bytes
         after = measure.host_alloc_bytes()
         result["pinned_alloc_bytes"] = None if before is None or after is None else after - before
@@ -363,7 +363,8 @@ def main(argv=None) -> int:
     ap.add_argument("--residences", default="gpu", help="comma list of gpu, opt-pinned, opt-pageable")
     ap.add_argument("--targets", default="/dev/shm/safe_ckpt_bench")
     ap.add_argument("--peers", default="all",
-                    help=f"comma list of {', '.join(peers.PEERS + peers.EXTRA_PEERS)} (all: the first {len(peers.PEERS)})")
+                    help=f"comma list of {', '.join(peers.PEERS + peers.EXTRA_PEERS)} (all: the first {len(peers.PEERS)}); "
+                         "NAME@T: that saver with T writer threads")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--peer-reps", type=int, default=None, help="runs of the stock peers (default: --reps)")
     ap.add_argument("--cache", default="cold", help="cold, warm or cold,warm (pinned host cache)")
@@ -389,12 +390,17 @@ def main(argv=None) -> int:
     if args.rebuild:
         print(rebuild(os.path.abspath(args.rebuild)))
         return 0
+    chosen = peers.PEERS if args.peers == "all" else tuple(args.peers.split(","))
+    for peer in chosen:
+        try:
+            peers.resolve(peer)
+        except ValueError as exc:
+            ap.error(f"--peers: {exc}")
     args.verify = [] if args.verify == "none" else [p for p in args.verify.split(",") if p]
-    wrong = [p for p in args.verify if not p.startswith("safe") or p not in peers.RUNNERS]
+    wrong = [p for p in args.verify if not p.startswith("safe") or p.partition("@")[0] not in peers.RUNNERS]
     if wrong:
         ap.error(f"--verify takes safe_ckpt peers ({', '.join(p for p in peers.RUNNERS if p.startswith('safe'))}) "
                  f"or 'none', not {', '.join(wrong)}")
-    chosen = peers.PEERS if args.peers == "all" else tuple(args.peers.split(","))
     unused = [p for p in args.verify if p not in chosen]
     if unused and "--verify" in (argv if argv is not None else sys.argv[1:]):
         print(f"safe-ckpt bench: --verify {', '.join(unused)}: not among --peers, not verified", file=sys.stderr)
