@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import argparse
 import errno
-import functools
 import json
 import os
 import shutil
@@ -61,13 +60,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-import safe_ckpt
 from safe_ckpt.bench.ceilings import copy_to_host
 from safe_ckpt.bench.state import build
 from safe_ckpt.integrity import checksum_of
 from safe_ckpt.sinks import posix
 from safe_ckpt.staging.pool import PinnedPool, shared_pool
 from safe_ckpt.staging.stager import host_memoryview
+
+from diag_saves import CASE, STALLS, patched_save, phased_save, traced_save  # beside this file
 
 MiB = 1 << 20
 
@@ -265,317 +265,6 @@ def _pipeline(target: str, sources: list[torch.Tensor], pinned: torch.Tensor, st
     return dt
 
 
-STALLS: dict[str, list[float]] = {}  # case -> async_save's return times
-CASE = [""]
-
-
-def _sums_inline(stage):
-    def patched(self, *a, **k):
-        k["defer_sums"] = False
-        return stage(self, *a, **k)
-    return patched
-
-
-def _safe(state, target: str, budget: int, mode: str, piece_bytes: int | None = None,
-          grid_min_bytes: int | None = None, early_min_bytes: int | None = None, files_per_writer: int | None = None,
-          torch_copies: bool = False, inline_sums: bool = False, trace: bool = False,
-          blocking_events: bool = False, sums_beside: bool | None = None, nice: int | None = None,
-          gil_held: bool | None = None, spare: int | None = None, pythread_s: float | None = None,
-          writeback_bytes: int | None = None, rate_gbps: float | None = None,
-          devpace_gbps: float | None = None, **opts) -> float:
-    """One save with module constants patched for its duration (None: the shipped value):
-    ``torch_copies``: copies through Tensor.copy_, not the CUDA driver; ``inline_sums``: grid sums
-    enqueued with each copy even while the writers wait; ``sums_beside``: the sums' kernels on
-    their own stream or (False) on the copy stream (stager.SUMS_BESIDE_COPIES); ``nice``: the
-    writers' nice increment (cpu.WRITER_NICE_INCREMENT); ``gil_held``: the copy-issuing
-    driver calls keep the GIL (cuda_driver.HOLD_GIL_ON_ISSUE); ``spare``: cores the writers keep
-    off (cpu.WRITER_SPARED_CPUS); ``pythread_s``: another Python thread beside the save, waking
-    this often to read /proc/self/statm (what the bench's RSS sampler did, and a training
-    process's own threads do); ``writeback_bytes``: posix.EARLY_WRITEBACK_BYTES (0: off);
-    ``rate_gbps``: the device copies paced to this rate (`_paced`); ``devpace_gbps``: the same
-    paced on the device (`_devpaced`)."""
-    from safe_ckpt import cpu, cuda_driver, pipeline, saving
-    from safe_ckpt.staging import stager
-
-    patches = [(pipeline, "FUSED_PIECE_BYTES", piece_bytes), (stager, "GRID_MIN_PAYLOAD_BYTES", grid_min_bytes),
-               (pipeline, "EARLY_WRITERS_MIN_CHUNK_BYTES", early_min_bytes),
-               (saving, "FILES_PER_WRITER", files_per_writer),
-               (torch.cuda, "Event", functools.partial(torch.cuda.Event, blocking=True) if blocking_events else None),
-               (stager, "SUMS_BESIDE_COPIES", sums_beside), (cpu, "WRITER_NICE_INCREMENT", nice),
-               (cpu, "WRITER_SPARED_CPUS", spare),
-               (cuda_driver, "HOLD_GIL_ON_ISSUE", gil_held),
-               (posix, "EARLY_WRITEBACK_BYTES", writeback_bytes),
-               (cuda_driver, "copies_available", (lambda: False) if torch_copies else None),
-               (stager.Stager, "stage", _sums_inline(stager.Stager.stage) if inline_sums else None),
-               (stager.Stager, "_enqueue_copy", _paced(stager.Stager._enqueue_copy, rate_gbps) if rate_gbps
-                else _devpaced(stager.Stager._enqueue_copy, devpace_gbps) if devpace_gbps else None)]
-    saved = [(module, name, getattr(module, name)) for module, name, value in patches if value is not None]
-    for module, name, value in patches:
-        if value is not None:
-            setattr(module, name, value)
-    stop, beside = threading.Event(), None
-    try:
-        if pythread_s:
-            beside = threading.Thread(target=_wake_often, args=(stop, pythread_s), daemon=True)
-            beside.start()
-        if trace:
-            return _traced(state, target, budget, mode, **opts)
-        return _safe_once(state, target, budget, mode, **opts)
-    finally:
-        stop.set()
-        if beside is not None:
-            beside.join()
-        for module, name, value in saved:
-            setattr(module, name, value)
-
-
-def _paced(enqueue, rate_gbps: float):
-    """Stager._enqueue_copy that waits until the bytes issued before it would have taken at
-    ``rate_gbps`` since this stager's first copy: a save's copies spread over its writes."""
-    def paced(self, chunk, *a, **k):
-        now = time.perf_counter()
-        t0 = self.__dict__.setdefault("_pace_t0", now)
-        due = t0 + self.device_bytes / (rate_gbps * 1e9)
-        if due > now:
-            time.sleep(due - now)
-        return enqueue(self, chunk, *a, **k)
-    return paced
-
-
-D2H_GBPS = 52.0  # the H200's pinned copy rate, for the spin that pads each copy up to a paced one
-_CYCLES_PER_S: list[float] = []
-
-
-def _cycles_per_s() -> float:
-    """The GPU's spin-kernel cycles per second, timed once with events."""
-    if not _CYCLES_PER_S:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(1000)
-        start.record()
-        torch.cuda._sleep(50_000_000)
-        end.record()
-        end.synchronize()
-        _CYCLES_PER_S.append(50_000_000 / (start.elapsed_time(end) / 1e3))
-    return _CYCLES_PER_S[0]
-
-
-def _devpaced(enqueue, rate_gbps: float):
-    """Stager._enqueue_copy followed, on the same copy stream and after the chunk's event, by a
-    spin kernel lasting what the chunk's bytes take at ``rate_gbps`` less what they take at
-    D2H_GBPS: the copies are issued at once and land at about ``rate_gbps``."""
-    cycles_per_s = _cycles_per_s()
-
-    def paced(self, chunk, *a, **k):
-        done = enqueue(self, chunk, *a, **k)
-        nbytes = chunk.numel() * chunk.element_size()
-        pad_s = nbytes / (rate_gbps * 1e9) - nbytes / (D2H_GBPS * 1e9)
-        if pad_s > 0:
-            with torch.cuda.stream(self._stream(chunk.device.index)):
-                torch.cuda._sleep(int(pad_s * cycles_per_s))
-        return done
-    return paced
-
-
-def _wake_often(stop: threading.Event, period_s: float) -> None:
-    while not stop.is_set():
-        with open("/proc/self/statm") as f:
-            f.read()
-        time.sleep(period_s)
-
-
-def _safe_once(state, target: str, budget: int, mode: str, **opts) -> float:
-    shutil.rmtree(target, ignore_errors=True)
-    options = safe_ckpt.SaveOptions(staging_budget_bytes=budget, **opts)
-    shared_pool(budget).preallocate()  # a case with another budget replaced the pool: register it untimed
-    t0 = time.perf_counter()
-    if mode == "sync":
-        safe_ckpt.save(state.make_sharded(), target, options=options)
-    else:
-        handle = safe_ckpt.async_save(state.make_sharded(), target, options=options)
-        STALLS.setdefault(CASE[0], []).append(time.perf_counter() - t0)
-        handle.wait()
-    dt = time.perf_counter() - t0
-    shutil.rmtree(target, ignore_errors=True)
-    return dt
-
-
-def _traced(state, target: str, budget: int, mode: str = "sync", **opts) -> float:
-    """A save with every writer lane timed: when it first got an item, how long it waited
-    for copies to land (`StagedChunk.ready`), how long it spent in its items, when it finished;
-    when the staging thread had issued its last device copy or deferred sums (``last_issued_at_s``) and when they had all
-    landed (``staging_done_at_s``). Prints one ``trace`` line."""
-    from safe_ckpt import pipeline
-    from safe_ckpt.staging import stager
-
-    marks, lock = {}, threading.Lock()
-    t_base = [0.0]
-
-    def note(key, value, add=True):
-        name = threading.current_thread().name
-        with lock:
-            row = marks.setdefault(name, {})
-            row[key] = row.get(key, 0.0) + value if add else row.get(key, value)
-
-    orig_ready, orig_item, orig_stage_all = stager.StagedChunk.ready, pipeline.RankWriter._write_item, \
-        pipeline.RankWriter._stage_all
-    orig_grid, orig_stage, orig_flush = stager.StagedChunk.grid, stager.Stager.stage, stager.Stager.flush_sums
-
-    def issued():  # the latest issue: whether copies land late because they were issued late
-        with lock:
-            marks.setdefault("issue", {})["last_issued_at_s"] = time.perf_counter() - t_base[0]
-
-    def stage_timed(self, chunk, *a, **kw):
-        try:
-            return orig_stage(self, chunk, *a, **kw)
-        finally:
-            if chunk.device.type != "cpu":
-                issued()
-
-    def flush_timed(self):
-        had = bool(self._pending)
-        try:
-            return orig_flush(self)
-        finally:
-            if had:  # deferred sums' copies issued now
-                issued()
-
-    def timed(fn, key):
-        def wrapper(self):
-            t = time.perf_counter()
-            try:
-                return fn(self)
-            finally:
-                note(key, time.perf_counter() - t)
-        return wrapper
-
-    ready, grid = timed(orig_ready, "ready_wait_s"), timed(orig_grid, "grid_wait_s")
-
-    def write_item(self, handle, item, staged):
-        t = time.perf_counter()
-        note("first_item_at_s", t - t_base[0], add=False)
-        try:
-            return orig_item(self, handle, item, staged)
-        finally:
-            now = time.perf_counter()
-            note("items_s", now - t)
-            with lock:
-                marks[threading.current_thread().name]["last_item_done_at_s"] = now - t_base[0]
-
-    def stage_all(self):
-        try:
-            return orig_stage_all(self)
-        finally:
-            note("staging_done_at_s", time.perf_counter() - t_base[0], add=False)
-
-    stager.StagedChunk.ready, pipeline.RankWriter._write_item, pipeline.RankWriter._stage_all = \
-        ready, write_item, stage_all
-    stager.StagedChunk.grid, stager.Stager.stage, stager.Stager.flush_sums = grid, stage_timed, flush_timed
-    try:
-        shutil.rmtree(target, ignore_errors=True)
-        options = safe_ckpt.SaveOptions(staging_budget_bytes=budget, **opts)
-        shared_pool(budget).preallocate()
-        t_base[0] = time.perf_counter()
-        stall = None
-        if mode == "sync":
-            result = safe_ckpt.save(state.make_sharded(), target, options=options)
-        else:
-            handle = safe_ckpt.async_save(state.make_sharded(), target, options=options)
-            stall = time.perf_counter() - t_base[0]
-            result = handle.wait()
-        dt = time.perf_counter() - t_base[0]
-    finally:
-        stager.StagedChunk.ready, pipeline.RankWriter._write_item, pipeline.RankWriter._stage_all = \
-            orig_ready, orig_item, orig_stage_all
-        stager.StagedChunk.grid, stager.Stager.stage, stager.Stager.flush_sums = orig_grid, orig_stage, orig_flush
-        shutil.rmtree(target, ignore_errors=True)
-    lanes = {k: v for k, v in marks.items() if k.startswith("safe_ckpt-write")}
-    stage = marks.get("safe_ckpt-stage", {})
-
-    def spread(key):
-        vals = sorted(v.get(key, 0.0) for v in lanes.values())
-        return [round(vals[0], 4), round(statistics.median(vals), 4), round(vals[-1], 4)] if vals else None
-
-    t = result.timings
-    print(json.dumps({"case": "trace", "of": CASE[0], "opts": dict(opts), "total_s": round(dt, 4),
-                      "stall_s": None if stall is None else round(stall, 4),
-                      "plan_s": round(t.plan_s, 4), "write_s": round(t.write_s, 4), "commit_s": round(t.commit_s, 4),
-                      "lanes": len(lanes), "staging_done_at_s": round(stage.get("staging_done_at_s", 0.0), 4),
-                      "last_issued_at_s": round(marks.get("issue", {}).get("last_issued_at_s", 0.0), 4),
-                      "stager_ready_wait_s": round(stage.get("ready_wait_s", 0.0), 4),
-                      "lane_first_item_at_s": spread("first_item_at_s"), "lane_ready_wait_s": spread("ready_wait_s"),
-                      "lane_grid_wait_s": spread("grid_wait_s"),
-                      "lane_items_s": spread("items_s"), "lane_done_at_s": spread("last_item_done_at_s")}),
-          flush=True)
-    return dt
-
-
-def _phased(state, target: str, budget: int, mode: str = "sync", **opts) -> float:
-    """A save with its fixed costs timed: each planning and commit step (when it first started,
-    from the call, and its seconds over all calls) and when the first copy was issued, the first
-    item handed to a writer and the first item written. Prints one ``phases`` line."""
-    from safe_ckpt import dist, gcfreeze, pipeline, saving
-    from safe_ckpt.sinks import posix
-    from safe_ckpt.staging import dispatch, stager
-
-    rows, lock, t_base, saved = {}, threading.Lock(), [0.0], []
-
-    def wrap(owner, attr, name):
-        fn = getattr(owner, attr)
-        saved.append((owner, attr, fn))
-
-        def timed(*a, **k):
-            t = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                now = time.perf_counter()
-                with lock:
-                    row = rows.setdefault(name, {"first_at_s": round(t - t_base[0], 4), "s": 0.0, "calls": 0})
-                    row["s"] += now - t
-                    row["calls"] += 1
-                    row.setdefault("first_done_at_s", round(now - t_base[0], 4))
-        setattr(owner, attr, timed)
-
-    for owner, attr, name in [
-        (saving, "wait_for_previous", "wait_for_previous"), (gcfreeze, "Hold", "gc_hold"),
-        (saving, "collect", "collect"), (saving._Job, "_classify", "classify"),
-        (saving.commit, "prepare", "commit.prepare"), (saving, "rank_plan", "rank_plan"),
-        (dist.Coordinator, "exchange", "exchange"), (saving, "build_global_plan", "build_global_plan"),
-        (saving, "lay_out_rank", "lay_out_rank"), (saving, "shared_pool", "shared_pool"),
-        (saving, "record_producer_fence", "producer_fence"), (saving, "Stager", "Stager()"),
-        (saving, "RankWriter", "RankWriter()"), (pipeline.RankWriter, "start", "writer.start"),
-        (pipeline.RankWriter, "_interleaved", "interleaved"), (stager.Stager, "_stream", "stager._stream"),
-        (stager.Stager, "stage", "stager.stage"), (dispatch.Dispatch, "put", "dispatch.put"),
-        (pipeline.RankWriter, "_write_item", "write_item"), (pipeline.RankWriter, "join", "writer.join"),
-        (dist.Coordinator, "vote", "vote"), (saving._Job, "_commit", "commit"),
-        (saving, "build_metadata", "build_metadata"), (saving, "metadata_bytes", "metadata_bytes"),
-        (saving.compat, "checkpointing_config_dict", "config_dict"), (saving, "manifest_bytes", "manifest_bytes"),
-        (saving._Job, "_all_layouts", "all_layouts"), (posix.PosixSink, "write_file", "sink.write_file"),
-        (posix.PosixSink, "sync_root", "sink.sync_root"), (saving.commit, "publish", "commit.publish"),
-        (saving._Job, "_log_summary", "log_summary"),
-    ]:
-        wrap(owner, attr, name)
-    try:
-        shutil.rmtree(target, ignore_errors=True)
-        options = safe_ckpt.SaveOptions(staging_budget_bytes=budget, **opts)
-        shared_pool(budget).preallocate()
-        t_base[0] = time.perf_counter()
-        if mode == "sync":
-            result = safe_ckpt.save(state.make_sharded(), target, options=options)
-        else:
-            result = safe_ckpt.async_save(state.make_sharded(), target, options=options).wait()
-        dt = time.perf_counter() - t_base[0]
-    finally:
-        for owner, attr, fn in reversed(saved):
-            setattr(owner, attr, fn)
-        shutil.rmtree(target, ignore_errors=True)
-    t = result.timings
-    phases = {k: {**v, "s": round(v["s"], 4)} for k, v in sorted(rows.items(), key=lambda kv: kv[1]["first_at_s"])}
-    print(json.dumps({"case": "phases", "of": CASE[0], "total_s": round(dt, 4), "plan_s": round(t.plan_s, 4),
-                      "write_s": round(t.write_s, 4), "commit_s": round(t.commit_s, 4), "phases": phases}), flush=True)
-    return dt
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="anchor")
@@ -672,7 +361,7 @@ def main() -> None:
 
     cases = {
         "pipe16_p64_poolbuf": lambda: _pipeline(args.target, sources, pool._buffer, stream, 16, 64 * MiB),
-        "safe_sync_io16_ownbuf": swapped_pool(lambda: _safe(state, args.target, budget, "sync", io_threads=16)),
+        "safe_sync_io16_ownbuf": swapped_pool(lambda: patched_save(state, args.target, budget, "sync", io_threads=16)),
         "write_8": lambda: _write_lanes(args.target, mv, 8, 64 * MiB),
         "write_12": lambda: _write_lanes(args.target, mv, 12, 64 * MiB),
         "write_16": lambda: _write_lanes(args.target, mv, 16, 64 * MiB),
@@ -703,51 +392,51 @@ def main() -> None:
         "pipe16_p64_grid": lambda: _pipeline(args.target, sources, pinned, stream, 16, 64 * MiB, grid=True),
         "pipe16_p64_sum": lambda: _pipeline(args.target, sources, pinned, stream, 16, 64 * MiB, checksum=True),
         "pipe16_p64_zip": lambda: _pipeline(args.target, sources, pinned, stream, 16, 64 * MiB, container=True),
-        "safe_sync": lambda: _safe(state, args.target, budget, "sync"),
-        "safe_async": lambda: _safe(state, args.target, budget, "async"),
-        "safe_sync_nosum": lambda: _safe(state, args.target, budget, "sync", checksums=False),
-        "safe_sync_io16": lambda: _safe(state, args.target, budget, "sync", io_threads=16),
-        "safe_sync_chunk256": lambda: _safe(state, args.target, budget, "sync", chunk_bytes=256 * MiB),
-        "safe_sync_io16_chunk256": lambda: _safe(state, args.target, budget, "sync", io_threads=16, chunk_bytes=256 * MiB),
-        "safe_sync_io16_chunk32": lambda: _safe(state, args.target, budget, "sync", io_threads=16, chunk_bytes=32 * MiB),
-        "safe_sync_trace": lambda: _traced(state, args.target, budget),
-        "safe_sync_io16_trace": lambda: _traced(state, args.target, budget, io_threads=16),
-        "safe_sync_io16_phases": lambda: _phased(state, args.target, budget, io_threads=16),
-        "safe_async_io16_phases": lambda: _phased(state, args.target, budget, "async", io_threads=16),
-        "safe_sync_io16_nosum_trace": lambda: _traced(state, args.target, budget, io_threads=16, checksums=False),
-        "safe_sync_io16_blocking": lambda: _safe(state, args.target, budget, "sync", io_threads=16,
+        "safe_sync": lambda: patched_save(state, args.target, budget, "sync"),
+        "safe_async": lambda: patched_save(state, args.target, budget, "async"),
+        "safe_sync_nosum": lambda: patched_save(state, args.target, budget, "sync", checksums=False),
+        "safe_sync_io16": lambda: patched_save(state, args.target, budget, "sync", io_threads=16),
+        "safe_sync_chunk256": lambda: patched_save(state, args.target, budget, "sync", chunk_bytes=256 * MiB),
+        "safe_sync_io16_chunk256": lambda: patched_save(state, args.target, budget, "sync", io_threads=16, chunk_bytes=256 * MiB),
+        "safe_sync_io16_chunk32": lambda: patched_save(state, args.target, budget, "sync", io_threads=16, chunk_bytes=32 * MiB),
+        "safe_sync_trace": lambda: traced_save(state, args.target, budget),
+        "safe_sync_io16_trace": lambda: traced_save(state, args.target, budget, io_threads=16),
+        "safe_sync_io16_phases": lambda: phased_save(state, args.target, budget, io_threads=16),
+        "safe_async_io16_phases": lambda: phased_save(state, args.target, budget, "async", io_threads=16),
+        "safe_sync_io16_nosum_trace": lambda: traced_save(state, args.target, budget, io_threads=16, checksums=False),
+        "safe_sync_io16_blocking": lambda: patched_save(state, args.target, budget, "sync", io_threads=16,
                                                  blocking_events=True),
-        "safe_sync_io16_fpw1": lambda: _safe(state, args.target, budget, "sync", io_threads=16, files_per_writer=1),
-        "safe_sync_early": lambda: _safe(state, args.target, budget, "sync", early_min_bytes=1),
-        "safe_sync_io16_early": lambda: _safe(state, args.target, budget, "sync", io_threads=16, early_min_bytes=1),
-        "safe_sync_io16_nogc": lambda: _safe(state, args.target, budget, "sync", io_threads=16, gc_freeze=False),
-        "safe_sync_io16_nosum": lambda: _safe(state, args.target, budget, "sync", io_threads=16, checksums=False),
-        "safe_sync_io16_hostsum": lambda: _safe(state, args.target, budget, "sync", io_threads=16,
+        "safe_sync_io16_fpw1": lambda: patched_save(state, args.target, budget, "sync", io_threads=16, files_per_writer=1),
+        "safe_sync_early": lambda: patched_save(state, args.target, budget, "sync", early_min_bytes=1),
+        "safe_sync_io16_early": lambda: patched_save(state, args.target, budget, "sync", io_threads=16, early_min_bytes=1),
+        "safe_sync_io16_nogc": lambda: patched_save(state, args.target, budget, "sync", io_threads=16, gc_freeze=False),
+        "safe_sync_io16_nosum": lambda: patched_save(state, args.target, budget, "sync", io_threads=16, checksums=False),
+        "safe_sync_io16_hostsum": lambda: patched_save(state, args.target, budget, "sync", io_threads=16,
                                                 device_checksums=False),
-        "safe_sync_hostsum": lambda: _safe(state, args.target, budget, "sync", device_checksums=False),
-        **{f"safe_sync_gridmin{m}m": (lambda m=m: _safe(state, args.target, budget, "sync", grid_min_bytes=m * MiB))
+        "safe_sync_hostsum": lambda: patched_save(state, args.target, budget, "sync", device_checksums=False),
+        **{f"safe_sync_gridmin{m}m": (lambda m=m: patched_save(state, args.target, budget, "sync", grid_min_bytes=m * MiB))
            for m in (1, 4, 8, 16, 32)},
-        "safe_async_io16_hostsum": lambda: _safe(state, args.target, budget, "async", io_threads=16,
+        "safe_async_io16_hostsum": lambda: patched_save(state, args.target, budget, "async", io_threads=16,
                                                  device_checksums=False),
-        "safe_async_io16": lambda: _safe(state, args.target, budget, "async", io_threads=16),
+        "safe_async_io16": lambda: patched_save(state, args.target, budget, "async", io_threads=16),
         # A small pool paces the device-to-host copies to the writers: the bytes a writer reads
         # may still be in the last-level cache the copy wrote them through.
         **{f"safe_{mode}_io16_pool{m}m{suffix}": (
-            lambda m=m, mode=mode, kw=kw: _safe(state, args.target, m * MiB, mode, io_threads=16, **kw))
+            lambda m=m, mode=mode, kw=kw: patched_save(state, args.target, m * MiB, mode, io_threads=16, **kw))
            for m in (256, 1024, 2048) for mode in ("sync", "async")
            for suffix, kw in (("", {}), ("_wb0", {"writeback_bytes": 0}), ("_wb32", {"writeback_bytes": 32 * MiB}),
                               ("_wb32_trace", {"writeback_bytes": 32 * MiB, "trace": True}))},
-        "safe_sync_io16_sum0": lambda: _safe(state, args.target, budget, "sync", io_threads=16, checksum_threads=0),
-        "safe_sync_io16_sum0_p1m": lambda: _safe(state, args.target, budget, "sync", MiB, io_threads=16,
+        "safe_sync_io16_sum0": lambda: patched_save(state, args.target, budget, "sync", io_threads=16, checksum_threads=0),
+        "safe_sync_io16_sum0_p1m": lambda: patched_save(state, args.target, budget, "sync", MiB, io_threads=16,
                                                  checksum_threads=0),
-        "safe_sync_io16_sum0_p4m": lambda: _safe(state, args.target, budget, "sync", 4 * MiB, io_threads=16,
+        "safe_sync_io16_sum0_p4m": lambda: patched_save(state, args.target, budget, "sync", 4 * MiB, io_threads=16,
                                                  checksum_threads=0),
-        "safe_sync_io16_sum4": lambda: _safe(state, args.target, budget, "sync", io_threads=16, checksum_threads=4),
-        "safe_sync_io16_sum16": lambda: _safe(state, args.target, budget, "sync", io_threads=16, checksum_threads=16),
-        "safe_sync_io12_sum4": lambda: _safe(state, args.target, budget, "sync", io_threads=12, checksum_threads=4),
-        "safe_sync_sum0": lambda: _safe(state, args.target, budget, "sync", checksum_threads=0),
+        "safe_sync_io16_sum4": lambda: patched_save(state, args.target, budget, "sync", io_threads=16, checksum_threads=4),
+        "safe_sync_io16_sum16": lambda: patched_save(state, args.target, budget, "sync", io_threads=16, checksum_threads=16),
+        "safe_sync_io12_sum4": lambda: patched_save(state, args.target, budget, "sync", io_threads=12, checksum_threads=4),
+        "safe_sync_sum0": lambda: patched_save(state, args.target, budget, "sync", checksum_threads=0),
         # How the copies are issued (see cuda_driver / Stager.stage): "old" is both changes undone.
-        **{f"safe_{mode}{io}{suffix}": (lambda mode=mode, kw=kw, io=io: _safe(state, args.target, budget, mode,
+        **{f"safe_{mode}{io}{suffix}": (lambda mode=mode, kw=kw, io=io: patched_save(state, args.target, budget, mode,
                                                                               **kw, **({"io_threads": 16} if io else {})))
            for mode in ("sync", "async") for io in ("", "_io16")
            for suffix, kw in (("_torchcopy", {"torch_copies": True}), ("_inline", {"inline_sums": True}),

@@ -279,10 +279,16 @@ def _diag_ttd():
     import importlib.util
     import os
 
-    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "diag_ttd.py")
-    spec = importlib.util.spec_from_file_location("diag_ttd_under_test", path)
+    import sys
+
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks")
+    spec = importlib.util.spec_from_file_location("diag_ttd_under_test", os.path.join(here, "diag_ttd.py"))
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    sys.path.insert(0, here)  # as when it runs as a script: its saves module beside it
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(here)
     return module
 
 
@@ -451,3 +457,24 @@ def test_bench_peer_with_its_own_thread_count(tmp_path, monkeypatch, capsys):
     rows = {s["peer"]: s for s in report["summary"]}
     assert rows["dcp_sync"]["runs"] == rows["dcp_sync@3"]["runs"] == 1 and rows["dcp_sync@3"]["total_s"] > 0
     assert "| dcp_sync@3 |" in (tmp_path / "bench.md").read_text()
+
+
+def test_diag_ttd_save_cases_run_on_cpu(tmp_path):
+    """diag_ttd's save cases (patched, traced, phased, paced) run end to end on a host state and
+    report every case, so the GPU machine's calls do not find a broken script."""
+    import os
+
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks", "diag_ttd.py")
+    cases = ["write_8", "safe_sync", "safe_async_io16_new_trace", "safe_sync_io16_phases", "safe_sync_io16_rate30",
+             "safe_sync_io16_nice5"]
+    proc = subprocess.run([sys.executable, script, "--gib", "0.02", "--reps", "1", "--target", str(tmp_path / "d"),
+                           "--only", ",".join(cases)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    medians = {d["case"]: d for d in lines if "median_s" in d}
+    assert set(medians) == set(cases) and all(d["median_s"] > 0 for d in medians.values())
+    assert medians["safe_async_io16_new_trace"]["stall_median_s"] > 0  # async: its return time recorded
+    assert any(d.get("case") == "trace" and d["of"] == "safe_async_io16_new_trace" and d["lanes"] >= 1
+               and d["stall_s"] > 0 for d in lines)
+    assert any(d.get("case") == "phases" and "collect" in d["phases"] for d in lines)
+    assert not os.path.exists(tmp_path / "d")
