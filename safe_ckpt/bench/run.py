@@ -219,37 +219,13 @@ def run(args) -> str:
 
 def _verify(peer, state, target, residence, args, budget, meta, rank, group) -> None:
     """One more ``peer`` save, loaded back with stock Megatron and compared on every rank
-    (`verify.round_trip`); the outcome, summed over ranks, goes to ``meta["verified"]``. Every
-    rank reaches the same collectives whichever rank fails, and the checkpoint is removed
-    only once every rank is done with it."""
+    (`verify.across_ranks`); the outcome goes to ``meta["verified"]``."""
     from . import verify
 
-    path = f"{target}/verify_{peer}"
-    note, skipped, result = None, None, None
     dist.barrier()
-    try:
-        result = verify.round_trip(state, path, lambda st, p: peers.resolve(peer)(st, p, args.threads, budget),
-                                   lambda ok: all(_everyone(ok, group)))
-        if result is not None and result.mismatched:
-            note = f"rank {rank}: {len(result.mismatched)} differ, first {', '.join(result.mismatched[:3])}"
-    except peers.Unavailable as exc:
-        skipped = str(exc)
-    except Exception as exc:
-        note = f"rank {rank}: {type(exc).__name__}: {exc}"[:300]
-    everyone = _everyone({"note": note, "skipped": skipped, "result": None if result is None else {
-        "tensors": result.tensors, "objects": result.objects, "load_s": result.load_s}}, group)
-    shutil.rmtree(path, ignore_errors=True)
-    done = [e["result"] for e in everyone if e["result"]]
-    notes = [e["note"] for e in everyone if e["note"]]
-    skips = [e["skipped"] for e in everyone if e["skipped"]]
-    entry = {"tensors": sum(d["tensors"] for d in done), "objects": sum(d["objects"] for d in done),
-             "load_s": max((d["load_s"] for d in done), default=None), "ranks": len(everyone)}
-    if notes:
-        entry["failed"] = "; ".join(notes)
-    elif skips:
-        entry["skipped"] = skips[0]
-    elif len(done) < len(everyone):  # cannot happen without a note; never report it as passed
-        entry["failed"] = f"{len(everyone) - len(done)} rank(s) returned no result"
+    entry = verify.across_ranks(state, f"{target}/verify_{peer}",
+                                lambda st, p: peers.resolve(peer)(st, p, args.threads, budget),
+                                lambda mine: _everyone(mine, group), rank, peers.Unavailable)
     meta.setdefault("verified", {})[f"{peer} {residence} {target}"] = entry
     if rank == 0:
         print(f"verify {peer} {residence} {target}: {entry}", flush=True)

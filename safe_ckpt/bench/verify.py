@@ -3,13 +3,14 @@ the bench state, loaded back with stock `megatron.core.dist_checkpointing.load` 
 host tensors and compared bit for bit with the state, on every rank.
 
 One job: that round trip for one saver, run after a target's timed runs so it cannot change
-what they measure. Must not: time a save for the report, or copy anything host-to-device
+what they measure, and its outcome summed over the ranks (`across_ranks`). Must not: time a save for the report, or copy anything host-to-device
 (the state is read device-to-host to compare it).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import shutil
 import time
 from dataclasses import dataclass
 
@@ -103,3 +104,36 @@ def round_trip(state, path: str, save, agree) -> Verified | None:
     del target
     stored = dist_checkpointing.load_tensors_metadata(path)
     return dataclasses.replace(compare(loaded, state.make_sharded(), stored), load_s=load_s)
+
+
+def across_ranks(state, path: str, save, everyone, rank: int, unavailable=()) -> dict:
+    """`round_trip` on every rank, its outcome the same dict on every rank: ``tensors`` and
+    ``objects`` summed, ``load_s`` the slowest, ``ranks``, and ``failed`` (each failing rank's
+    note: keys that differ, or its exception) or ``skipped`` (an exception in ``unavailable``:
+    the saver cannot run here). ``everyone(x)`` is every rank's ``x`` in rank order (an
+    all-gather). Every rank reaches the same collectives whichever rank fails, and ``path``
+    is removed only once every rank is done with it."""
+    note, skipped, result = None, None, None
+    try:
+        result = round_trip(state, path, save, lambda ok: all(everyone(ok)))
+        if result is not None and result.mismatched:
+            note = f"rank {rank}: {len(result.mismatched)} differ, first {', '.join(result.mismatched[:3])}"
+    except unavailable as exc:
+        skipped = str(exc)
+    except Exception as exc:
+        note = f"rank {rank}: {type(exc).__name__}: {exc}"[:300]
+    gathered = everyone({"note": note, "skipped": skipped, "result": None if result is None else {
+        "tensors": result.tensors, "objects": result.objects, "load_s": result.load_s}})
+    shutil.rmtree(path, ignore_errors=True)
+    done = [e["result"] for e in gathered if e["result"]]
+    notes = [e["note"] for e in gathered if e["note"]]
+    skips = [e["skipped"] for e in gathered if e["skipped"]]
+    entry = {"tensors": sum(d["tensors"] for d in done), "objects": sum(d["objects"] for d in done),
+             "load_s": max((d["load_s"] for d in done), default=None), "ranks": len(gathered)}
+    if notes:
+        entry["failed"] = "; ".join(notes)
+    elif skips:
+        entry["skipped"] = skips[0]
+    elif len(done) < len(gathered):  # cannot happen without a note; never report it as passed
+        entry["failed"] = f"{len(gathered) - len(done)} rank(s) returned no result"
+    return entry
