@@ -115,18 +115,21 @@ def _cycles_per_s() -> float:
 
 
 def _devpaced(enqueue, rate_gbps: float):
-    """Stager._enqueue_copy followed, on the same copy stream and after the chunk's event, by a
-    spin kernel lasting what the chunk's bytes take at ``rate_gbps`` less what they take at
-    D2H_GBPS: the copies are issued at once and land at about ``rate_gbps``."""
+    """Stager._enqueue_copy preceded, on the same copy stream, by a spin kernel lasting what the
+    previous chunk's bytes take at ``rate_gbps`` less what they take at D2H_GBPS: the copies are
+    issued at once and land at about ``rate_gbps``. The spin goes in before the next copy, not
+    right after this one, so that this chunk's grid sums (queued behind its copy on the same
+    stream) are not held back with it: only the next chunk's bytes wait."""
     cycles_per_s = _cycles_per_s()
 
     def paced(self, chunk, *a, **k):
-        done = enqueue(self, chunk, *a, **k)
-        nbytes = chunk.numel() * chunk.element_size()
-        pad_s = nbytes / (rate_gbps * 1e9) - nbytes / (D2H_GBPS * 1e9)
+        pad_s = self.__dict__.pop("_pace_pad_s", 0.0)
         if pad_s > 0:
             with torch.cuda.stream(self._stream(chunk.device.index)):
                 torch.cuda._sleep(int(pad_s * cycles_per_s))
+        done = enqueue(self, chunk, *a, **k)
+        nbytes = chunk.numel() * chunk.element_size()
+        self._pace_pad_s = nbytes / (rate_gbps * 1e9) - nbytes / (D2H_GBPS * 1e9)
         return done
     return paced
 

@@ -437,25 +437,40 @@ def test_bench_peer_with_its_own_thread_count(tmp_path, monkeypatch, capsys):
         return real(state, target, threads, budget_bytes)
 
     monkeypatch.setitem(peers.RUNNERS, "dcp_sync", recording)
+    small = ["--gib", "0.02", "--reps", "1", "--targets", str(tmp_path / "never"), "--out", str(tmp_path / "never")]
     for bad, said in (("dcp_sync@0", "whole number >= 1"), ("dcp_sync@x", "whole number >= 1"),
-                      ("nope@3", "unknown peer 'nope@3'")):
+                      ("dcp_sync@08", "whole number >= 1"), ("dcp_sync@\u00b2", "whole number >= 1"),
+                      ("megatron_sync@4", "takes no thread count"), ("nope@3", "unknown peer")):
         with pytest.raises(SystemExit):
-            run.main(["--peers", f"safe_sync,{bad}", "--out", str(tmp_path / "never")])
-        assert said in capsys.readouterr().err
+            run.main(["--peers", f"safe_sync,{bad}", *small])
+        err = capsys.readouterr().err
+        assert said in err and repr(bad) in err, err
         with pytest.raises(ValueError, match=said):
             peers.resolve(bad)
-    assert not seen and not (tmp_path / "never.rows.jsonl").exists()
+    with pytest.raises(SystemExit):  # --verify names are checked the same way
+        run.main(["--peers", "safe_sync", "--verify", "safe_sync@0", *small])
+    assert "safe_sync@0" in capsys.readouterr().err
+    assert not seen and not (tmp_path / "never").exists()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     for k, v in dict(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)).items():
         monkeypatch.setenv(k, v)
-    run.main(["--gib", "0.02", "--reps", "1", "--threads", "2", "--targets", str(tmp_path / "t"),
-              "--peers", "dcp_sync,dcp_sync@3", "--verify", "none", "--out", str(tmp_path / "bench")])
+    import safe_ckpt
+
+    try:
+        run.main(["--gib", "0.02", "--reps", "1", "--threads", "2", "--targets", str(tmp_path / "t"),
+                  "--peers", "dcp_sync,dcp_sync@3,safe_sync@3", "--verify", "none", "--budget-gib", "0.1",
+                  "--out", str(tmp_path / "bench")])
+    finally:  # the bench prepares this process's staging pool, as a training job would
+        safe_ckpt.release_staging_pool()
     assert seen == [2, 3]  # one run each, in the round's order
+    assert "safe_sync@3: not loaded back" in capsys.readouterr().err
     report = json.loads((tmp_path / "bench.json").read_text())
     rows = {s["peer"]: s for s in report["summary"]}
     assert rows["dcp_sync"]["runs"] == rows["dcp_sync@3"]["runs"] == 1 and rows["dcp_sync@3"]["total_s"] > 0
+    assert rows["safe_sync@3"]["vs_best_peer"] > 0  # a safe_ckpt row, against the stock peers
+    assert [s["peer"] for s in report["summary"]] == ["safe_sync@3", "dcp_sync", "dcp_sync@3"]
     assert "| dcp_sync@3 |" in (tmp_path / "bench.md").read_text()
 
 
@@ -478,3 +493,53 @@ def test_diag_ttd_save_cases_run_on_cpu(tmp_path):
                and d["stall_s"] > 0 for d in lines)
     assert any(d.get("case") == "phases" and "collect" in d["phases"] for d in lines)
     assert not os.path.exists(tmp_path / "d")
+
+
+def test_diag_copy_pacing_schedules(monkeypatch):
+    """diag_saves' paced copies: from the issuing thread, each copy waits until the bytes
+    before it would have taken at the rate since the first; on the device, a spin sized by
+    the previous chunk goes on the copy stream before the next copy (never after the last, and
+    not between a copy and its own sums)."""
+    import contextlib
+    import os
+
+    import torch
+
+    import importlib.util
+
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks", "diag_saves.py")
+    spec = importlib.util.spec_from_file_location("diag_saves_under_test", here)
+    saves = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(saves)
+
+    clock, log = [100.0], []
+    monkeypatch.setattr(saves.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(saves.time, "sleep", lambda s: (log.append(("sleep", round(s, 6))), clock.__setitem__(0, clock[0] + s)))
+
+    class FakeStager:
+        def __init__(self):
+            self.device_bytes = 0
+
+        def _stream(self, index):
+            return index
+
+    def enqueue(self, chunk, *a, **k):
+        log.append(("copy", chunk.numel()))
+        self.device_bytes += chunk.numel()
+        return "event"
+
+    stager, chunks = FakeStager(), [torch.empty(n, dtype=torch.uint8) for n in (2000, 1000, 3000)]
+    paced = saves._paced(enqueue, 1e-6)  # 1000 bytes a second
+    assert [paced(stager, c) for c in chunks] == ["event"] * 3
+    assert log == [("copy", 2000), ("sleep", 2.0), ("copy", 1000), ("sleep", 1.0), ("copy", 3000)]
+
+    log.clear()
+    monkeypatch.setattr(saves, "_cycles_per_s", lambda: 1e9)
+    monkeypatch.setattr(saves, "D2H_GBPS", 4e-6)  # 4000 bytes a second at full speed
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: log.append(("spin", cycles)))
+    stager, devpaced = FakeStager(), saves._devpaced(enqueue, 1e-6)
+    for c in chunks:
+        devpaced(stager, c)
+    # 2000 bytes: 2 s at the rate, 0.5 s at full speed, so 1.5 s of spin before the next copy
+    assert log == [("copy", 2000), ("spin", int(1.5e9)), ("copy", 1000), ("spin", int(0.75e9)), ("copy", 3000)]

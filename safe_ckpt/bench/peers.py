@@ -9,7 +9,7 @@ the host); ``megatron_sync``,
 ``megatron_async`` (stock megatron-core torch_dist, mcore async strategy; need CUDA);
 ``dcp_sync`` (FileSystemWriter, same thread count); ``dcp_async_pinned``
 (`dcp.async_save` with a pinned `DefaultStager`, where the installed torch has it).
-Any of them as ``NAME@T`` is that saver with T writer threads whatever ``--threads`` says
+Any of them but Megatron's as ``NAME@T`` is that saver with T writer threads whatever ``--threads`` says
 (`resolve`), so one run can set, say, DCP at the 8 threads benchmark issue 6 names beside DCP
 at the thread count every other saver gets.
 Must not: time anything outside the saver's own calls.
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
 import shutil
 import time
 
@@ -167,14 +168,19 @@ def dcp_async_pinned(state, target, threads, budget_bytes):
 RUNNERS = {name: globals()[name] for name in PEERS + EXTRA_PEERS}
 
 
+THREADLESS = ("megatron_sync", "megatron_async")  # stock Megatron sets its own writers: no NAME@T
+
+
 def resolve(peer: str):
-    """The runner of ``peer``, a name of RUNNERS or ``NAME@T`` (that runner, T threads);
-    ValueError naming the peer if it is neither."""
+    """The runner of ``peer``, a name of RUNNERS or ``NAME@T`` (that runner, T threads, for
+    a saver that takes a thread count); ValueError naming the peer otherwise."""
     name, at, threads = peer.partition("@")
     if name not in RUNNERS:
         raise ValueError(f"unknown peer {peer!r} (peers: {', '.join(RUNNERS)}, each also as NAME@THREADS)")
     if not at:
         return RUNNERS[name]
-    if not threads.isdigit() or int(threads) < 1:
+    if name in THREADLESS:
+        raise ValueError(f"peer {peer!r}: {name} takes no thread count")
+    if not re.fullmatch(r"[1-9][0-9]*", threads):  # one spelling per count: @8, not @08 or @８
         raise ValueError(f"peer {peer!r}: the thread count after '@' must be a whole number >= 1")
     return lambda state, target, _threads, budget_bytes: RUNNERS[name](state, target, int(threads), budget_bytes)

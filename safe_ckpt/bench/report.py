@@ -64,7 +64,8 @@ def summarize(rows: list[dict], meta: dict) -> list[dict]:
             if mas and "stall_s" in s:
                 s["stall_vs_megatron_async"] = s["stall_s"] / mas[0]["stall_s"] if mas[0]["stall_s"] else None
     order = {"safe_sync": 0, "safe_async": 1}
-    return sorted(out, key=lambda s: (s["residence"], s["target"], s["cache"], order.get(s["peer"], 2), s["peer"]))
+    return sorted(out, key=lambda s: (s["residence"], s["target"], s["cache"],  # NAME@T beside NAME
+                                      order.get(s["peer"].partition("@")[0], 2), s["peer"]))
 
 
 def _f(v, fmt):

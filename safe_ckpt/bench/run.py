@@ -309,6 +309,14 @@ def rebuild(prefix: str) -> str:
     return report.write(prefix, meta, rows, report.summarize(rows, meta))
 
 
+def _resolves(peer: str) -> bool:
+    try:
+        peers.resolve(peer)
+    except ValueError:
+        return False
+    return True
+
+
 def _one(peer, state, target, cache, residence, args, budget, group) -> dict:
     row = {"peer": peer, "residence": residence, "target": target, "cache": cache}
     path = f"{target}/ck_{peer}"
@@ -373,13 +381,17 @@ def main(argv=None) -> int:
         except ValueError as exc:
             ap.error(f"--peers: {exc}")
     args.verify = [] if args.verify == "none" else [p for p in args.verify.split(",") if p]
-    wrong = [p for p in args.verify if not p.startswith("safe") or p.partition("@")[0] not in peers.RUNNERS]
+    wrong = [p for p in args.verify if not p.startswith("safe") or not _resolves(p)]
     if wrong:
         ap.error(f"--verify takes safe_ckpt peers ({', '.join(p for p in peers.RUNNERS if p.startswith('safe'))}) "
                  f"or 'none', not {', '.join(wrong)}")
     unused = [p for p in args.verify if p not in chosen]
     if unused and "--verify" in (argv if argv is not None else sys.argv[1:]):
         print(f"safe-ckpt bench: --verify {', '.join(unused)}: not among --peers, not verified", file=sys.stderr)
+    unchecked = [p for p in chosen if p.startswith("safe") and "@" in p and p not in args.verify]
+    if unchecked:
+        print(f"safe-ckpt bench: {', '.join(unchecked)}: not loaded back (name it in --verify to check it)",
+              file=sys.stderr)
     args.peer_reps = args.reps if args.peer_reps is None else args.peer_reps
     args.peer_cache = args.peer_cache or args.cache
     args.label = args.label or f"safe_ckpt bench {datetime.date.today().isoformat()}"
