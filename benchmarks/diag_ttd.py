@@ -21,6 +21,10 @@ attributed:
   pinned buffer: the write ceiling under a staging save's memory traffic, without its data dependency;
   ``d2hR_beside_write16``: the same with the copy paced to R GB/s (issued 64 MiB at a time on a
   schedule), so its memory traffic is spread over the writes instead of front-loaded;
+- ``ring16_sMm_nN``: 16 lanes, each copying its share on its own stream into N reused M MiB
+  pinned slots and writing each as it lands (a ring small enough for the last-level cache);
+  ``write_16_p1m[_reused32m]``: the writers in 1 MiB pieces, from distinct bytes / from one 32 MiB
+  window (what reading the source from cache instead of memory is worth);
 - ``*_trace``: the save with every writer lane timed (first item, waits for copies, time in items,
   finish, time in `StagedChunk.grid` waiting for device sums) and the staging thread's finish,
   printed as a ``trace`` line; ``*_phases``: the save's fixed costs, each planning and commit step
@@ -265,6 +269,75 @@ def _pipeline(target: str, sources: list[torch.Tensor], pinned: torch.Tensor, st
     return dt
 
 
+def _ring(target: str, sources: list[torch.Tensor], ring: torch.Tensor, lanes: int, slot_bytes: int,
+          slots: int) -> float:
+    """Each lane copies its share of the state device-to-host on a stream of its own into
+    ``slots`` reused pinned slots of ``slot_bytes`` and writes each slot as its copy lands, then
+    reuses it: a staging ring small enough (lanes x slots x slot_bytes) that the bytes a writer
+    reads may still be in the last-level cache the copy engine wrote them into, so the host
+    reads them from cache instead of memory. Copies are paced by the writes (a sync save's
+    shape: the device is not free until the last write)."""
+    pieces, off = [], 0
+    for s in sources:
+        flat = s.view(-1).view(torch.uint8)
+        for start in range(0, flat.numel(), slot_bytes):
+            part = flat[start:start + slot_bytes]
+            pieces.append((part, off))
+            off += part.numel()
+    # contiguous runs of pieces per lane, so each lane writes one file front to back
+    per = -(-len(pieces) // lanes)
+    shares = [pieces[i * per:(i + 1) * per] for i in range(lanes)]
+    d = _fresh(target)
+    streams = [torch.cuda.Stream() for _ in range(lanes)]
+    errors: list[BaseException] = []
+
+    def lane_fn(i: int) -> None:
+        try:
+            share, stream = shares[i], streams[i]
+            if not share:
+                return
+            base = share[0][1]
+            mine = [ring[(i * slots + k) * slot_bytes:(i * slots + k + 1) * slot_bytes] for k in range(slots)]
+            views = [host_memoryview(m) for m in mine]
+            events = [torch.cuda.Event() for _ in range(slots)]
+
+            def issue(j: int) -> None:
+                part = share[j][0]
+                k = j % slots
+                with torch.cuda.stream(stream):
+                    mine[k][:part.numel()].copy_(part, non_blocking=True)
+                    events[k].record(stream)
+
+            for j in range(min(slots, len(share))):
+                issue(j)
+            fd = os.open(os.path.join(d, f"f{i}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                for j, (part, at) in enumerate(share):
+                    k = j % slots
+                    events[k].synchronize()
+                    _pwrite_all(fd, views[k][:part.numel()], at - base)
+                    if j + slots < len(share):
+                        issue(j + slots)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except BaseException as e:  # a lane's failure must fail the case, not vanish with its thread
+            errors.append(e)
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    ts = [threading.Thread(target=lane_fn, args=(i,)) for i in range(lanes)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    dt = time.perf_counter() - t0
+    shutil.rmtree(d, ignore_errors=True)
+    if errors:
+        raise errors[0]
+    return dt
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="anchor")
@@ -377,6 +450,10 @@ def main() -> None:
         "write_8_4mib": lambda: _write_lanes(args.target, mv, 8, 4 * MiB),
         "write_8_reused1g": lambda: _write_lanes(args.target, mv, 8, 64 * MiB, reuse_bytes=1 << 30),
         "write_16_reused1g": lambda: _write_lanes(args.target, mv, 16, 64 * MiB, reuse_bytes=1 << 30),
+        "write_16_p1m": lambda: _write_lanes(args.target, mv, 16, MiB),
+        "write_16_p1m_reused32m": lambda: _write_lanes(args.target, mv, 16, MiB, reuse_bytes=32 * MiB),
+        **{f"ring16_s{m}m_n{n}": (lambda m=m, n=n: _ring(args.target, sources, ring, 16, m * MiB, n))
+           for m, n in ((1, 2), (1, 4), (2, 2), (4, 2), (4, 4), (16, 2), (64, 2))},  # within the 2 GiB ring
         "d2h": lambda: _d2h(sources, pinned, stream),
         "d2h_beside_write": d2h_beside_write,
         "d2h_beside_write16": d2h_beside_write16,
@@ -466,7 +543,7 @@ def main() -> None:
     only = [p for p in args.only.split(",") if p]
     selected = {k: f for k, f in cases.items()
                 if (not only or any(k == p or (p.endswith("*") and k.startswith(p[:-1])) for p in only))
-                and (cuda or not k.startswith(("d2h", "pipe")))}
+                and (cuda or not k.startswith(("d2h", "pipe", "ring")))}
     runs = {k: [] for k in selected}
     failed: dict[str, str] = {}
     for round_ in range(args.reps):  # rounds interleave the cases, so drift hits all alike
