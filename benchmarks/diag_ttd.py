@@ -10,7 +10,9 @@ attributed:
 - ``write_hash_beside``: 8 writers, each piece checksummed on another thread meanwhile (safe_ckpt's way);
 - ``write_hash_fused``: 8 writers, each 4 MiB piece checksummed then written by the same thread;
 - ``d2h``: the device-to-host copy of every shard into the pinned pool;
-- ``d2h_beside_write``: that copy while 8 threads write a separate host copy of the bytes;
+- ``d2h_beside_write``: that copy while 8 threads write a separate host copy of the bytes (the
+  writers' seconds; before 2026-12-02 these two cases' median_s also held removing the files: read
+  their ``_detail`` lines' write_s in older result files);
 - ``pipe_chunk`` / ``pipe_piece``: the minimal staging pipeline (D2H on one stream, 8 lanes
   wait for each copy and write it), per chunk and per 32 MiB piece issued round robin over lanes;
   ``pipe_chunk_sum`` / ``_zip`` / ``_zip_sum``: per chunk, with a host checksum, a torch.save
@@ -64,22 +66,16 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from safe_ckpt.bench.ceilings import copy_to_host
 from safe_ckpt.bench.state import build
 from safe_ckpt.integrity import checksum_of
 from safe_ckpt.sinks import posix
 from safe_ckpt.staging.pool import PinnedPool, shared_pool
 from safe_ckpt.staging.stager import host_memoryview
 
+from diag_pipes import d2h as _d2h, fresh as _fresh, pipeline as _pipeline, pwrite_all as _pwrite_all, ring as _ring
 from diag_saves import CASE, STALLS, patched_save, phased_save, traced_save  # beside this file
 
 MiB = 1 << 20
-
-
-def _fresh(target: str) -> str:
-    shutil.rmtree(target, ignore_errors=True)
-    os.makedirs(target)
-    return target
 
 
 def _spans(nbytes: int, parts: int, align: int = 1) -> list[range]:
@@ -152,12 +148,6 @@ def _write_lanes(target: str, mv: memoryview, threads: int, piece: int, hash_mod
 DIRECT_ALIGN = 4096
 
 
-def _pwrite_all(fd: int, buf: memoryview, offset: int) -> None:
-    while len(buf):
-        n = os.pwrite(fd, buf, offset)
-        buf, offset = buf[n:], offset + n
-
-
 def _direct_lane(path: str, mv: memoryview, span: range, piece: int) -> None:
     whole = (len(span) // DIRECT_ALIGN) * DIRECT_ALIGN
     fd = None
@@ -182,160 +172,6 @@ def _direct_lane(path: str, mv: memoryview, span: range, piece: int) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _d2h(sources: list[torch.Tensor], pinned: torch.Tensor, stream) -> float:
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    copy_to_host(sources, pinned, stream)
-    return time.perf_counter() - t0
-
-
-def _pipeline(target: str, sources: list[torch.Tensor], pinned: torch.Tensor, stream, lanes: int,
-              piece: int | None, checksum: bool = False, container: bool = False, grid: bool = False) -> float:
-    """Chunks of <= 256 MiB dealt round robin to lanes; copies issued per chunk (piece=None)
-    or per piece, round robin over the lanes' current chunks; each lane writes as copies land.
-    ``checksum``: each lane hashes what it writes (xxh3) just before writing it; ``container``:
-    each write gets a freshly built torch.save prefix and suffix around it, in one pwritev
-    (what safe_ckpt adds per item, without its bookkeeping); ``grid``: the device grid sums of
-    every piece computed on the copy stream and copied to the host before it (device checksums)."""
-    from safe_ckpt.encoding import torchzip
-    from safe_ckpt.integrity import grid_sums
-
-    chunks, off = [], 0
-    for s in sources:
-        flat = s.view(-1).view(torch.uint8)
-        for start in range(0, flat.numel(), 256 * MiB):
-            part = flat[start:start + 256 * MiB]
-            chunks.append((part, off))
-            off += part.numel()
-    per_lane = [chunks[i::lanes] for i in range(lanes)]
-    work = [[] for _ in range(lanes)]  # lane -> [(event, host view, file offset)]
-    d = _fresh(target)
-    # one reused pinned buffer per lane, big enough for a 256 MiB piece (the sums are not checked here)
-    sums_host = [torch.empty(256 * MiB // 4096 + 1024, dtype=torch.int32, pin_memory=True) for _ in range(lanes)] \
-        if grid else []
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    with torch.cuda.stream(stream):
-        step = piece or 256 * MiB
-        cursors = [[(c, o, 0) for c, o in lane] for lane in per_lane]
-        file_off = [0] * lanes
-        while any(cursors):
-            for lane in range(lanes):
-                if not cursors[lane]:
-                    continue
-                part, off, done = cursors[lane][0]
-                n = min(step, part.numel() - done)
-                host = pinned[off + done:off + done + n]
-                if grid:
-                    sums = grid_sums(part[done:done + n])
-                    sums_host[lane][:sums.numel()].copy_(sums, non_blocking=True)
-                host.copy_(part[done:done + n], non_blocking=True)
-                ev = torch.cuda.Event()
-                ev.record(stream)
-                work[lane].append((ev, host_memoryview(host), file_off[lane]))
-                file_off[lane] += n
-                if done + n >= part.numel():
-                    cursors[lane].pop(0)
-                else:
-                    cursors[lane][0] = (part, off, done + n)
-
-    def lane_fn(i: int) -> None:
-        fd = os.open(os.path.join(d, f"f{i}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            extra = 0
-            for ev, mv, fo in work[i]:
-                ev.synchronize()
-                if checksum:
-                    checksum_of([mv])
-                if container:
-                    c = torchzip.tensor_container(torch.uint8, (len(mv),))
-                    os.pwritev(fd, [c.prefix, mv, c.suffix()], fo + extra)
-                    extra += c.total_bytes - len(mv)
-                else:
-                    os.pwrite(fd, mv, fo)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-    ts = [threading.Thread(target=lane_fn, args=(i,)) for i in range(lanes)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    dt = time.perf_counter() - t0
-    shutil.rmtree(d, ignore_errors=True)
-    return dt
-
-
-def _ring(target: str, sources: list[torch.Tensor], ring: torch.Tensor, lanes: int, slot_bytes: int,
-          slots: int) -> float:
-    """Each lane copies its share of the state device-to-host on a stream of its own into
-    ``slots`` reused pinned slots of ``slot_bytes`` and writes each slot as its copy lands, then
-    reuses it: a staging ring small enough (lanes x slots x slot_bytes) that the bytes a writer
-    reads may still be in the last-level cache the copy engine wrote them into, so the host
-    reads them from cache instead of memory. Copies are paced by the writes (a sync save's
-    shape: the device is not free until the last write)."""
-    pieces, off = [], 0
-    for s in sources:
-        flat = s.view(-1).view(torch.uint8)
-        for start in range(0, flat.numel(), slot_bytes):
-            part = flat[start:start + slot_bytes]
-            pieces.append((part, off))
-            off += part.numel()
-    # contiguous runs of pieces per lane, so each lane writes one file front to back
-    per = -(-len(pieces) // lanes)
-    shares = [pieces[i * per:(i + 1) * per] for i in range(lanes)]
-    d = _fresh(target)
-    streams = [torch.cuda.Stream() for _ in range(lanes)]
-    errors: list[BaseException] = []
-
-    def lane_fn(i: int) -> None:
-        try:
-            share, stream = shares[i], streams[i]
-            if not share:
-                return
-            base = share[0][1]
-            mine = [ring[(i * slots + k) * slot_bytes:(i * slots + k + 1) * slot_bytes] for k in range(slots)]
-            views = [host_memoryview(m) for m in mine]
-            events = [torch.cuda.Event() for _ in range(slots)]
-
-            def issue(j: int) -> None:
-                part = share[j][0]
-                k = j % slots
-                with torch.cuda.stream(stream):
-                    mine[k][:part.numel()].copy_(part, non_blocking=True)
-                    events[k].record(stream)
-
-            for j in range(min(slots, len(share))):
-                issue(j)
-            fd = os.open(os.path.join(d, f"f{i}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            try:
-                for j, (part, at) in enumerate(share):
-                    k = j % slots
-                    events[k].synchronize()
-                    _pwrite_all(fd, views[k][:part.numel()], at - base)
-                    if j + slots < len(share):
-                        issue(j + slots)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        except BaseException as e:  # a lane's failure must fail the case, not vanish with its thread
-            errors.append(e)
-
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    ts = [threading.Thread(target=lane_fn, args=(i,)) for i in range(lanes)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    dt = time.perf_counter() - t0
-    shutil.rmtree(d, ignore_errors=True)
-    if errors:
-        raise errors[0]
-    return dt
 
 
 def main() -> None:
@@ -380,12 +216,12 @@ def main() -> None:
     def d2h_beside_write() -> float:
         box = {}
         writer = threading.Thread(target=lambda: box.setdefault("w", _write_lanes(args.target, pmv, 8, 64 * MiB)))
-        t0 = time.perf_counter()
         writer.start()
         box["d"] = _d2h(sources, pinned, stream)
         writer.join()
         print(json.dumps({"case": "d2h_beside_write_detail", "d2h_s": box["d"], "write_s": box["w"]}), flush=True)
-        return time.perf_counter() - t0
+        # the writers' own time: the join also waits for _write_lanes to remove its files
+        return box["w"]
 
     ring = torch.empty(2 << 30, dtype=torch.uint8, pin_memory=True) if cuda else None
 
@@ -419,7 +255,7 @@ def main() -> None:
         writer.join()
         print(json.dumps({"case": "d2h_beside_write16_detail", "rate_gbps": rate_gbps, "d2h_s": box["d"],
                           "write_s": box["w"]}), flush=True)
-        return time.perf_counter() - t0
+        return box["w"]  # as in d2h_beside_write: not the removal of the files after it
 
     def swapped_pool(fn):
         """The case with the shared pool's buffer and the pipe cases' own buffer exchanged (both

@@ -24,7 +24,6 @@ Must not: decide what goes where (the layout did), talk to other ranks, or publi
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 import time
