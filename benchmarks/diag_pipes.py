@@ -16,7 +16,7 @@ import torch
 
 from safe_ckpt.bench.ceilings import copy_to_host
 from safe_ckpt.integrity import checksum_of
-from safe_ckpt.staging.stager import host_memoryview
+from safe_ckpt.staging.views import host_memoryview
 
 MiB = 1 << 20
 

@@ -49,10 +49,10 @@ def patched_save(state, target: str, budget: int, mode: str, piece_bytes: int | 
     process's own threads do); ``writeback_bytes``: posix.EARLY_WRITEBACK_BYTES (0: off);
     ``rate_gbps``: the device copies paced to this rate (`_paced`); ``devpace_gbps``: the same
     paced on the device (`_devpaced`)."""
-    from safe_ckpt import cpu, cuda_driver, pipeline, saving
+    from safe_ckpt import cpu, cuda_driver, item_writes, pipeline, saving
     from safe_ckpt.staging import stager
 
-    patches = [(pipeline, "FUSED_PIECE_BYTES", piece_bytes), (stager, "GRID_MIN_PAYLOAD_BYTES", grid_min_bytes),
+    patches = [(item_writes, "FUSED_PIECE_BYTES", piece_bytes), (stager, "GRID_MIN_PAYLOAD_BYTES", grid_min_bytes),
                (pipeline, "EARLY_WRITERS_MIN_CHUNK_BYTES", early_min_bytes),
                (saving, "FILES_PER_WRITER", files_per_writer),
                (torch.cuda, "Event", functools.partial(torch.cuda.Event, blocking=True) if blocking_events else None),

@@ -70,7 +70,7 @@ from safe_ckpt.bench.state import build
 from safe_ckpt.integrity import checksum_of
 from safe_ckpt.sinks import posix
 from safe_ckpt.staging.pool import PinnedPool, shared_pool
-from safe_ckpt.staging.stager import host_memoryview
+from safe_ckpt.staging.views import host_memoryview
 
 from diag_pipes import d2h as _d2h, fresh as _fresh, pipeline as _pipeline, pwrite_all as _pwrite_all, ring as _ring
 from diag_saves import CASE, STALLS, patched_save, phased_save, traced_save  # beside this file

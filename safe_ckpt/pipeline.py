@@ -5,7 +5,8 @@ One job: write every item of this rank's layout. A staging thread walks the item
 memory: host chunks as views of their own memory, device chunks through the pinned
 pool. Writer threads take the staged items in order, each the first one whose file no
 other writer is writing (`staging.dispatch`), wrap it in its container and write prefix,
-payload and suffix with one vectored write; whoever writes a file's last item fsyncs it.
+payload and suffix with one vectored write (`item_writes`, which also keeps the item's
+checksum); whoever writes a file's last item fsyncs it.
 While a writer writes chunk k, later chunks are already being copied.
 
 When device chunks are small on average, the writers start once the last device chunk's
@@ -34,36 +35,22 @@ import torch
 from .encoding import torchzip
 from .encoding.layout import PlacedItem, RankLayout
 from .errors import CheckpointError, SourceModifiedError
-from .integrity import ALGORITHM, GRID_ALGORITHM, GRID_ROW_BYTES, Hasher, ItemChecksum, checksum_of, grid_fold
+from .integrity import ItemChecksum, checksum_of
+from .item_writes import ItemWrites
 from .progress import Progress
 from .residence import HOST_RESIDENCES, Residence
 from .sinks.base import Sink
 from . import cpu
 from .cpu import checksum_threads as _checksum_threads, lower_thread_priority, spare_cpus
 from .staging.dispatch import Dispatch
-from .staging.stager import Stager, StagedChunk, chunk_view
+from .staging.stager import Stager, StagedChunk
+from .staging.views import chunk_view
 
 log = logging.getLogger(__name__)
 
 
-FUSED_PIECE_BYTES = 2 << 20  # hashed, then written while still in the core's cache
 # Device chunks at least this large on average: the writers start at once (see above).
 EARLY_WRITERS_MIN_CHUNK_BYTES = 16 << 20
-def _pieces(buffers: list, limit_bytes: int):
-    """The buffers regrouped, in order, into lists of at most ``limit_bytes`` (or one buffer slice)."""
-    group, size = [], 0
-    for buf in buffers:
-        view = memoryview(buf).cast("B")
-        while len(view):
-            take = min(len(view), limit_bytes - size)
-            group.append(view[:take])
-            size += take
-            view = view[take:]
-            if size == limit_bytes:
-                yield group
-                group, size = [], 0
-    if group:
-        yield group
 
 
 @dataclass(frozen=True)
@@ -107,8 +94,7 @@ class RankWriter:
         ``nice``: how much nicer the writer threads run (None: `cpu.WRITER_NICE_INCREMENT`)."""
         self.work = work
         self.checksums = checksums
-        self._hasher: ThreadPoolExecutor | None = None
-        self._sums: list[ItemChecksum] = []
+        self._writes = ItemWrites(checksums, whole_writes)
         self.sink = sink
         self.stager = stager
         self.crc32 = crc32
@@ -123,7 +109,6 @@ class RankWriter:
         self._dispatch = Dispatch([len(f.items) for f in files])
         self._handles: list = [None] * len(files)  # open files (one writer at a time each)
         self._checksum_threads = _checksum_threads(checksum_threads, self._lanes) if checksums else 0
-        self._whole_writes = whole_writes
         self._nice = nice
         self._files_finished = 0  # files whose last item was written (then synced and closed)
         self._threads: list[threading.Thread] = []
@@ -135,7 +120,7 @@ class RankWriter:
     def start(self) -> None:
         self._t0 = time.perf_counter()
         if self._checksum_threads and self.work.layout.files:
-            self._hasher = ThreadPoolExecutor(self._checksum_threads, thread_name_prefix="safe_ckpt-sum")
+            self._writes.hasher = ThreadPoolExecutor(self._checksum_threads, thread_name_prefix="safe_ckpt-sum")
         # The stager first: starting 16 writer threads took 3.6-5.6 ms on an H200 host, and
         # until the first copies are issued no writer has anything to write.
         self._threads.append(threading.Thread(target=self._stage_all, name="safe_ckpt-stage", daemon=True))
@@ -173,8 +158,8 @@ class RankWriter:
                     handle.close()
                 except Exception as exc:  # the save already failed; the first error is the one to report
                     log.debug("safe_ckpt: closing an abandoned file failed: %s", exc)
-        if self._hasher is not None:
-            self._hasher.shutdown(wait=True)
+        if self._writes.hasher is not None:
+            self._writes.hasher.shutdown(wait=True)
         files = len(self.work.layout.files)
         if not self._errors and self._files_finished != files:  # a writer gone without a word
             self._fail(None, CheckpointError(f"internal error: {files - self._files_finished} of {files} data files "
@@ -184,7 +169,7 @@ class RankWriter:
                 for name, data in self.work.whole_files.items():
                     self.sink.write_file(name, data)
                     if self.checksums:
-                        self._sums.append(ItemChecksum(name, 0, len(data), checksum_of([data]), name))
+                        self._writes.record(ItemChecksum(name, 0, len(data), checksum_of([data]), name))
             except BaseException as exc:
                 self._fail(name, exc)
         if self._errors:
@@ -198,7 +183,7 @@ class RankWriter:
             staged_s=self._staged_at - self._t0 if self._staged_at else 0.0,
             written_s=time.perf_counter() - self._t0,
             files=files,
-            checksums=list(self._sums),
+            checksums=self._writes.recorded(),
         )
 
     def _fail(self, key: str | None, exc: BaseException) -> None:
@@ -346,50 +331,9 @@ class RankWriter:
         except BaseException as exc:  # a close can report a failed write-back (NFS, EIO)
             self._fail(None, exc)
 
-    def _write(self, handle, item: PlacedItem, buffers: list) -> None:
-        """One vectored write of an item, its checksum computed meanwhile on another thread;
-        or, without checksum threads, piece by piece: hash a piece, then write it."""
-        crc = None
-        if not self.checksums:
-            handle.write_at(item.offset_bytes, buffers)
-        elif self._hasher is not None:
-            pending = self._hasher.submit(checksum_of, buffers)
-            try:
-                handle.write_at(item.offset_bytes, buffers)
-            finally:
-                crc = pending.result()
-        elif self._whole_writes:
-            crc = checksum_of(buffers)
-            handle.write_at(item.offset_bytes, buffers)
-        else:
-            hasher = Hasher(ALGORITHM)
-            offset = item.offset_bytes
-            for group in _pieces(buffers, FUSED_PIECE_BYTES):
-                for buf in group:
-                    hasher.update(buf)
-                handle.write_at(offset, group)
-                offset += sum(len(b) for b in group)
-            crc = hasher.value()
-        if crc is not None:
-            self._record(ItemChecksum(item.relative_path, item.offset_bytes, item.length_bytes, crc, item.fqn))
-
-    def _record(self, checksum: ItemChecksum) -> None:
-        with self._lock:
-            self._sums.append(checksum)
-
-    def _write_gridded(self, handle, item: PlacedItem, prefix: bytes, payload: memoryview, sums: memoryview,
-                       suffix: bytes) -> None:
-        """An item whose payload was summed on the device: fold the sums, write it unhashed."""
-        n = len(payload)
-        tail = payload[n // GRID_ROW_BYTES * GRID_ROW_BYTES:]
-        crc = grid_fold(prefix, n, sums, tail, suffix)
-        handle.write_at(item.offset_bytes, [prefix, payload, suffix])
-        self._record(ItemChecksum(item.relative_path, item.offset_bytes, item.length_bytes, crc, item.fqn,
-                                  GRID_ALGORITHM, len(prefix), n))
-
     def _write_item(self, handle, item: PlacedItem, staged) -> None:
         if item.obj is not None:
-            self._write(handle, item, [staged])
+            self._writes.write(handle, item, [staged])
             self._account("object", len(staged))
             return
         chunk = item.chunk
@@ -403,9 +347,9 @@ class RankWriter:
             crc = torchzip.payload_crc32(payload) if self.crc32 else 0
             sums = staged.grid() if self.checksums else None
             if sums is not None:
-                self._write_gridded(handle, item, container.prefix, payload[0], sums, container.suffix(crc))
+                self._writes.write_gridded(handle, item, container.prefix, payload[0], sums, container.suffix(crc))
             else:
-                self._write(handle, item, [container.prefix, *payload, container.suffix(crc)])
+                self._writes.write(handle, item, [container.prefix, *payload, container.suffix(crc)])
         finally:
             staged.release()
         residence = self.work.residences[chunk.local_index]

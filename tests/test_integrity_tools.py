@@ -49,9 +49,9 @@ def test_verify_passes_a_good_checkpoint_deeply(ckpt):
 
 @pytest.mark.parametrize("threads", [0, 1, 3])
 def test_checksums_in_the_writers_equal_checksums_beside_them(tmp_path, threads, monkeypatch):
-    from safe_ckpt import pipeline
+    from safe_ckpt import item_writes
 
-    monkeypatch.setattr(pipeline, "FUSED_PIECE_BYTES", 4096)  # several pieces per item, split inside buffers
+    monkeypatch.setattr(item_writes, "FUSED_PIECE_BYTES", 4096)  # several pieces per item, split inside buffers
     paths = {}
     for n in (None, threads):
         paths[n] = str(tmp_path / f"ck{n}")
@@ -67,10 +67,10 @@ def test_checksums_in_the_writers_equal_checksums_beside_them(tmp_path, threads,
 
 
 def test_pieces_regroup_buffers_in_order_within_the_limit():
-    from safe_ckpt.pipeline import _pieces
+    from safe_ckpt.item_writes import pieces
 
     bufs = [b"ab", bytes(range(10)), b"", b"xyz"]
-    groups = list(_pieces(bufs, 4))
+    groups = list(pieces(bufs, 4))
     assert all(sum(len(b) for b in g) <= 4 for g in groups)
     assert b"".join(bytes(b) for g in groups for b in g) == b"".join(bufs)
     assert [sum(len(b) for b in g) for g in groups] == [4, 4, 4, 3]

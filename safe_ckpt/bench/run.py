@@ -12,7 +12,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import shutil
 import socket
 import sys
@@ -24,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from . import ceilings, measure, peers, report
+from .machine import fs_type, machine
 from .state import build
 
 
@@ -40,49 +40,6 @@ def _init_dist() -> tuple[int, int]:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend)
     return dist.get_rank(), dist.get_world_size()
-
-
-def machine() -> dict:
-    cpu = "?"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    mem = 0
-    try:
-        with open("/proc/meminfo") as f:
-            mem = int(next(line.split()[1] for line in f if line.startswith("MemTotal"))) * 1024
-    except (OSError, StopIteration):
-        pass
-    import megatron.core
-
-    import safe_ckpt
-
-    info = {
-        "host": socket.gethostname(), "cpu": cpu, "cores": os.cpu_count(), "mem_total_bytes": mem,
-        "python": platform.python_version(), "torch": torch.__version__,
-        "megatron_core": getattr(megatron.core, "__version__", "?"), "safe_ckpt": safe_ckpt.__version__,
-        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
-        "date": datetime.date.today().isoformat(),
-    }
-    info["machine_line"] = (f"{info['cores']} cores ({cpu}), {mem / 2**30:.0f} GiB RAM, "
-                            f"GPUs: {', '.join(info['gpus']) or 'none'}; torch {info['torch']}, "
-                            f"megatron-core {info['megatron_core']}, Python {info['python']}")
-    return info
-
-
-def _fs_type(path: str) -> str:
-    best, fstype = "", "?"
-    try:
-        with open("/proc/mounts") as f:
-            for line in f:
-                parts = line.split()
-                if path.startswith(parts[1]) and len(parts[1]) > len(best):
-                    best, fstype = parts[1], parts[2]
-    except OSError:
-        pass
-    return fstype
 
 
 def _everyone(mine, group) -> list:
@@ -123,7 +80,7 @@ def run(args) -> str:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)) or ".", exist_ok=True)
         open(args.out + ".rows.jsonl", "w").close()  # this run's rows only
     targets = [t.rstrip("/") for t in args.targets.split(",")]
-    meta["targets"] = {t: _fs_type(t) for t in targets}
+    meta["targets"] = {t: fs_type(t) for t in targets}
     chosen = peers.PEERS if args.peers == "all" else tuple(args.peers.split(","))
     rows: list[dict] = []
     meta["ceilings"] = {}
