@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import os
 import shutil
-import threading
 import time
 
 import torch
 
-from safe_ckpt.bench.ceilings import copy_to_host
+from safe_ckpt.bench.ceilings import copy_to_host, run_lanes
 from safe_ckpt.integrity import checksum_of
 from safe_ckpt.staging.views import host_memoryview
 
@@ -108,12 +107,8 @@ def pipeline(target: str, sources: list[torch.Tensor], pinned: torch.Tensor, str
         finally:
             os.close(fd)
 
-    ts = [threading.Thread(target=lane_fn, args=(i,)) for i in range(lanes)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    dt = time.perf_counter() - t0
+    run_lanes(lane_fn, lanes)
+    dt = time.perf_counter() - t0  # from before the first copy was issued
     shutil.rmtree(d, ignore_errors=True)
     return dt
 
@@ -174,13 +169,7 @@ def ring(target: str, sources: list[torch.Tensor], ring: torch.Tensor, lanes: in
             errors.append(e)
 
     torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    ts = [threading.Thread(target=lane_fn, args=(i,)) for i in range(lanes)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    dt = time.perf_counter() - t0
+    dt = run_lanes(lane_fn, lanes)
     shutil.rmtree(d, ignore_errors=True)
     if errors:
         raise errors[0]
