@@ -32,6 +32,22 @@ def pwrite_all(fd: int, buf: memoryview, offset: int) -> None:
         buf, offset = buf[n:], offset + n
 
 
+def run_guarded(lane_fn, lanes: int) -> float:
+    """``run_lanes``, but a lane's failure fails the case instead of vanishing with its thread."""
+    errors: list[BaseException] = []
+
+    def guarded(i: int) -> None:
+        try:
+            lane_fn(i)
+        except BaseException as e:
+            errors.append(e)
+
+    dt = run_lanes(guarded, lanes)
+    if errors:
+        raise errors[0]
+    return dt
+
+
 def d2h(sources: list[torch.Tensor], pinned: torch.Tensor, stream) -> float:
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -107,10 +123,11 @@ def pipeline(target: str, sources: list[torch.Tensor], pinned: torch.Tensor, str
         finally:
             os.close(fd)
 
-    run_lanes(lane_fn, lanes)
-    dt = time.perf_counter() - t0  # from before the first copy was issued
-    shutil.rmtree(d, ignore_errors=True)
-    return dt
+    try:
+        run_guarded(lane_fn, lanes)
+        return time.perf_counter() - t0  # from before the first copy was issued
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def ring(target: str, sources: list[torch.Tensor], ring: torch.Tensor, lanes: int, slot_bytes: int,
@@ -131,46 +148,43 @@ def ring(target: str, sources: list[torch.Tensor], ring: torch.Tensor, lanes: in
     # contiguous runs of pieces per lane, so each lane writes one file front to back
     per = -(-len(pieces) // lanes)
     shares = [pieces[i * per:(i + 1) * per] for i in range(lanes)]
+    if lanes * slots * slot_bytes > ring.numel():
+        raise ValueError(f"{lanes} lanes x {slots} slots of {slot_bytes} bytes do not fit a ring of {ring.numel()}")
     d = fresh(target)
     streams = [torch.cuda.Stream() for _ in range(lanes)]
-    errors: list[BaseException] = []
 
     def lane_fn(i: int) -> None:
+        share, stream = shares[i], streams[i]
+        if not share:
+            return
+        base = share[0][1]
+        mine = [ring[(i * slots + k) * slot_bytes:(i * slots + k + 1) * slot_bytes] for k in range(slots)]
+        views = [host_memoryview(m) for m in mine]
+        events = [torch.cuda.Event() for _ in range(slots)]
+
+        def issue(j: int) -> None:
+            part = share[j][0]
+            k = j % slots
+            with torch.cuda.stream(stream):
+                mine[k][:part.numel()].copy_(part, non_blocking=True)
+                events[k].record(stream)
+
+        for j in range(min(slots, len(share))):
+            issue(j)
+        fd = os.open(os.path.join(d, f"f{i}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            share, stream = shares[i], streams[i]
-            if not share:
-                return
-            base = share[0][1]
-            mine = [ring[(i * slots + k) * slot_bytes:(i * slots + k + 1) * slot_bytes] for k in range(slots)]
-            views = [host_memoryview(m) for m in mine]
-            events = [torch.cuda.Event() for _ in range(slots)]
-
-            def issue(j: int) -> None:
-                part = share[j][0]
+            for j, (part, at) in enumerate(share):
                 k = j % slots
-                with torch.cuda.stream(stream):
-                    mine[k][:part.numel()].copy_(part, non_blocking=True)
-                    events[k].record(stream)
-
-            for j in range(min(slots, len(share))):
-                issue(j)
-            fd = os.open(os.path.join(d, f"f{i}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            try:
-                for j, (part, at) in enumerate(share):
-                    k = j % slots
-                    events[k].synchronize()
-                    pwrite_all(fd, views[k][:part.numel()], at - base)
-                    if j + slots < len(share):
-                        issue(j + slots)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        except BaseException as e:  # a lane's failure must fail the case, not vanish with its thread
-            errors.append(e)
+                events[k].synchronize()
+                pwrite_all(fd, views[k][:part.numel()], at - base)  # the slot is free once this returns
+                if j + slots < len(share):
+                    issue(j + slots)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
     torch.cuda.synchronize()
-    dt = run_lanes(lane_fn, lanes)
-    shutil.rmtree(d, ignore_errors=True)
-    if errors:
-        raise errors[0]
-    return dt
+    try:
+        return run_guarded(lane_fn, lanes)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
