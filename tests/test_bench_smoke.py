@@ -543,3 +543,32 @@ def test_diag_copy_pacing_schedules(monkeypatch):
         devpaced(stager, c)
     # 2000 bytes: 2 s at the rate, 0.5 s at full speed, so 1.5 s of spin before the next copy
     assert log == [("copy", 2000), ("spin", int(1.5e9)), ("copy", 1000), ("spin", int(0.75e9)), ("copy", 3000)]
+
+
+def test_diag_pipe_lanes_fail_their_case():
+    """diag_pipes' lanes run all at once and a lane's error fails the case (it used to vanish
+    with its thread, and the case reported a time for work it never did)."""
+    import importlib.util
+    import os
+    import sys
+
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks")
+    spec = importlib.util.spec_from_file_location("diag_pipes_under_test", os.path.join(here, "diag_pipes.py"))
+    pipes = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, here)
+    try:
+        spec.loader.exec_module(pipes)
+    finally:
+        sys.path.remove(here)
+    ran = []
+    assert pipes.run_guarded(ran.append, 4) >= 0 and sorted(ran) == [0, 1, 2, 3]
+
+    def lane(i):
+        ran.append(i)
+        if i == 2:
+            raise OSError(28, "No space left on device")
+
+    ran.clear()
+    with pytest.raises(OSError, match="No space left"):
+        pipes.run_guarded(lane, 3)
+    assert sorted(ran) == [0, 1, 2]  # the other lanes still ran to the end
