@@ -112,3 +112,11 @@ def combine(stage: str, failures: list[RankFailure]) -> CheckpointError:
     if len(ordered) > len(shown):
         lines.append(f"  ... and {len(ordered) - len(shown)} more")
     return cls("\n".join(lines), ordered)
+
+
+def problems_error(stage: str, problems) -> CheckpointError:
+    """`combine` for the planning stage's `Problem` records (each names its key and ranks)."""
+    return combine(stage, [
+        RankFailure(rank=p.ranks[0], stage=stage, kind=p.kind, message=p.message, key=p.key, ranks=tuple(p.ranks))
+        for p in problems
+    ])

@@ -19,17 +19,17 @@ import json
 import logging
 import os
 import time
-from dataclasses import dataclass
 
 from . import commit, compat, dist, gcfreeze, residence
 from .encoding.layout import lay_out, lay_out_rank
 from .encoding.metadata import METADATA_FILE, build_metadata, metadata_bytes
-from .errors import CheckpointError, RankFailure, combine, failure_from_exception
+from .errors import CheckpointError, RankFailure, failure_from_exception, problems_error
 from .integrity import MANIFEST_FILE, checksum_of, manifest_bytes
 from .version import __version__
 from .options import SaveOptions
 from .pipeline import ItemWriteFailed, RankWork, RankWriter
-from .plan import GlobalPlan, LocalState, Problem, RankPlan, build_global_plan, collect, rank_plan
+from .plan import GlobalPlan, LocalState, Problem, build_global_plan, collect, rank_plan
+from .plan.message import PlanMessage, layout_options, option_mismatches
 from .progress import Progress, human_bytes
 from .results import SaveResult, SaveTimings
 from . import kvcommit
@@ -44,40 +44,6 @@ CONFIG_FILE = "metadata.json"
 # Files of equal bytes per writer thread: with two, a writer whose file another writer holds
 # still finds one free (one file is never written by two threads at once: see staging.dispatch).
 FILES_PER_WRITER = 2
-
-
-@dataclass(frozen=True)
-class _PlanMessage:
-    plan: RankPlan
-    staging_dir: str | None
-    save_id: str | None
-    layout_options: dict  # the options every rank's share of the global plan depends on
-
-
-def _layout_options(options: SaveOptions) -> dict:
-    return {"chunk_bytes": options.chunk_bytes, "io_threads": options.io_threads}
-
-
-def _option_mismatches(messages: list[_PlanMessage]) -> list[Problem]:
-    """Ranks whose layout options differ from rank 0's: their chunks would not match `.metadata`."""
-    problems = []
-    reference = messages[0].layout_options
-    for name, value in reference.items():
-        odd = tuple(r for r, m in enumerate(messages) if m.layout_options.get(name) != value)
-        if odd:
-            seen = sorted({messages[r].layout_options.get(name) for r in odd})
-            problems.append(Problem("ValidationError", f"<SaveOptions.{name}>", odd,
-                                    f"SaveOptions.{name} must be equal on every rank: rank 0 has {value}, "
-                                    f"rank(s) {', '.join(map(str, odd))} have {', '.join(map(str, seen))}"))
-    return problems
-
-
-def _problems_error(stage: str, problems: list[Problem]) -> CheckpointError:
-    failures = [
-        RankFailure(rank=p.ranks[0], stage=stage, kind=p.kind, message=p.message, key=p.key, ranks=tuple(p.ranks))
-        for p in problems
-    ]
-    return combine(stage, failures)
 
 
 class _Job:
@@ -153,20 +119,20 @@ class _Job:
                     self.area = commit.prepare(self.checkpoint_dir, save_id, replace)
             except Exception as exc:
                 problems.append(Problem("CommitError", "<target>", (0,), f"{type(exc).__name__}: {exc}"))
-        message = _PlanMessage(
+        message = PlanMessage(
             rank_plan(local, residences, problems), self.area.staging_dir if self.area else None, save_id,
-            _layout_options(self.options),
+            layout_options(self.options.chunk_bytes, self.options.io_threads),
         )
         try:
             messages = self.coord.exchange("planning", message)
         except CheckpointError:
             self._abort()
             raise
-        global_plan = _option_mismatches(messages) or build_global_plan(
+        global_plan = option_mismatches(messages) or build_global_plan(
             [m.plan for m in messages], self.options.chunk_bytes, FILES_PER_WRITER * self.options.io_threads)
         if not isinstance(global_plan, GlobalPlan):
             self._abort()
-            raise _problems_error("planning", global_plan)
+            raise problems_error("planning", global_plan)
         self.global_plan = global_plan
         self.staging_dir = messages[0].staging_dir
         self.save_id = messages[0].save_id

@@ -54,8 +54,6 @@ def _gpu_world() -> int:
 
 
 def test_default_group_nccl(tmp_path):
-    import torch
-
     world = _gpu_world()
     out = values(run_world(world, _cases().nccl_default_group, (str(tmp_path / "ck"),), backend="nccl"))
     for r in out:
@@ -111,8 +109,6 @@ def _have_megatron_training():
 @pytest.mark.skipif(not _have_megatron_training(), reason="needs Megatron-LM's megatron.training on the path")
 @pytest.mark.parametrize("variant", ["gpu", "cpu_offload_pinned", "cpu_offload_pageable_grads"])
 def test_real_gpt_distributed_optimizer_resume_is_bit_exact(tmp_path, variant):
-    import torch
-
     from tests import gpu_megatron_cases as g
     from tests.megatron_evidence import diff_digests
 

@@ -239,7 +239,6 @@ def test_grid_checksum_streamed_in_any_pieces_equals_the_one_from_its_parts(n, a
 
 def test_grid_checksum_changes_with_small_changes_and_reordered_pages():
     payload = _random_bytes(64 * 4096 + 10, 7)
-    words = payload[:64 * 4096].view(torch.int32).view(64, 1024)
     base = _grid_checksum(b"pre", payload, b"suf")
     def add(w, at, delta):
         w[at] += delta
