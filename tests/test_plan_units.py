@@ -1,6 +1,7 @@
 """Pure plan-stage logic: chunk splitting and validation verdicts (no processes)."""
 
 import itertools
+import os
 
 import pytest
 import torch
@@ -162,6 +163,41 @@ def test_pool_calls_on_wait_only_before_a_real_wait_and_outside_its_lock():
     second = pool.lease(48 * 1024, timeout_s=10, on_wait=on_wait)
     assert calls == [False]  # called once, before waiting, without the pool's lock
     second.release()
+
+
+def _vm_flags(address: int) -> list[str]:
+    """The VmFlags of the mapping holding ``address`` (Linux /proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="needs Linux /proc/self/smaps")
+def test_pool_on_huge_pages_is_an_advised_private_mapping_that_leases_like_any_other():
+    from safe_ckpt.staging.pool import PinnedPool, host_buffer
+
+    plain = host_buffer(8 << 20, huge_pages=False)
+    assert "hg" not in _vm_flags(plain.data_ptr())
+    pool = PinnedPool(8 << 20, pinned=False, huge_pages=True)
+    first, second = pool.lease(3 << 20), pool.lease(3 << 20)
+    flags = _vm_flags(first.tensor.data_ptr())
+    assert "hg" in flags and "sh" not in flags  # MADV_HUGEPAGE, private: anonymous THP, not shmem
+    g = torch.Generator().manual_seed(11)
+    a, b = (torch.randint(0, 256, (3 << 20,), dtype=torch.uint8, generator=g) for _ in range(2))
+    first.tensor.copy_(a)
+    second.tensor.copy_(b)
+    assert torch.equal(first.tensor, a) and torch.equal(second.tensor, b)  # disjoint ranges
+    first.release()
+    second.release()
+    pool.release()
+    assert pool.stats().allocated_bytes == 0
 
 
 def test_checksum_threads_beside_the_writers_only_while_cores_are_spare(monkeypatch):

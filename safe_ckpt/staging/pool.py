@@ -11,6 +11,7 @@ Must not: allocate per save, copy data, or know about chunks or files.
 from __future__ import annotations
 
 import logging
+import mmap
 import threading
 import time
 from dataclasses import dataclass
@@ -59,9 +60,12 @@ class Lease:
 class PinnedPool:
     """First-fit allocator over one buffer; `lease` blocks until enough room is free."""
 
-    def __init__(self, capacity_bytes: int, pinned: bool | None = None) -> None:
+    def __init__(self, capacity_bytes: int, pinned: bool | None = None, huge_pages: bool = False) -> None:
         self.capacity_bytes = int(capacity_bytes)
         self.pinned = torch.cuda.is_available() if pinned is None else pinned
+        # Off by default: on the H200 host a pool on huge pages saved no faster
+        # (benchmarks/diag_thp.py, README "Measured and not shipped").
+        self.huge_pages = huge_pages
         self._cond = threading.Condition()
         self._buffer: torch.Tensor | None = None
         self._free_list: list[list[int]] = []  # [offset, size], sorted by offset
@@ -73,7 +77,7 @@ class PinnedPool:
     def _ensure_buffer(self) -> None:
         if self._buffer is None:
             t0 = time.perf_counter()
-            buffer = torch.empty(self.capacity_bytes, dtype=torch.uint8)
+            buffer = host_buffer(self.capacity_bytes, self.huge_pages)
             if self.pinned:
                 # Page-lock our own allocation instead of asking torch's pinned cache, which
                 # rounds sizes up to a power of two and is what `_host_emptyCache` empties.
@@ -175,6 +179,18 @@ class PinnedPool:
                 self._registered = False
             self._buffer = None
             self._free_list = []
+
+
+def host_buffer(nbytes: int, huge_pages: bool) -> torch.Tensor:
+    """``nbytes`` of pageable host memory as a uint8 tensor; with ``huge_pages``, a private
+    anonymous mapping advised for transparent huge pages (so a reader of the buffer walks one
+    page-table entry per 2 MiB, not per 4 KiB), where this platform has MADV_HUGEPAGE. The
+    tensor keeps the mapping alive; it is unmapped when the last view of it goes."""
+    if huge_pages and hasattr(mmap, "MADV_HUGEPAGE") and nbytes > 0:
+        mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        mapping.madvise(mmap.MADV_HUGEPAGE)
+        return torch.frombuffer(mapping, dtype=torch.uint8)
+    return torch.empty(nbytes, dtype=torch.uint8)
 
 
 _shared_lock = threading.Lock()
