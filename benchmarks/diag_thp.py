@@ -39,6 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from safe_ckpt.bench import peers  # noqa: E402
 from safe_ckpt.bench.run import _init_dist  # noqa: E402
 from safe_ckpt.bench.ceilings import copy_to_host, write_seconds  # noqa: E402
+from safe_ckpt.bench.measure import mapping_of  # noqa: E402
 from safe_ckpt.bench.state import build  # noqa: E402
 from safe_ckpt.staging import pool as poolmod  # noqa: E402
 
@@ -47,21 +48,8 @@ KINDS = {"4k": False, "thp": True}
 
 def huge_share(t: torch.Tensor) -> float:
     """The share of ``t``'s bytes that sit on huge pages (its mapping's AnonHugePages / Size)."""
-    addr = t.data_ptr()
-    size = huge = None
-    with open("/proc/self/smaps") as f:
-        inside = False
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = lo <= addr < hi
-            elif inside and head == "Size:":
-                size = int(line.split()[1])
-            elif inside and head == "AnonHugePages:":
-                huge = int(line.split()[1])
-                break
-    return (huge or 0) / size if size else float("nan")
+    fields = mapping_of(t.data_ptr())
+    return int(fields["AnonHugePages"].split()[0]) / int(fields["Size"].split()[0])
 
 
 def random_buffer(nbytes: int, huge: bool, seed: int) -> torch.Tensor:

@@ -166,17 +166,9 @@ def test_pool_calls_on_wait_only_before_a_real_wait_and_outside_its_lock():
 
 
 def _vm_flags(address: int) -> list[str]:
-    """The VmFlags of the mapping holding ``address`` (Linux /proc/self/smaps)."""
-    inside = False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = lo <= address < hi
-            elif inside and head == "VmFlags:":
-                return line.split()[1:]
-    raise AssertionError(f"no mapping holds {address:#x}")
+    from safe_ckpt.bench.measure import mapping_of
+
+    return mapping_of(address)["VmFlags"].split()
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="needs Linux /proc/self/smaps")
@@ -185,6 +177,8 @@ def test_pool_on_huge_pages_is_an_advised_private_mapping_that_leases_like_any_o
 
     plain = host_buffer(8 << 20, huge_pages=False)
     assert "hg" not in _vm_flags(plain.data_ptr())
+    with pytest.raises(ValueError, match="0x8"):
+        _vm_flags(8)  # below any mapping
     pool = PinnedPool(8 << 20, pinned=False, huge_pages=True)
     first, second = pool.lease(3 << 20), pool.lease(3 << 20)
     flags = _vm_flags(first.tensor.data_ptr())

@@ -1,5 +1,6 @@
 """What a benchmark row records besides time: peak extra RSS, pinned host bytes allocated
-by torch during the call, and host-to-device copies seen by the CUDA profiler.
+by torch during the call, and host-to-device copies seen by the CUDA profiler; and how a
+buffer is mapped (`mapping_of`: its page size and advice, for the huge-page diagnostic).
 Must not: run a thread beside the call where the kernel's peak can be reset (it samples in a
 thread of its own only where it cannot), or be nested: the reset is the whole process's, so
 an inner measure would erase an outer one's peak.
@@ -104,6 +105,27 @@ def host_alloc_bytes() -> int | None:
 def host_stats_keys() -> list[str]:
     stats_fn = getattr(torch.cuda.memory, "host_memory_stats", None) if torch.cuda.is_available() else None
     return sorted(stats_fn().keys()) if stats_fn else []
+
+
+def mapping_of(address: int) -> dict[str, str]:
+    """The /proc/self/smaps fields of the mapping holding ``address`` (Linux), e.g.
+    ``Size`` / ``AnonHugePages`` ("123 kB") and ``VmFlags`` ("rd wr mr mw me ac hg")."""
+    fields: dict[str, str] | None = None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head, _, rest = line.partition(" ")
+            if head.endswith(":"):
+                if fields is not None:
+                    fields[head[:-1]] = rest.strip()
+                continue
+            if fields is not None:
+                return fields  # the next mapping's header: ours is complete
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            if lo <= address < hi:
+                fields = {}
+    if fields is None:
+        raise ValueError(f"no mapping of this process holds {address:#x}")
+    return fields
 
 
 def count_memcpy(fn) -> dict:
