@@ -1,6 +1,7 @@
 """The benchmark harness runs end to end at a small size on CPU (the CI smoke test)."""
 
 import json
+import statistics
 import subprocess
 import sys
 
@@ -40,7 +41,15 @@ def test_bench_harness_smoke(tmp_path):
     md = (tmp_path / "bench.md").read_text()
     assert "| safe_sync |" in md and "| plan s | write s | commit s |" in md
     sync = rows[("safe_sync", "cold")]  # both ceilings side by side in the row's cell
-    assert f"| {sync['vs_write_ceiling']:.0%} ({sync['vs_write_ceiling_median']:.0%}) |" in md
+    target = str(tmp_path / "target")  # each save beside the ceiling measured just before its round
+    rounds = report["meta"]["write_sample_rounds"][target]
+    assert rounds == ["gpu|cold|0", "gpu|cold|1", "gpu|warm|0", "gpu|warm|1"]
+    ceiling_of = dict(zip(rounds, report["meta"]["write_samples_gbps"][target]))
+    mine = [r for r in report["rows"] if r["peer"] == "safe_sync" and r["cache"] == "cold"]
+    assert sync["vs_write_ceiling_paired"] == pytest.approx(statistics.median(
+        r["bytes"] / r["total_s"] / 1e9 / ceiling_of[f"gpu|cold|{r['rep']}"] for r in mine))
+    assert (f"| {sync['vs_write_ceiling']:.0%} ({sync['vs_write_ceiling_median']:.0%}; "
+            f"paired {sync['vs_write_ceiling_paired']:.0%}) |") in md
     beside = f"write_beside_d2h_gbps[gpu {tmp_path / 'target'}]"
     if not torch.cuda.is_available():  # a host state has no device bytes to copy beside the writes
         assert beside not in report["meta"]["ceilings"] and "vs_write_beside_d2h" not in sync

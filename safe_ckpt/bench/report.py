@@ -16,6 +16,25 @@ def beside_key(residence: str, target: str) -> str:
     return f"write_beside_d2h_gbps[{residence} {target}]"
 
 
+def round_key(residence: str, cache: str, rep: int) -> str:
+    """Names one round of runs, so a row can be paired with the write ceiling measured just before it."""
+    return f"{residence}|{cache}|{rep}"
+
+
+def paired_ratios(rows: list[dict], samples: list[float], rounds: list[str]) -> list[float]:
+    """Each row's rate against the write ceiling measured at the start of its own round
+    (``--ceiling-each-rep``). A target that drifts between rounds moves both sides of a pair
+    together, which neither the best start ceiling nor the median of all rounds does; rows
+    of a round with no sample are left out."""
+    by_round = dict(zip(rounds, samples))
+    out = []
+    for r in rows:
+        ceiling = by_round.get(round_key(r["residence"], r["cache"], r["rep"])) if "rep" in r else None
+        if ceiling and r.get("total_s"):
+            out.append(r["bytes"] / r["total_s"] / 1e9 / ceiling)
+    return out
+
+
 def summarize(rows: list[dict], meta: dict) -> list[dict]:
     groups = defaultdict(list)
     for r in rows:
@@ -42,6 +61,10 @@ def summarize(rows: list[dict], meta: dict) -> list[dict]:
         samples = (meta.get("write_samples_gbps") or {}).get(target)
         if samples:
             s["vs_write_ceiling_median"] = s["gbps"] / statistics.median(samples)
+            paired = paired_ratios(ok, samples, (meta.get("write_sample_rounds") or {}).get(target) or [])
+            if paired:
+                s["vs_write_ceiling_paired"] = statistics.median(paired)
+                s["vs_write_ceiling_paired_min"], s["vs_write_ceiling_paired_max"] = min(paired), max(paired)
         beside = meta["ceilings"].get(beside_key(residence, target))
         if beside:
             s["vs_write_beside_d2h"] = s["gbps"] / beside
@@ -74,9 +97,11 @@ def _f(v, fmt):
 
 def _ceiling(s: dict) -> str:
     """Against the best ceiling measured at the start, and in brackets against the median of
-    those measured between rounds: a target whose speed drifts during the run shows both."""
-    between = s.get("vs_write_ceiling_median")
-    return (_f(s.get("vs_write_ceiling"), ".0%") + (f" ({between:.0%})" if between else "")).strip()
+    those measured between rounds and the median of each run against its own round's ceiling:
+    a target whose speed drifts during the run shows all three."""
+    between, paired = s.get("vs_write_ceiling_median"), s.get("vs_write_ceiling_paired")
+    inner = "; ".join(x for x in (_f(between, ".0%"), paired and f"paired {paired:.0%}") if x)
+    return (_f(s.get("vs_write_ceiling"), ".0%") + (f" ({inner})" if inner else "")).strip()
 
 
 def _beside_lines(meta: dict) -> list[str]:
@@ -120,7 +145,7 @@ def to_markdown(summary: list[dict], meta: dict) -> str:
              *_beside_lines(meta),
              *_verified_lines(meta),
              "",
-             "| residence | target | cache | peer | stall s | time-to-durable s | GB/s | vs write ceiling, best (between rounds) | "
+             "| residence | target | cache | peer | stall s | time-to-durable s | GB/s | vs write ceiling, best (between rounds; paired) | "
              "vs write beside D2H | vs best peer | vs megatron sync | stall vs megatron async | ideal stall s | "
              "peak extra RSS MiB | pinned alloc MiB |",
              "|" + "---|" * 15]

@@ -131,6 +131,9 @@ def run(args) -> str:
                         rate = _ceiling_rate(target, state, meta["ceiling_threads"][target], 1, source, rank, world,
                                              group)
                         meta.setdefault("write_samples_gbps", {}).setdefault(target, []).append(rate)
+                        # which rows ran right after this sample: the report pairs each save with it
+                        meta.setdefault("write_sample_rounds", {}).setdefault(target, []).append(
+                            report.round_key(residence, cache, rep))
                     order = list(chosen[rep % len(chosen):] + chosen[:rep % len(chosen)])
                     for peer in order:
                         stock = not peer.startswith("safe")
