@@ -53,6 +53,17 @@ def _gpu_world() -> int:
     return max(1, min(int(os.environ.get("SAFE_CKPT_GPU_WORLD", "2")), torch.cuda.device_count()))
 
 
+def _resume_world() -> tuple[int, str]:
+    """Data-parallel ranks and backend of the real-model resume test. NCCL needs a GPU per rank;
+    with SAFE_CKPT_GPU_RESUME_BACKEND=gloo, SAFE_CKPT_GPU_WORLD ranks share the GPUs there are
+    (several ranks on one GPU, as on a one-GPU machine; benchmarks/probe_dp_gloo.py checks that
+    the data-parallel collectives run over gloo on CUDA tensors first)."""
+    backend = os.environ.get("SAFE_CKPT_GPU_RESUME_BACKEND", "nccl")
+    if backend == "gloo":
+        return max(1, int(os.environ.get("SAFE_CKPT_GPU_WORLD", "2"))), backend
+    return _gpu_world(), backend
+
+
 def test_default_group_nccl(tmp_path):
     world = _gpu_world()
     out = values(run_world(world, _cases().nccl_default_group, (str(tmp_path / "ck"),), backend="nccl"))
@@ -112,14 +123,14 @@ def test_real_gpt_distributed_optimizer_resume_is_bit_exact(tmp_path, variant):
     from tests import gpu_megatron_cases as g
     from tests.megatron_evidence import diff_digests
 
-    world = _gpu_world()
+    world, backend = _resume_world()
     root = str(tmp_path)
-    full = values(run_world(world, g.run, (root + "/full", variant, "full"), backend="nccl", timeout_s=400))
-    saved = values(run_world(world, g.run, (root, variant, "save"), backend="nccl", timeout_s=400))
-    resumed = values(run_world(world, g.run, (root, variant, "resume"), backend="nccl", timeout_s=400))
-    resumed_stock = values(run_world(world, g.run, (root, variant, "resume_stock"), backend="nccl", timeout_s=400))
+    full = values(run_world(world, g.run, (root + "/full", variant, "full"), backend=backend, timeout_s=400))
+    saved = values(run_world(world, g.run, (root, variant, "save"), backend=backend, timeout_s=400))
+    resumed = values(run_world(world, g.run, (root, variant, "resume"), backend=backend, timeout_s=400))
+    resumed_stock = values(run_world(world, g.run, (root, variant, "resume_stock"), backend=backend, timeout_s=400))
     for r_full, r_saved, r_resumed, r_stock in zip(full, saved, resumed, resumed_stock):  # evidence first
-        print(variant, "losses full", r_full["losses"], "resumed", r_resumed["losses"], "from stock",
+        print(variant, f"DP={world} over {backend}", "losses full", r_full["losses"], "resumed", r_resumed["losses"], "from stock",
               r_stock["losses"], "step repair", r_resumed.get("adam_step_repair"), "save memcpy",
               r_saved.get("save_memcpy"), "digest diff", diff_digests(r_saved["opt_digest"], r_resumed["opt_digest"])[:5],
               "content", {k: v for k, v in saved[0].get("content", {}).items() if k != "traceback"})
