@@ -47,6 +47,10 @@ def _model_provider(pre_process=True, post_process=True, **kwargs):
 
 
 def _setup(save_dir, variant, world):
+    # Megatron sizes data parallelism from RANK/WORLD_SIZE while parsing arguments, before it
+    # finds torch.distributed already initialized by the test's process group
+    os.environ["RANK"] = str(torch.distributed.get_rank())
+    os.environ["WORLD_SIZE"] = str(world)
     sys.argv = ["safe_ckpt_gpu_test", *MODEL_ARGS, "--global-batch-size", str(2 * world), "--save", save_dir,
                 *VARIANTS[variant]]
     from megatron.core.distributed import finalize_model_grads
