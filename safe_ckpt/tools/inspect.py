@@ -131,10 +131,11 @@ def _human(n: float) -> str:
 
 
 def to_text(info: dict) -> str:
+    config = info["config"]
+    backend = (f"backend {config.get('sharded_backend')} v{config.get('sharded_backend_version')}" if config
+               else "no metadata.json (a DCP checkpoint, not Megatron's torch_dist)")
     lines = [f"checkpoint {info['directory']}",
-             (f"  backend {info['config'].get('sharded_backend')} v{info['config'].get('sharded_backend_version')}; "
-              if info["config"] else "  no metadata.json (a DCP checkpoint, not Megatron's torch_dist); ")
-             f"iteration {info.get('iteration')}"
+             f"  {backend}; iteration {info.get('iteration')}"
              + (f"; tracker -> {info['tracker']}" if "tracker" in info else ""),
              f"  optimizer sharding {info.get('distrib_optim_sharding_type') or 'none'} "
              f"({info.get('distrib_optim_sharding_source')})",
