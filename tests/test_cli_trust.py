@@ -225,3 +225,16 @@ def test_the_admitted_globals_are_exactly_what_torch_pickles(ckpt, tmp_path):
     buf.seek(0)
     assert safe_load._MetadataUnpickler(buf, "x").load() == [torch.channels_last, torch.sparse_coo,
                                                                torch.bfloat16, torch.Size([2, 3])]
+
+
+def test_a_storage_entry_pointing_outside_the_checkpoint_is_refused(ckpt):
+    meta = safe_load.read_metadata(ckpt)
+    index, info = next(iter(meta.storage_data.items()))
+    for outside in ("../outside.distcp", "/etc/passwd", "a//b"):
+        info.relative_path = outside
+        with open(os.path.join(ckpt, ".metadata"), "wb") as f:
+            pickle.dump(meta, f)
+        with pytest.raises(safe_load.UnreadableCheckpointError, match="points outside the checkpoint"):
+            safe_load.read_metadata(ckpt)
+        rc = _cli("verify", ckpt)
+        assert rc.returncode == 1 and "points outside" in rc.stdout, rc

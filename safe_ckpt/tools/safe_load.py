@@ -149,7 +149,8 @@ def _check_shape(meta, path: str) -> None:
                 or not isinstance(getattr(info, "relative_path", None), str) \
                 or not all(isinstance(getattr(info, a, None), int) for a in ("offset", "length")):
             raise UnreadableCheckpointError(path, f"malformed: storage entry {index!r} -> {info!r}")
-        if os.path.basename(info.relative_path) != info.relative_path or info.relative_path in ("", ".", ".."):
+        parts = info.relative_path.split("/")
+        if os.path.isabs(info.relative_path) or not info.relative_path or ".." in parts or "" in parts:
             raise UnreadableCheckpointError(path, f"malformed: storage entry {index.fqn!r} points outside the "
                                                   f"checkpoint ({info.relative_path!r})")
 
