@@ -231,3 +231,22 @@ def test_copy_of_a_directory_that_is_not_a_checkpoint_exits_1(tmp_path):
     rc, out, err = _cli("copy", str(src), str(tmp_path / "dst"))
     assert rc == 1 and "not a complete torch_dist checkpoint" in err and "Traceback" not in err
     assert not (tmp_path / "dst").exists() or not os.listdir(tmp_path / "dst")
+
+
+def test_every_argument_of_bench_has_help(monkeypatch):
+    import argparse
+
+    class Parsed(Exception):
+        pass
+
+    seen = []
+
+    def capture(self, argv=None, namespace=None):
+        seen.append(self)
+        raise Parsed
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", capture)
+    with pytest.raises(Parsed):
+        cli.main(["bench", "--reps", "1"])
+    missing = [a.dest for a in seen[0]._actions if not (a.help or "").strip()]
+    assert seen[0].prog == "safe-ckpt bench" and not missing, missing
