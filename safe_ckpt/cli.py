@@ -1,7 +1,10 @@
 """The `safe-ckpt` command line: demo, verify, inspect, gc, copy and bench.
 
-One job: parse arguments, set up logging, read environment variables (the edge), and
-call the library. Must not: contain save logic.
+One job: parse arguments, set up logging, read environment variables (the edge), call
+the library, and turn every outcome into a message and an exit code: 0 success, 1 a bad
+checkpoint or a failed operation, 2 a usage error (bad path, not a directory, bad
+argument), 130 interrupted. Must not: contain save logic, or print a traceback unless
+asked with -v.
 """
 
 from __future__ import annotations
@@ -9,6 +12,16 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import traceback
+import warnings
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+log = logging.getLogger("safe_ckpt.cli")
+
+
+class UsageError(ValueError):
+    """An argument the command cannot work with (exit code 2)."""
 
 
 class Bar:
@@ -33,22 +46,59 @@ class Bar:
             sys.stderr.flush()
 
 
+def quiet_megatron_import() -> None:
+    """Import megatron-core once with its import-time chatter (Transformer Engine / Apex
+    fallback warnings, Megatron-FSDP INFO lines) silenced; the read-only tools need it only
+    for the classes its common state may hold."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        previous = logging.root.manager.disable
+        logging.disable(logging.INFO)
+        try:
+            import megatron.core  # noqa: F401
+        except ImportError:
+            pass
+        finally:
+            logging.disable(previous)
+
+
+def _located(path: str):
+    from .tools.locate import locate
+
+    located = locate(path)
+    if located.note():
+        print(located.note(), file=sys.stderr)
+    return located
+
+
 def _verify(args: argparse.Namespace) -> int:
     import json
 
     from .tools.verify import verify
 
-    report = verify(args.directory, deep=args.deep, progress=None if args.json else Bar("verify"))
+    located = _located(args.directory)
+    quiet_megatron_import()
+    report = verify(located.directory, deep=args.deep, progress=None if args.json else Bar("verify"))
     if args.json:
-        print(json.dumps({"directory": report.directory, "ok": report.ok, "items": report.items_checked,
-                          "bytes": report.bytes_checked, "checksummed_items": report.checksummed_items,
+        print(json.dumps({"directory": report.directory, "followed_tracker": located.via_tracker, "ok": report.ok,
+                          "items": report.items_checked, "bytes": report.bytes_checked,
+                          "checksummed_items": report.checksummed_items, "object_items": report.object_items,
+                          "common_state_loaded": report.common_state_loaded, "deep": report.deep,
+                          "deep_loaded_items": report.deep_loaded_items,
+                          "deep_loaded_bytes": report.deep_loaded_bytes,
                           "findings": [f.__dict__ for f in report.findings]}, indent=1))
     else:
+        print(f"checkpoint {report.directory}")
         for f in report.findings:
             print(f"{f.severity.upper():7} {f.path}: {f.message}")
         print(f"{'OK' if report.ok else 'FAILED'}: {report.items_checked} items, {report.bytes_checked / 1e9:.3f} GB "
-              f"read, {report.checksummed_items} items checked against the manifest")
-    return 0 if report.ok else 1
+              f"read, {report.checksummed_items} items checked against the manifest"
+              + ("; common state loads (weights only)" if report.common_state_loaded else ""))
+        if report.deep:
+            print(f"deep: torch.load(weights_only=True) of {report.deep_loaded_items} tensor items, "
+                  f"{report.deep_loaded_bytes} bytes of tensor data, each with the dtype and shape the index "
+                  f"promises; {report.object_items} object items checked by checksum only (never unpickled)")
+    return EXIT_OK if report.ok else EXIT_FAILED
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -56,32 +106,54 @@ def _inspect(args: argparse.Namespace) -> int:
 
     from .tools.inspect import inspect, to_text
 
-    info = inspect(args.directory)
+    located = _located(args.directory)
+    quiet_megatron_import()
+    info = inspect(located.directory)
+    info["followed_tracker"] = located.via_tracker
     print(json.dumps(info, indent=1, default=str) if args.json else to_text(info))
-    return 0
+    return EXIT_OK
 
 
 def _gc(args: argparse.Namespace) -> int:
     from .tools.gc import collect
+    from .tools.locate import require_directory
 
-    found = collect(args.root, dry_run=args.dry_run)
+    found = collect(require_directory(args.root, "save root"), dry_run=args.dry_run)
     for path in found:
         print(("would remove " if args.dry_run else "removed ") + path)
     if not found:
         print("nothing to remove")
-    return 0
+    return EXIT_OK
+
+
+def _json_arg(text: str | None, name: str):
+    import json
+
+    if text is None:
+        return None
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise UsageError(f"{name} is not valid JSON: {exc}") from None
 
 
 def _copy(args: argparse.Namespace) -> int:
-    import json
+    import os
 
+    from .sinks.tensorstore import is_kvstore_url
     from .tools.copy import copy
+    from .tools.locate import require_directory
 
-    report = copy(args.src, args.dst, src_spec=json.loads(args.src_spec) if args.src_spec else None,
-                  dst_spec=json.loads(args.dst_spec) if args.dst_spec else None,
+    src_spec, dst_spec = _json_arg(args.src_spec, "--src-spec"), _json_arg(args.dst_spec, "--dst-spec")
+    if src_spec is None and not is_kvstore_url(args.src):
+        require_directory(args.src, "source directory")
+    if dst_spec is None and not is_kvstore_url(args.dst) and os.path.exists(args.dst) \
+            and not os.path.isdir(args.dst):
+        raise UsageError(f"{args.dst}: not a directory")
+    report = copy(args.src, args.dst, src_spec=src_spec, dst_spec=dst_spec,
                   replace="any" if args.replace else "checkpoint")
     print(f"copied {report.files} files, {report.bytes / 1e9:.3f} GB")
-    return 0
+    return EXIT_OK
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -91,58 +163,123 @@ def _demo(args: argparse.Namespace) -> int:
                      io_threads=args.io_threads)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="safe-ckpt", description=__doc__.splitlines()[0])
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    sub = parser.add_subparsers(dest="command", required=True)
+def _add_verbose(parser: argparse.ArgumentParser) -> None:
+    # SUPPRESS: a subcommand's -v must not reset the one given before the subcommand
+    parser.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                        help="debug logging, and the traceback of an unexpected error")
 
+
+def _add_demo(sub) -> None:
     p = sub.add_parser("demo", help="save Megatron-shaped state at N ranks, load it with stock Megatron, print GB/s")
-    p.add_argument("--ranks", type=int, default=2)
-    p.add_argument("--size-mb", type=int, default=384, help="total state size across ranks")
+    p.add_argument("--ranks", type=int, default=2, help="number of ranks (processes) to save from (default: 2)")
+    p.add_argument("--size-mb", type=int, default=384, help="total state size across ranks, in MiB (default: 384)")
     p.add_argument("--out", default=None, help="directory to save into (default: a temporary one)")
     p.add_argument("--keep", action="store_true", help="keep the checkpoint after the demo")
-    p.add_argument("--io-threads", type=int, default=4)
+    p.add_argument("--io-threads", type=int, default=4, help="writer threads per rank (default: 4)")
     p.set_defaults(func=_demo)
 
-    p = sub.add_parser("verify", help="re-read every item of a checkpoint; check files, structure, checksums")
-    p.add_argument("directory")
-    p.add_argument("--deep", action="store_true", help="also torch.load every tensor item (slower)")
-    p.add_argument("--json", action="store_true")
+
+def _add_verify(sub) -> None:
+    p = sub.add_parser("verify", help="re-read every item of a checkpoint; check files, structure, checksums",
+                       description="Re-read every item of a torch_dist checkpoint and check it against the index "
+                                   "and the manifest. Never runs code from the checkpoint. Exit code 0: OK, "
+                                   "1: the checkpoint has errors, 2: bad path.")
+    p.add_argument("directory", help="a checkpoint directory (iter_NNNNNNN), or a save root holding "
+                                     "latest_checkpointed_iteration.txt (the tracker is followed)")
+    p.add_argument("--deep", action="store_true",
+                   help="also torch.load(weights_only=True) every tensor item and check its dtype and shape (slower)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=_verify)
 
-    p = sub.add_parser("inspect", help="keys, shapes, dtypes, chunks, bytes per rank and file, iteration")
-    p.add_argument("directory")
-    p.add_argument("--json", action="store_true")
+
+def _add_inspect(sub) -> None:
+    p = sub.add_parser("inspect", help="keys, shapes, dtypes, chunks, bytes per rank and file, iteration",
+                       description="Summarise what a torch_dist checkpoint holds. Never runs code from the "
+                                   "checkpoint. Exit code 0: shown, 1: unreadable checkpoint, 2: bad path.")
+    p.add_argument("directory", help="a checkpoint directory (iter_NNNNNNN), or a save root holding "
+                                     "latest_checkpointed_iteration.txt (the tracker is followed)")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(func=_inspect)
 
+
+def _add_gc(sub) -> None:
     p = sub.add_parser("gc", help="remove what interrupted saves left under ROOT (hidden .safe_ckpt-* dirs)")
-    p.add_argument("root")
-    p.add_argument("--dry-run", action="store_true")
+    p.add_argument("root", help="the save root (the directory holding the iter_* checkpoints)")
+    p.add_argument("--dry-run", action="store_true", help="only list what would be removed")
     p.set_defaults(func=_gc)
 
+
+def _add_copy(sub) -> None:
     p = sub.add_parser("copy", help="copy a checkpoint between a directory and a kvstore (file://, gs://, s3://...)")
-    p.add_argument("src")
-    p.add_argument("dst")
+    p.add_argument("src", help="the checkpoint to copy: a directory or a kvstore URL")
+    p.add_argument("dst", help="where to copy it: a directory or a kvstore URL")
     p.add_argument("--src-spec", default=None, help="TensorStore kvstore spec (JSON) the SRC path lies in")
     p.add_argument("--dst-spec", default=None, help="TensorStore kvstore spec (JSON) the DST path lies in")
     p.add_argument("--replace", action="store_true", help="overwrite whatever DST holds")
     p.set_defaults(func=_copy)
 
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="safe-ckpt", description=__doc__.splitlines()[0])
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging, and the traceback of an "
+                                                                     "unexpected error")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in (_add_demo, _add_verify, _add_inspect, _add_gc, _add_copy):
+        add(sub)
+    for p in sub.choices.values():
+        _add_verbose(p)
     p = sub.add_parser("bench", help="benchmark against stock Megatron and DCP (see safe-ckpt bench -h)",
                        add_help=False)
     p.set_defaults(func=None)
+    return parser
 
+
+def _fail(command: str, message: str) -> None:
+    print(f"safe-ckpt {command}: {message}", file=sys.stderr)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run a parsed command and map its outcome to an exit code."""
+    from .errors import CheckpointError
+    from .tools.locate import PathUsageError, TrackerError
+
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        _fail(args.command, "interrupted")
+        return EXIT_INTERRUPTED
+    except (UsageError, PathUsageError) as exc:
+        _fail(args.command, f"error: {exc}")
+        return EXIT_USAGE
+    except (CheckpointError, TrackerError) as exc:
+        _fail(args.command, str(exc))
+        if args.verbose:
+            traceback.print_exc()
+        return EXIT_FAILED
+    except Exception as exc:
+        _fail(args.command, f"failed: {type(exc).__name__}: {exc}"
+              + ("" if args.verbose else " (run with -v for the traceback)"))
+        if args.verbose:
+            traceback.print_exc()
+        return EXIT_FAILED
+
+
+def main(argv: list[str] | None = None) -> int:
     if argv is None:
         argv = sys.argv[1:]
-    if argv[:1] == ["bench"]:
-        from .bench.run import main as bench_main
+    try:
+        if argv[:1] == ["bench"]:
+            from .bench.run import main as bench_main
 
-        logging.basicConfig(level=logging.WARNING)
-        return bench_main(argv[1:])
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(message)s")
-    return args.func(args)
+            logging.basicConfig(level=logging.WARNING)
+            return bench_main(argv[1:])
+        args = build_parser().parse_args(argv)
+        logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                            format="%(asctime)s %(levelname)s %(message)s")
+        return run(args)
+    except KeyboardInterrupt:  # outside a command's own handling (imports, argument parsing)
+        print("safe-ckpt: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

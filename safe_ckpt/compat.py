@@ -219,6 +219,16 @@ def common_state_as_sharded_object() -> bool:
     return megatron_version() >= Version("0.19.0")
 
 
+def megatron_safe_globals() -> list:
+    """The classes megatron-core lets `torch.load(weights_only=True)` rebuild in its common state
+    (megatron.core.safe_globals; none where the installed version has no such list)."""
+    try:
+        from megatron.core.safe_globals import SAFE_GLOBALS
+    except ImportError:
+        return []
+    return list(SAFE_GLOBALS)
+
+
 def common_state_payload(common_state: dict) -> bytes:
     return sharded_object_payload([common_state])
 

@@ -302,18 +302,20 @@ def _one(peer, state, target, cache, residence, args, budget, group) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="safe-ckpt bench", description=__doc__.splitlines()[0])
-    ap.add_argument("--preset", default="anchor", choices=["anchor", "qwen3-4b-dp8"])
+    ap.add_argument("--preset", default="anchor", choices=["anchor", "qwen3-4b-dp8"],
+                    help="state shape and rank count to benchmark (default: anchor)")
     ap.add_argument("--gib", type=float, default=None, help="state size per rank (default: the preset's)")
     ap.add_argument("--residences", default="gpu", help="comma list of gpu, opt-pinned, opt-pageable")
-    ap.add_argument("--targets", default="/dev/shm/safe_ckpt_bench")
+    ap.add_argument("--targets", default="/dev/shm/safe_ckpt_bench",
+                    help="comma list of directories to save into (default: /dev/shm/safe_ckpt_bench)")
     ap.add_argument("--peers", default="all",
                     help=f"comma list of {', '.join(peers.PEERS + peers.EXTRA_PEERS)} (all: the first {len(peers.PEERS)}); "
                          "NAME@T: that saver with T writer threads")
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=3, help="timed runs of each saver (default: 3)")
     ap.add_argument("--peer-reps", type=int, default=None, help="runs of the stock peers (default: --reps)")
     ap.add_argument("--cache", default="cold", help="cold, warm or cold,warm (pinned host cache)")
     ap.add_argument("--peer-cache", default=None, help="cache modes for the stock peers (default: --cache)")
-    ap.add_argument("--threads", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=8, help="writer threads per rank (default: 8)")
     ap.add_argument("--budget-gib", type=float, default=None, help="safe_ckpt staging budget")
     ap.add_argument("--count-h2d", action="store_true", help="count memcpy events per peer with the profiler")
     ap.add_argument("--ceiling-each-rep", action="store_true",
@@ -324,7 +326,7 @@ def main(argv=None) -> int:
                     help="after each target's timed runs, one more save by each of these safe_ckpt peers, loaded "
                          "back with stock Megatron and compared bit for bit on every rank; a mismatch fails the "
                          "run after its report is written ('none': skip)")
-    ap.add_argument("--label", default=None)
+    ap.add_argument("--label", default=None, help="a name for this run in its report")
     ap.add_argument("--out", default=None, help="output prefix (writes .json, .md, .png)")
     ap.add_argument("--rebuild", metavar="PREFIX", default=None,
                     help="only write the report of an earlier run from PREFIX.meta.json and PREFIX.rows.jsonl")

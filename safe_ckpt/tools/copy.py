@@ -4,7 +4,9 @@ One job: copy every file of a complete checkpoint (data files first, `.metadata`
 `metadata.json` last, with the kvstore commit order) so that the destination becomes
 visible as a checkpoint only when it is whole; e.g. a local directory to a bucket, or a
 bucket to a local directory for loading with stock Megatron. Each file travels as one
-value (kvstores take whole values), so memory peaks at the largest file.
+value (kvstores take whole values), so memory peaks at the largest file. A source that
+cannot be listed or read is a `CommitError` naming the file; a write that fails is the
+sink's `WriteError`; either way the destination never becomes a checkpoint.
 Must not: modify the source.
 """
 
@@ -30,20 +32,30 @@ def _sink(path: str, spec: dict | None) -> TensorStoreSink:
     return TensorStoreSink(open_location(path, spec))
 
 
+def _read(source: TensorStoreSink, name: str) -> bytes:
+    try:
+        return source.read(name)
+    except Exception as exc:
+        raise CommitError(f"cannot read {source.root}{name} from the source: {type(exc).__name__}: {exc}") from exc
+
+
 def copy(src: str, dst: str, *, src_spec: dict | None = None, dst_spec: dict | None = None,
          replace: str = "checkpoint") -> CopyReport:
     source, target = _sink(src, src_spec), _sink(dst, dst_spec)
-    names = source.list()
+    try:
+        names = source.list()
+    except Exception as exc:  # a kvstore's own error types: one message naming the source
+        raise CommitError(f"cannot list the source {source.root}: {type(exc).__name__}: {exc}") from exc
     if kvcommit.METADATA_FILE not in names or kvcommit.CONFIG_FILE not in names:
         raise CommitError(f"{source.root} is not a complete torch_dist checkpoint (no .metadata / metadata.json)")
     kvcommit.check_target(target, replace)
     data = [n for n in names if n.endswith(".distcp")]
     total = 0
     for name in data:
-        blob = source.read(name)
+        blob = _read(source, name)
         target.write_file(name, blob)
         total += len(blob)
-    small = {n: source.read(n) for n in names if n not in data}
+    small = {n: _read(source, n) for n in names if n not in data}
     total += sum(len(b) for b in small.values())
     kvcommit.publish(target, small, set(data))
     return CopyReport(len(names), total)

@@ -1,9 +1,10 @@
 """`safe-ckpt inspect DIR`: what a torch_dist checkpoint holds.
 
 One job: summarise keys, shapes, dtypes and chunks, objects, bytes per rank and per
-file, the distributed-optimizer sharding type and the iteration, as a dict (for
-`--json`) and as text. Must not: modify anything; unpickle only what stock Megatron's
-loader would (the common state, through megatron-core).
+file, the distributed-optimizer sharding type (from the checkpoint's content metadata,
+the optimizer's common state, or else inferred from its keys) and the iteration, as a
+dict (for `--json`) and as text. Must not: modify anything, or unpickle anything except
+through `safe_load` (restricted `.metadata`, weights-only common state).
 """
 
 from __future__ import annotations
@@ -13,15 +14,25 @@ import os
 import re
 from collections import defaultdict
 
+from .safe_load import METADATA_FILE, UnreadableCheckpointError, load_common_state, read_metadata
+
 _DATA_FILE = re.compile(r"^__(\d+)_(\d+)(?:-[0-9a-f]+)?\.distcp$")
+_CONFIG_FILE = "metadata.json"
+
+# How megatron-core's distributed optimizer names what each sharding type stores.
+_BUCKET_KEY = re.compile(r"^optimizer\.distributed\.dp_group_idx_\d+\.gbuf_idx_\d+\.dtype_.*\.bucket_idx_\d+\.")
+_DP_ZERO_KEY = re.compile(r"^optimizer\.distributed\.dp_group_idx_\d+\.param_state(/|$)")
+_MODEL_SPACE_KEY = re.compile(r"^optimizer\.state\.")
 
 
 def inspect(directory: str) -> dict:
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     directory = os.path.abspath(directory)
-    meta = FileSystemReader(directory).read_metadata()
+    if not os.path.isfile(os.path.join(directory, METADATA_FILE)):
+        raise UnreadableCheckpointError(os.path.join(directory, METADATA_FILE),
+                                        "missing: this is not a torch_dist checkpoint")
+    meta = read_metadata(directory)
     tensors, objects = {}, {}
     item_bytes: dict[str, int] = defaultdict(int)
     for index, info in meta.storage_data.items():
@@ -41,32 +52,74 @@ def inspect(directory: str) -> dict:
             per_rank[int(m.group(1))] += size
     out = {
         "directory": directory,
-        "config": json.load(open(os.path.join(directory, "metadata.json"))),
+        "config": _config(directory),
         "tensors": tensors, "objects": objects, "files": files,
         "bytes_per_rank": dict(sorted(per_rank.items())),
         "total_bytes": sum(f["bytes"] for f in files.values()),
     }
-    out.update(_common(directory))
+    common = load_common_state(directory, meta)
+    if not isinstance(common, dict):
+        common = {}
+    out["iteration"] = common.get("iteration")
+    out["checkpoint_version"] = common.get("checkpoint_version")
+    out["common_keys"] = sorted(map(str, common))
+    sharding, source = optimizer_sharding(common, list(tensors), list(objects))
+    out["distrib_optim_sharding_type"], out["distrib_optim_sharding_source"] = sharding, source
     tracker = os.path.join(os.path.dirname(directory), "latest_checkpointed_iteration.txt")
     if os.path.isfile(tracker):
-        out["tracker"] = open(tracker).read().strip()
+        with open(tracker, errors="replace") as f:
+            out["tracker"] = f.read(64).strip()
     return out
 
 
-def _common(directory: str) -> dict:
+def _config(directory: str) -> dict:
+    path = os.path.join(directory, _CONFIG_FILE)
+    if not os.path.isfile(path):
+        return {}  # a stock DCP checkpoint: Megatron's metadata.json is absent
     try:
-        from megatron.core import dist_checkpointing
+        with open(path) as f:
+            config = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise UnreadableCheckpointError(path, f"is not valid JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise UnreadableCheckpointError(path, f"holds a {type(config).__name__}, not a JSON object")
+    return config
 
-        common = dist_checkpointing.load_common_state_dict(directory)
-    except Exception as exc:  # no megatron-core, or not a Megatron checkpoint
-        return {"common_state_error": f"{type(exc).__name__}: {exc}"}
-    content = common.get("content_metadata") or {}
-    return {
-        "iteration": common.get("iteration"),
-        "checkpoint_version": common.get("checkpoint_version"),
-        "distrib_optim_sharding_type": content.get("distrib_optim_sharding_type"),
-        "common_keys": sorted(map(str, common)),
-    }
+
+def _find_key(tree, key: str, depth: int = 0):
+    """The first value stored under ``key`` in nested dicts / lists (chained optimizers nest)."""
+    if depth > 6:
+        return None
+    if isinstance(tree, dict):
+        if isinstance(tree.get(key), str):
+            return tree[key]
+        children = tree.values()
+    elif isinstance(tree, (list, tuple)):
+        children = tree
+    else:
+        return None
+    for child in children:
+        found = _find_key(child, key, depth + 1)
+        if found is not None:
+            return found
+    return None
+
+
+def optimizer_sharding(common: dict, tensor_keys: list[str], object_keys: list[str]) -> tuple[str | None, str]:
+    """The distributed-optimizer sharding type and where it was read (or how it was inferred)."""
+    content = common.get("content_metadata")
+    if isinstance(content, dict) and isinstance(content.get("distrib_optim_sharding_type"), str):
+        return content["distrib_optim_sharding_type"], "content_metadata"
+    found = _find_key(common.get("optimizer"), "param_state_sharding_type")
+    if found is not None:
+        return found, "the optimizer's common state"
+    if any(_BUCKET_KEY.match(k) for k in tensor_keys):
+        return "dp_reshardable", "inferred from optimizer.distributed.*.bucket_idx_* keys"
+    if any(_DP_ZERO_KEY.match(k) for k in object_keys):
+        return "dp_zero_gather_scatter", "inferred from an optimizer.distributed.*.param_state object"
+    if any(_MODEL_SPACE_KEY.match(k) for k in tensor_keys):
+        return "fully_reshardable or fully_sharded_model_space", "inferred from optimizer.state.* keys"
+    return None, "no distributed-optimizer state"
 
 
 def _human(n: float) -> str:
@@ -78,10 +131,14 @@ def _human(n: float) -> str:
 
 
 def to_text(info: dict) -> str:
+    config = info["config"]
+    backend = (f"backend {config.get('sharded_backend')} v{config.get('sharded_backend_version')}" if config
+               else "no metadata.json (a DCP checkpoint, not Megatron's torch_dist)")
     lines = [f"checkpoint {info['directory']}",
-             f"  backend {info['config'].get('sharded_backend')} v{info['config'].get('sharded_backend_version')}; "
-             f"iteration {info.get('iteration')}; optimizer sharding {info.get('distrib_optim_sharding_type')}"
+             f"  {backend}; iteration {info.get('iteration')}"
              + (f"; tracker -> {info['tracker']}" if "tracker" in info else ""),
+             f"  optimizer sharding {info.get('distrib_optim_sharding_type') or 'none'} "
+             f"({info.get('distrib_optim_sharding_source')})",
              f"  {len(info['tensors'])} tensors, {len(info['objects'])} objects, {len(info['files'])} files, "
              f"{_human(info['total_bytes'])}",
              "  bytes per rank: " + ", ".join(f"{r}: {_human(b)}" for r, b in info["bytes_per_rank"].items()),

@@ -5,7 +5,10 @@ extra files, items whose CRC-32 differs from the manifest, items whose archive
 structure does not match the chunk the index promises (payload size, records), and
 with ``deep`` items that `torch.load(weights_only=True)` cannot read back as the right
 tensor. Works on any torch_dist checkpoint (without a manifest: structure only).
-Must not: modify the directory or unpickle anything but tensor archives (weights_only).
+`.metadata` and the common state are read through `safe_load`, so a crafted file is
+reported, never run.
+Must not: modify the directory, or unpickle anything except through `safe_load` and
+`torch.load(weights_only=True)`; bytes items (objects) are checked by checksum only.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import struct
 from dataclasses import dataclass, field
 
 from ..integrity import MANIFEST_FILE, Hasher, Manifest, checksum_of, item_hasher
+from .safe_load import UnreadableCheckpointError, load_common_state, read_metadata
 
 KNOWN_FILES = {".metadata", "metadata.json", "common.pt", MANIFEST_FILE}
 _PIECE_BYTES = 64 << 20
@@ -34,6 +38,11 @@ class VerifyReport:
     items_checked: int = 0
     bytes_checked: int = 0
     checksummed_items: int = 0
+    deep: bool = False
+    deep_loaded_items: int = 0  # tensor items torch.load(weights_only=True) read back (deep only)
+    deep_loaded_bytes: int = 0  # tensor data bytes those items held
+    object_items: int = 0  # bytes items: checked by checksum, never unpickled
+    common_state_loaded: bool = False
     findings: list[Finding] = field(default_factory=list)
 
     @property
@@ -78,20 +87,26 @@ def _read_item(fd: int, offset: int, length: int, want_bytes: bool, hasher):
 
 
 def verify(directory: str, *, deep: bool = False, progress=None) -> VerifyReport:
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    report = VerifyReport(os.path.abspath(directory))
+    report = VerifyReport(os.path.abspath(directory), deep=deep)
+    if not os.path.isdir(directory):
+        report.add("error", directory, "no such directory" if not os.path.exists(directory) else "not a directory")
+        return report
     for name in (".metadata", "metadata.json"):
         if not os.path.isfile(os.path.join(directory, name)):
             report.add("error", name, "missing: this is not a complete torch_dist checkpoint")
     if not report.ok:
         return report
     try:
-        meta = FileSystemReader(directory).read_metadata()
-    except Exception as exc:
-        report.add("error", ".metadata", f"cannot be read: {type(exc).__name__}: {exc}")
+        meta = read_metadata(directory)
+    except UnreadableCheckpointError as exc:
+        report.add("error", os.path.basename(exc.path), exc.reason)
         return report
+    try:
+        report.common_state_loaded = load_common_state(directory, meta) is not None
+    except UnreadableCheckpointError as exc:
+        report.add("error", os.path.relpath(exc.path, directory), exc.reason)
 
     manifest = None
     manifest_path = os.path.join(directory, MANIFEST_FILE)
@@ -180,6 +195,7 @@ def _check_item(report, fd, path, index, info, chunk_bytes, expected_crc, deep, 
             report.add("error", where, f"item {index.fqn!r}: checksum mismatch (corrupted bytes)")
             return
     if chunk is None:
+        report.object_items += 1
         return  # a bytes item (ShardedObject): its checksum is all there is to check
     payload = _payload_record_size(tail, info.length)
     if payload != chunk[0]:
@@ -191,8 +207,11 @@ def _check_item(report, fd, path, index, info, chunk_bytes, expected_crc, deep, 
 
         try:
             t = torch.load(io.BytesIO(bytes(whole)), weights_only=True)
-            if t.dtype != chunk[1] or tuple(t.shape) != chunk[2]:
-                report.add("error", where, f"{index.fqn!r} loads as {t.dtype} {tuple(t.shape)}, "
-                                           f"expected {chunk[1]} {chunk[2]}")
+            if not isinstance(t, torch.Tensor) or t.dtype != chunk[1] or tuple(t.shape) != chunk[2]:
+                got_as = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+                report.add("error", where, f"{index.fqn!r} loads as {got_as}, expected {chunk[1]} {chunk[2]}")
+            else:
+                report.deep_loaded_items += 1
+                report.deep_loaded_bytes += t.numel() * t.element_size()
         except Exception as exc:
             report.add("error", where, f"{index.fqn!r} does not load: {type(exc).__name__}: {exc}")
