@@ -19,7 +19,7 @@ Every buffer of either kind was wholly on its kind of page; write 0.398 / 0.412 
 medians), device-to-host 0.168 / 0.169 s, writes beside the copy 0.448 / 0.488 s, sync saves
 0.412 / 0.459 s, async 0.447 / 0.400 s, all within the lease's spread; the pool stays on 4 KiB pages.
 Prints one JSON line per case (median, min, max seconds; GB/s of the median). Usage:
-  python benchmarks/diag_thp.py --target /dev/shm/safe_ckpt_thp --gib 8.6 --reps 5
+  python benchmarks/diag/diag_thp.py --target /dev/shm/safe_ckpt_thp --gib 8.6 --reps 5
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from safe_ckpt.bench import peers  # noqa: E402
 from safe_ckpt.bench.run import _init_dist  # noqa: E402
 from safe_ckpt.bench.ceilings import copy_to_host, write_seconds  # noqa: E402

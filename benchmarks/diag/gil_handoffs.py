@@ -21,7 +21,7 @@ with no writers, with ``--writers`` threads writing ``--piece-mib`` pieces to fi
 ``--target`` (pwrite, as the POSIX sink does), and with those writers 5 nicer
 (`cpu.lower_thread_priority`). Prints one JSON line per case: median microseconds per chunk
 over ``--rounds``. Usage:
-python benchmarks/gil_handoffs.py [--writers 16] [--target /dev/shm/safe_ckpt_gil]
+python benchmarks/diag/gil_handoffs.py [--writers 16] [--target /dev/shm/safe_ckpt_gil]
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ training makes them):
   floor for that many write calls).
 Reports medians and min-max, per-item microseconds, and ratios to the peer and the ceiling.
 The first safe_ckpt checkpoint is loaded back with stock DCP and compared bit for bit.
-Usage: python benchmarks/item_overhead.py [--items 2000] [--numel 4096] [--distinct] [--out PREFIX]
+Usage: python benchmarks/diag/item_overhead.py [--items 2000] [--numel 4096] [--distinct] [--out PREFIX]
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ ideal of 0.13 s on the H200, while the anchor preset (20 large shards) stalls at
 This times, on one state: the staging loop alone (lease + device-to-host copy + event per
 chunk, no writers), then `async_save` with the default options and with one factor changed
 at a time (checksums off, one writer lane, blocking-sync events). Prints one JSON line per
-measurement. Usage: python benchmarks/diag_staging.py [--preset qwen3-4b-dp8] [--target DIR]
+measurement. Usage: python benchmarks/diag/diag_staging.py [--preset qwen3-4b-dp8] [--target DIR]
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ attributed:
   only for chunks of N MiB or more; ``poolN``: an N MiB staging pool, so copies are paced to
   the writes; ``blocking``: CUDA events that block instead of spinning while a writer waits).
 Prints a ``run_of`` line per save as it ends, then one JSON line per case (median, min, max of --reps). Usage:
-python benchmarks/diag_ttd.py [--preset anchor] [--gib 8.6] [--target /dev/shm/safe_ckpt_diag]
+python benchmarks/diag/diag_ttd.py [--preset anchor] [--gib 8.6] [--target /dev/shm/safe_ckpt_diag]
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ megatron-core (and, in training, far more), the generation-2 collections that tr
 walk the whole heap. This saves the same state of ``--items`` host tensors (seeded random,
 256 KiB each by default) to ``--target`` ``--reps`` times per setting, alternating, and
 reports per setting the median save time and every collector pause above 5 ms (measured
-with `gc.callbacks`). Usage: python benchmarks/gc_pauses.py [--items 2000] [--target /dev/shm/x]
+with `gc.callbacks`). Usage: python benchmarks/diag/gc_pauses.py [--items 2000] [--target /dev/shm/x]
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ round a sample belongs to; for them the names are rebuilt from the bench's loop 
 (residence, then target, then cache, then rep: one sample per round), and a run whose sample
 count does not match that order is listed as skipped. Reads only committed files.
 
-    python benchmarks/paired_ratios.py [benchmarks/results] > benchmarks/results/paired_ratios_<date>.md
+    python benchmarks/diag/paired_ratios.py [benchmarks/results] > benchmarks/results/paired_ratios_<date>.md
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def run_lines(prefix: str) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    folder = argv[0] if argv else os.path.join(os.path.dirname(__file__), "results")
+    folder = argv[0] if argv else os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "results")
     lines = ["| run | target | row | time-to-durable s (median) | vs best start ceiling | vs median of rounds | "
              "vs its own round's ceiling, median [min-max] | runs, round names |", "|" + "---|" * 8]
     for meta_path in sorted(glob.glob(os.path.join(folder, "h200_1gpu_*.meta.json"))):

@@ -15,7 +15,7 @@ Measured (H200, 2026-12-02, results/h200_diag_dma_sink_tmpfs_2026-12-02.txt): 1.
 against the write ceiling's 26 GB/s, so registering file-backed pages costs far more than the
 copy it saves; kept as the record of that, not used by safe_ckpt.
 Prints one JSON line per case (median, min, max seconds, GB/s). Usage:
-  python benchmarks/diag_dma_sink.py --target /dev/shm/safe_ckpt_dma --gib 8.6 --reps 3
+  python benchmarks/diag/diag_dma_sink.py --target /dev/shm/safe_ckpt_dma --gib 8.6 --reps 3
 (each DMA case takes ~5 s a run at 8.6 GiB: the default cases and 5 rounds take ~4 minutes)
 """
 
@@ -33,7 +33,7 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from safe_ckpt.bench.ceilings import run_lanes, source_buffer, write_seconds  # noqa: E402
 from safe_ckpt.integrity import checksum_of  # noqa: E402
 
