@@ -17,8 +17,8 @@ import os
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
 RUNS = {  # scenario -> (report, residence, target)
-    "GPU state to tmpfs": ("h200_1gpu_8.6gib_16threads_tmpfs_cold_warm_9rounds_ac_2026-12-02.json", "gpu", None),
-    "GPU state to disk": ("h200_1gpu_8.6gib_8threads_disk_all_peers_ad_2026-12-02.json", "gpu", None),
+    "GPU state to tmpfs": ("h200_1gpu_8.6gib_16threads_tmpfs_9rounds_2026-12-02.json", "gpu", None),
+    "GPU state to disk": ("h200_1gpu_8.6gib_8threads_disk_every_peer_2026-12-02.json", "gpu", None),
     "optimizer in pinned\nhost memory to tmpfs": ("h200_1gpu_8.6gib_host_optimizer_2026-12-01.json", "opt-pinned", None),
 }
 DURABLE = [("safe_sync", "safe_ckpt"), ("dcp_sync", "DCP"), ("megatron_sync", "Megatron"),
