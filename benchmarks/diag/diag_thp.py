@@ -17,7 +17,7 @@ Each buffer's share on huge pages (AnonHugePages of its mapping) is printed firs
 Measured (H200, 2026-12-02, results/h200_diag_thp_tmpfs_2026-12-02.txt, 5 rounds): no gain.
 Every buffer of either kind was wholly on its kind of page; write 0.398 / 0.412 s (4k / thp
 medians), device-to-host 0.168 / 0.169 s, writes beside the copy 0.448 / 0.488 s, sync saves
-0.412 / 0.459 s, async 0.447 / 0.400 s, all within the lease's spread; the pool stays on 4 KiB pages.
+0.412 / 0.459 s, async 0.447 / 0.400 s, all within the run's spread; the pool stays on 4 KiB pages.
 Prints one JSON line per case (median, min, max seconds; GB/s of the median). Usage:
   python benchmarks/diag/diag_thp.py --target /dev/shm/safe_ckpt_thp --gib 8.6 --reps 5
 """
