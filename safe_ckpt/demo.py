@@ -6,7 +6,7 @@ each build their shards of a seeded GPT-like state (TP-split weights, irregular
 distributed-optimizer shards, objects, common state), `safe_ckpt.save` writes them as
 one torch_dist checkpoint, and stock `megatron.core.dist_checkpointing.load` reads it
 back under a different sharding; every tensor is compared bit for bit. Beside each save,
-in the same rounds: the target's write ceiling (each rank writes as many bytes as its
+in the same rounds (each round in another order): the target's write ceiling (each rank writes as many bytes as its
 files hold, with as many threads, then fsyncs: `bench.ceilings.write_seconds`) and stock
 DCP (`torch.distributed.checkpoint.save`) of the same tensors with as many threads.
 Sizes are in MiB (2**20 bytes) everywhere, as in the README.
@@ -81,37 +81,58 @@ def _rank_main(rank: int, world_size: int, init_file: str, out_dir: str, size_mb
         ceiling_dir = os.path.join(out_dir, f".demo_write_ceiling_rank{rank}")
         dcp_dir = os.path.join(out_dir, ".demo_dcp")
         options = safe_ckpt.SaveOptions(io_threads=io_threads)
-        source = None
         times: dict[str, list[float]] = {"safe_ckpt": [], "ceiling": [], "dcp": []}
 
         def timed(name, fn):
+            """Seconds of ``fn`` on this rank, all ranks starting together; ``fn`` may
+            return its own, narrower measurement (the ceiling leaves out its clean-up)."""
             dist.barrier()
             t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
+            own = fn()
+            times[name].append(own if own is not None else time.perf_counter() - t0)
 
-        # Interleaved rounds, so that a target whose speed drifts moves all three alike.
-        for _ in range(rounds):
-            box = {}
-            timed("safe_ckpt", lambda: box.setdefault("result", safe_ckpt.save(state, ckpt, options=options)))
-            result = box["result"]
-            rank_bytes = sum(os.path.getsize(os.path.join(ckpt, f)) for f in os.listdir(ckpt)
-                             if f.startswith(f"__{rank}_"))
-            if source is None:
-                source = ceilings.source_buffer(rank_bytes)
+        # Interleaved rounds, each measurement in another position each round: on a disk
+        # whose writes slow down right after blocks were freed (a replaced checkpoint, a
+        # removed DCP directory), whatever runs next would otherwise always pay for it.
+        box: dict = {}
+
+        def save_safe():
+            box["result"] = safe_ckpt.save(state, ckpt, options=options)
+
+        def after_safe():
+            box["rank_bytes"] = sum(os.path.getsize(os.path.join(ckpt, f)) for f in os.listdir(ckpt)
+                                    if f.startswith(f"__{rank}_"))
+
+        def before_ceiling():
+            if "source" not in box:
+                box["source"] = ceilings.source_buffer(box["rank_bytes"])
             os.makedirs(ceiling_dir, exist_ok=True)
-            timed("ceiling", lambda: ceilings.write_seconds(ceiling_dir, rank_bytes, io_threads, reps=1, source=source))
-            shutil.rmtree(ceiling_dir, ignore_errors=True)
+
+        def write_ceiling():
+            return ceilings.write_seconds(ceiling_dir, box["rank_bytes"], io_threads, reps=1, source=box["source"])
+
+        def save_dcp():
+            dcp.save(plain, storage_writer=dcp.FileSystemWriter(dcp_dir, thread_count=io_threads))
+
+        def after_dcp():
+            dist.barrier()
             if rank == 0:
                 shutil.rmtree(dcp_dir, ignore_errors=True)
-            dist.barrier()
-            timed("dcp", lambda: dcp.save(plain, storage_writer=dcp.FileSystemWriter(dcp_dir, thread_count=io_threads)))
-            dist.barrier()
-            if rank == 0:
-                shutil.rmtree(dcp_dir, ignore_errors=True)
+
+        steps = [("safe_ckpt", None, save_safe, after_safe),
+                 ("ceiling", before_ceiling, write_ceiling, lambda: shutil.rmtree(ceiling_dir, ignore_errors=True)),
+                 ("dcp", None, save_dcp, after_dcp)]
+        for i in range(rounds):
+            for name, before, fn, after in steps[i % 3:] + steps[:i % 3]:
+                if before:
+                    before()
+                timed(name, fn)
+                after()
+        result, rank_bytes = box["result"], box["rank_bytes"]
+        box.clear()
         if rank == 0:
             commit.write_tracker(out_dir, ITERATION)
-        del state, plain, source
+        del state, plain
 
         # Stock Megatron load, with every TP-split weight split along a different axis
         # and the optimizer buckets cut at different points.
