@@ -3,7 +3,7 @@
 The thread that issues a save's device copies gives up the GIL at each of its torch and
 ctypes calls, about 20 per chunk. On a 16-core H200 host with 16 writer threads writing
 to disk, a 9.23 GB save's 296 copies took until 0.35-0.41 s to issue where the copies
-alone take 0.18 s (h200_diag_ttd_anchor_disk_issue_trace_2026-12-01.txt). This measures
+alone take 0.18 s (a diag_ttd trace now in git history: results/HISTORY.md). This measures
 the mechanism without a GPU: an issuing thread makes ``--calls`` calls per "chunk" for
 ``--chunks`` chunks, each call one of
 
