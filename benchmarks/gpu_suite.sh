@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The whole GPU suite on the GPU machine (see README "GPU machine"), in parts that each fit one call:
+# The whole GPU suite on the GPU machine (see benchmarks/README.md), in parts that each fit one call:
 #   tests    gputests, then smoke;
 #   gputests every GPU test (tests/test_gpu*.py: round trips per residence, profiler counts, unmapped
 #            memory, torch_memory_saver, pool reuse, real GPTModel resume, slime actors);
@@ -9,12 +9,12 @@
 #   mixes    the same state with optimizer state in pinned and in pageable host memory, and the
 #            qwen3-4b-dp8 preset, on tmpfs;
 #   bench2   the bench part across every GPU of the host (nvidia-h200-x2 or larger), one rank per GPU
-#            (issue 9's DP=8 run: PRESET=qwen3-4b-dp8 GIB= on nvidia-h200-x8);
+#            (the DP=8 run: PRESET=qwen3-4b-dp8 GIB= on 8 GPUs);
 #   resume   the real-GPT DistributedOptimizer resume test (and the NCCL-default-group save) with one
 #            data-parallel rank per GPU of the host;
-#   gil      benchmarks/gil_handoffs.py on tmpfs and disk: what giving up the GIL costs the issuing
+#   gil      benchmarks/diag/gil_handoffs.py on tmpfs and disk: what giving up the GIL costs the issuing
 #            thread beside 16 writers, and what nicer writers change (~30 s);
-#   diag     where time goes: benchmarks/diag_ttd.py (anchor, then qwen3-4b-dp8) and diag_staging.py;
+#   diag     where time goes: benchmarks/diag/diag_ttd.py (anchor, then qwen3-4b-dp8) and diag_staging.py;
 #   diagvs   the anchor diag cases of this tree beside another commit's (VS_TREE, VS_ROUNDS);
 #   cpu      the CPU suite on this machine's Python / megatron-core (from .whl).
 # Usage: bash benchmarks/gpu_suite.sh PART [PART ...]   (results under $OUT)
@@ -25,8 +25,8 @@
 #        GPU_N (pytest-xdist workers for the GPU tests), GPU_K (pytest -k), PART_LIMIT_S (see below)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-# Results go to $RES; after each part they are packed into $OUT/results.tgz (the device tool
-# brings back only a few files from $OUT), so a part cut short still returns what the others wrote.
+# Results go to $RES; after each part they are packed into $OUT/results.tgz (only a few files
+# come back from $OUT), so a part cut short still returns what the others wrote.
 OUT=${OUT:-/tmp/safe_ckpt_gpu_out}
 RES=${RES:-/tmp/safe_ckpt_results}
 mkdir -p "$OUT" "$RES"
@@ -104,7 +104,7 @@ part_tests() { part_gputests; part_smoke; }
 part_gil() {
   local t
   for t in "$SHM" "$DISK"; do
-    $PY benchmarks/gil_handoffs.py --writers ${THREADS:-16} --target "${t}_gil" --rounds ${REPS:-5}
+    $PY benchmarks/diag/gil_handoffs.py --writers ${THREADS:-16} --target "${t}_gil" --rounds ${REPS:-5}
   done > "$RES/gil_handoffs.txt" 2>&1
   grep case "$RES/gil_handoffs.txt" | cut -c1-160
 }
@@ -112,22 +112,22 @@ part_gil() {
 part_diag() {
   DIAG_TAG=${DIAG_TAG:+_$DIAG_TAG}
   if [ "${DIAG_ANCHOR:-1}" = 1 ]; then
-    $PY benchmarks/diag_ttd.py --preset anchor --gib 8.6 --reps ${REPS:-3} --target "${DIAG_TARGET:-$SHM}" \
+    $PY benchmarks/diag/diag_ttd.py --preset anchor --gib 8.6 --reps ${REPS:-3} --target "${DIAG_TARGET:-$SHM}" \
       ${ONLY:+--only "$ONLY"} > "$RES/diag_ttd_anchor$DIAG_TAG.txt" 2> "$RES/diag_ttd_anchor$DIAG_TAG.err"
     grep case "$RES/diag_ttd_anchor$DIAG_TAG.txt" | cut -c1-500
   fi
   [ "${DIAG_QWEN:-1}" = 1 ] || return 0
-  $PY benchmarks/diag_ttd.py --preset qwen3-4b-dp8 --gib "" --reps ${REPS:-3} --target "$SHM" \
+  $PY benchmarks/diag/diag_ttd.py --preset qwen3-4b-dp8 --gib "" --reps ${REPS:-3} --target "$SHM" \
     --only "${ONLY_QWEN:-write_8,d2h,pipe*,safe_sync,safe_async}" > "$RES/diag_ttd_qwen$DIAG_TAG.txt" \
     2> "$RES/diag_ttd_qwen$DIAG_TAG.err"
   grep case "$RES/diag_ttd_qwen$DIAG_TAG.txt" | cut -c1-500
   [ "${DIAG_STAGING:-1}" = 1 ] || return 0
-  $PY benchmarks/diag_staging.py --target "$SHM" > "$RES/diag_staging.txt" 2> "$RES/diag_staging.err"
+  $PY benchmarks/diag/diag_staging.py --target "$SHM" > "$RES/diag_staging.txt" 2> "$RES/diag_staging.err"
   cat "$RES/diag_staging.txt" | cut -c1-200
 }
 
 # The anchor diag cases of this tree and of another commit's tree, alternating, one process each
-# round (VS_ROUNDS, default 2), so a lease's drift hits both alike. The other tree: VS_TREE
+# round (VS_ROUNDS, default 2), so the machine's drift hits both alike. The other tree: VS_TREE
 # (default .vs), exported with `git archive REV safe_ckpt benchmarks | tar -x -C .vs` and carried.
 part_diagvs() {
   local vs=${VS_TREE:-.vs} out="$RES/diag_ttd_vs${DIAG_TAG:+_$DIAG_TAG}.txt" round tree
@@ -135,7 +135,10 @@ part_diagvs() {
   : > "$out"
   for round in $(seq "${VS_ROUNDS:-2}"); do
     for tree in . "$vs"; do
-      (cd "$tree" && PYTHONPATH=$SITE:$PWD $PY benchmarks/diag_ttd.py --preset anchor --gib "${GIB-8.6}" \
+      # older trees kept the diag scripts directly under benchmarks/
+      local script=benchmarks/diag/diag_ttd.py
+      [ -e "$tree/$script" ] || script=benchmarks/diag_ttd.py
+      (cd "$tree" && PYTHONPATH=$SITE:$PWD $PY "$script" --preset anchor --gib "${GIB-8.6}" \
         --reps "${REPS:-3}" --target "${DIAG_TARGET:-$SHM}" ${ONLY:+--only "$ONLY"} 2>/dev/null) \
         | grep '"case"' | sed "s|^|{\"tree\": \"$tree\", \"round\": $round, \"row\": |; s|\$|}|" >> "$out"
     done

@@ -1,11 +1,17 @@
-"""The demo: save a Megatron-shaped state at N ranks, load it back with stock Megatron.
+"""The demo: save a Megatron-shaped state at N ranks, load it back with stock Megatron,
+and set the save's speed beside two measured in the same run on the same target.
 
 One job: show the whole path on any machine (CPU and gloo are enough): N processes
 each build their shards of a seeded GPT-like state (TP-split weights, irregular
 distributed-optimizer shards, objects, common state), `safe_ckpt.save` writes them as
 one torch_dist checkpoint, and stock `megatron.core.dist_checkpointing.load` reads it
-back under a different sharding; every tensor is compared bit for bit.
-Must not: be imported by the library.
+back under a different sharding; every tensor is compared bit for bit. Beside each save,
+in the same rounds (each round in another order): the target's write ceiling (each rank writes as many bytes as its
+files hold, with as many threads, then fsyncs: `bench.ceilings.write_seconds`) and stock
+DCP (`torch.distributed.checkpoint.save`) of the same tensors with as many threads.
+Sizes are in MiB (2**20 bytes) everywhere, as in the README.
+Must not: be imported by the library; leave anything in the target but the checkpoint
+and its tracker file.
 """
 
 from __future__ import annotations
@@ -19,34 +25,114 @@ import time
 
 log = logging.getLogger("safe_ckpt.demo")
 
+MiB = 1 << 20
+ITERATION = 42
 
-def _rank_main(rank: int, world_size: int, init_file: str, out_dir: str, size_mb: int, io_threads: int, results):
+
+def _dcp_tensors(state: dict, rank: int) -> dict:
+    """The tensors this rank's safe_ckpt save writes (main replicas, factories applied as
+    Megatron applies them), keyed so that no two ranks' pieces share a key."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory, is_main_replica
+
+    out: dict = {}
+
+    def walk(v):
+        if isinstance(v, dict):
+            for x in v.values():
+                walk(x)
+        elif isinstance(v, list):
+            for x in v:
+                walk(x)
+        elif isinstance(v, ShardedTensorFactory):
+            walk(v.build_fn(v.key, v.data, v.replica_id, getattr(v, "flattened_range", None)))
+        elif isinstance(v, ShardedTensor) and is_main_replica(v.replica_id):
+            out[f"{v.key}/{'.'.join(map(str, v.global_offset))}/rank{rank}"] = v.data
+
+    walk(state)
+    return out
+
+
+def _rank_main(rank: int, world_size: int, init_file: str, out_dir: str, size_mb: int, io_threads: int,
+               rounds: int, results):
     import warnings
 
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=UserWarning, module=r"(megatron|torch)\..*")
     import torch
     import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
 
     import safe_ckpt
     from megatron.core import dist_checkpointing
     from safe_ckpt import commit
+    from safe_ckpt.bench import ceilings
     from safe_ckpt.synthetic import StateSpec, bits_equal, build_state, reference_tensors
 
-    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
-                        format=f"%(asctime)s rank{rank} %(levelname)s %(message)s")
+    # The demo prints its own summary; the library's per-save log lines would repeat it.
+    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s rank{rank} %(levelname)s %(message)s")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
-        spec = StateSpec.for_bytes(size_mb * 2**20)
+        spec = StateSpec.for_bytes(size_mb * MiB)
         refs = reference_tensors(spec, world_size)
         state = build_state(rank, world_size, tp=world_size, spec=spec, references=refs)
-        ckpt = os.path.join(out_dir, "iter_0000042")
-        dist.barrier()
-        result = safe_ckpt.save(state, ckpt, options=safe_ckpt.SaveOptions(io_threads=io_threads))
+        plain = _dcp_tensors(state, rank)
+        ckpt = os.path.join(out_dir, f"iter_{ITERATION:07d}")
+        ceiling_dir = os.path.join(out_dir, f".demo_write_ceiling_rank{rank}")
+        dcp_dir = os.path.join(out_dir, ".demo_dcp")
+        options = safe_ckpt.SaveOptions(io_threads=io_threads)
+        times: dict[str, list[float]] = {"safe_ckpt": [], "ceiling": [], "dcp": []}
+
+        def timed(name, fn):
+            """Seconds of ``fn`` on this rank, all ranks starting together; ``fn`` may
+            return its own, narrower measurement (the ceiling leaves out its clean-up)."""
+            dist.barrier()
+            t0 = time.perf_counter()
+            own = fn()
+            times[name].append(own if own is not None else time.perf_counter() - t0)
+
+        # Interleaved rounds, each measurement in another position each round: on a disk
+        # whose writes slow down right after blocks were freed (a replaced checkpoint, a
+        # removed DCP directory), whatever runs next would otherwise always pay for it.
+        box: dict = {}
+
+        def save_safe():
+            box["result"] = safe_ckpt.save(state, ckpt, options=options)
+
+        def after_safe():
+            box["rank_bytes"] = sum(os.path.getsize(os.path.join(ckpt, f)) for f in os.listdir(ckpt)
+                                    if f.startswith(f"__{rank}_"))
+
+        def before_ceiling():
+            if "source" not in box:
+                box["source"] = ceilings.source_buffer(box["rank_bytes"])
+            os.makedirs(ceiling_dir, exist_ok=True)
+
+        def write_ceiling():
+            return ceilings.write_seconds(ceiling_dir, box["rank_bytes"], io_threads, reps=1, source=box["source"])
+
+        def save_dcp():
+            dcp.save(plain, storage_writer=dcp.FileSystemWriter(dcp_dir, thread_count=io_threads))
+
+        def after_dcp():
+            dist.barrier()
+            if rank == 0:
+                shutil.rmtree(dcp_dir, ignore_errors=True)
+
+        steps = [("safe_ckpt", None, save_safe, after_safe),
+                 ("ceiling", before_ceiling, write_ceiling, lambda: shutil.rmtree(ceiling_dir, ignore_errors=True)),
+                 ("dcp", None, save_dcp, after_dcp)]
+        for i in range(rounds):
+            for name, before, fn, after in steps[i % 3:] + steps[:i % 3]:
+                if before:
+                    before()
+                timed(name, fn)
+                after()
+        result, rank_bytes = box["result"], box["rank_bytes"]
+        box.clear()
         if rank == 0:
-            commit.write_tracker(out_dir, 42)
-        del state
+            commit.write_tracker(out_dir, ITERATION)
+        del state, plain
 
         # Stock Megatron load, with every TP-split weight split along a different axis
         # and the optimizer buckets cut at different points.
@@ -59,9 +145,8 @@ def _rank_main(rank: int, world_size: int, init_file: str, out_dir: str, size_mb
                                saved_tp=world_size)
         checked, bad = _compare(loaded, expected, bits_equal)
         results.put((rank, {
-            "bytes": result.total_file_bytes, "save_s": result.timings.total_s, "load_s": load_s,
+            "bytes": result.total_file_bytes, "rank_bytes": rank_bytes, "times": times, "load_s": load_s,
             "checked": checked, "bad": bad, "files": sorted(os.listdir(ckpt)),
-            "residence": result.bytes_by_residence,
         }))
     except BaseException as exc:
         results.put((rank, {"error": f"{type(exc).__name__}: {exc}"}))
@@ -97,17 +182,34 @@ def _compare(loaded, expected, bits_equal) -> tuple[int, list[str]]:
     return checked, bad
 
 
+def _best(per_rank: dict, name: str) -> float:
+    """The best round of ``name``, a round lasting as long as its slowest rank."""
+    rounds = len(next(iter(per_rank.values()))["times"][name])
+    return min(max(v["times"][name][i] for v in per_rank.values()) for i in range(rounds))
+
+
+def dispose(out_dir: str, keep: bool) -> str:
+    """Keep the demo's checkpoint or remove its directory; the line that says which."""
+    ckpt = os.path.join(out_dir, f"iter_{ITERATION:07d}")
+    if keep:
+        return (f"checkpoint kept: {ckpt} (tracker {os.path.join(out_dir, 'latest_checkpointed_iteration.txt')}); "
+                f"check it with: safe-ckpt verify {ckpt}")
+    shutil.rmtree(out_dir, ignore_errors=True)
+    return f"checkpoint removed with its temporary directory {out_dir}; pass --keep (or --out DIR) to keep it"
+
+
 def main(world_size: int = 2, size_mb: int = 384, out: str | None = None, keep: bool = False,
-         io_threads: int = 4) -> int:
+         io_threads: int = 4, rounds: int = 3) -> int:
     import torch.multiprocessing as mp
 
-    out_dir = out or tempfile.mkdtemp(prefix="safe_ckpt_demo_")
+    out_dir = os.path.abspath(out or tempfile.mkdtemp(prefix="safe_ckpt_demo_"))
     os.makedirs(out_dir, exist_ok=True)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_rank_main, args=(r, world_size, init_file, out_dir, size_mb, io_threads, results))
+        procs = [ctx.Process(target=_rank_main,
+                             args=(r, world_size, init_file, out_dir, size_mb, io_threads, rounds, results))
                  for r in range(world_size)]
         for p in procs:
             p.start()
@@ -126,15 +228,24 @@ def main(world_size: int = 2, size_mb: int = 384, out: str | None = None, keep: 
         print(f"demo FAILED: {errors or 'a rank died'}")
         return 1
     r0 = per_rank[0]
-    save_s = max(v["save_s"] for v in per_rank.values())
+    ckpt = os.path.join(out_dir, f"iter_{ITERATION:07d}")
+    mib = r0["bytes"] / MiB
+    safe_s, ceil_s, dcp_s = (_best(per_rank, n) for n in ("safe_ckpt", "ceiling", "dcp"))
+    ceil_mib = sum(v["rank_bytes"] for v in per_rank.values()) // io_threads * io_threads / MiB
     checked = sum(v["checked"] for v in per_rank.values())
     bad = [b for v in per_rank.values() for b in v["bad"]]
-    print(f"safe_ckpt demo: {world_size} ranks saved {r0['bytes'] / 1e6:.0f} MB of Megatron-shaped state "
-          f"to {out_dir}/iter_0000042 in {save_s:.2f} s -> {r0['bytes'] / save_s / 1e9:.2f} GB/s")
+    print(f"safe_ckpt demo: {world_size} ranks saved {mib:.1f} MiB of Megatron-shaped state "
+          f"(TP-split weights, distributed-optimizer shards, objects) to {ckpt}")
+    print(f"  measured in this run on the same target, {io_threads} writer threads a rank, "
+          f"best of {rounds} interleaved rounds:")
+    print(f"    safe_ckpt.save                               {safe_s:6.2f} s  {mib / safe_s:8.1f} MiB/s")
+    print(f"    write ceiling (same bytes, pwrite + fsync)   {ceil_s:6.2f} s  {ceil_mib / ceil_s:8.1f} MiB/s"
+          f"   safe_ckpt at {100 * (mib / safe_s) / (ceil_mib / ceil_s):.0f} % of it")
+    print(f"    stock DCP save of the same tensors           {dcp_s:6.2f} s  {mib / dcp_s:8.1f} MiB/s"
+          f"   safe_ckpt {dcp_s / safe_s:.2f}x as fast")
     print(f"  files: {', '.join(r0['files'])}")
     print(f"  stock megatron.core.dist_checkpointing.load under a different sharding: {checked} tensors/objects, "
           f"{'all bit-exact' if not bad else f'{len(bad)} DIFFER: {bad[:5]}'} "
           f"(load {max(v['load_s'] for v in per_rank.values()):.2f} s)")
-    if not keep and out is None:
-        shutil.rmtree(out_dir, ignore_errors=True)
+    print(dispose(out_dir, keep=keep or out is not None))
     return 0 if not bad else 1

@@ -1,6 +1,6 @@
 """A real GPTModel with Megatron's DistributedOptimizer: train, save with safe_ckpt, resume with
 stock `load_checkpoint`, and compare losses with an uninterrupted run. Needs CUDA and
-Megatron-LM's `megatron.training` on the path (see README, GPU machine)."""
+Megatron-LM's `megatron.training` on the path (see benchmarks/README.md, "Reproducing")."""
 
 from __future__ import annotations
 

@@ -106,11 +106,11 @@ def test_bench_two_ray_actors(tmp_path):
 
 
 def test_item_overhead_benchmark_smoke(tmp_path):
-    """benchmarks/item_overhead.py runs at a small size, checks its first save bit for bit
+    """benchmarks/diag/item_overhead.py runs at a small size, checks its first save bit for bit
     through stock DCP, and reports every saver."""
     import os
 
-    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "item_overhead.py")
+    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "diag", "item_overhead.py")
     cmd = [sys.executable, script, "--items", "40", "--reps", "1", "--distinct", "--target", str(tmp_path / "t"),
            "--out", str(tmp_path / "items")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
@@ -123,11 +123,11 @@ def test_item_overhead_benchmark_smoke(tmp_path):
 
 
 def test_gil_handoffs_benchmark_smoke(tmp_path):
-    """benchmarks/gil_handoffs.py runs at a small size and reports every case, with and
+    """benchmarks/diag/gil_handoffs.py runs at a small size and reports every case, with and
     without writers, the writers at their priority and 5 nicer, and cleans its files up."""
     import os
 
-    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "gil_handoffs.py")
+    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "diag", "gil_handoffs.py")
     target = tmp_path / "gil"
     cmd = [sys.executable, script, "--writers", "2", "--piece-mib", "1", "--chunks", "4", "--calls", "3",
            "--rounds", "1", "--target", str(target)]
@@ -290,7 +290,7 @@ def _diag_ttd():
 
     import sys
 
-    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks")
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks", "diag")
     spec = importlib.util.spec_from_file_location("diag_ttd_under_test", os.path.join(here, "diag_ttd.py"))
     module = importlib.util.module_from_spec(spec)
     sys.path.insert(0, here)  # as when it runs as a script: its saves module beside it
@@ -488,7 +488,7 @@ def test_diag_ttd_save_cases_run_on_cpu(tmp_path):
     report every case, so the GPU machine's calls do not find a broken script."""
     import os
 
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks", "diag_ttd.py")
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks", "diag", "diag_ttd.py")
     cases = ["write_8", "safe_sync", "safe_async_io16_new_trace", "safe_sync_io16_phases", "safe_sync_io16_rate30",
              "safe_sync_io16_nice5"]
     proc = subprocess.run([sys.executable, script, "--gib", "0.02", "--reps", "1", "--target", str(tmp_path / "d"),
@@ -516,7 +516,7 @@ def test_diag_copy_pacing_schedules(monkeypatch):
 
     import importlib.util
 
-    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks", "diag_saves.py")
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks", "diag", "diag_saves.py")
     spec = importlib.util.spec_from_file_location("diag_saves_under_test", here)
     saves = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(saves)
@@ -561,7 +561,7 @@ def test_diag_pipe_lanes_fail_their_case():
     import os
     import sys
 
-    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks")
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks", "diag")
     spec = importlib.util.spec_from_file_location("diag_pipes_under_test", os.path.join(here, "diag_pipes.py"))
     pipes = importlib.util.module_from_spec(spec)
     sys.path.insert(0, here)

@@ -15,7 +15,7 @@ Ways to enable it:
 - `python -m safe_ckpt.integrations.slime <train.py arguments> --ckpt-backend safe`
 - or add to slime's command line `--custom-megatron-init-path safe_ckpt.integrations.slime.install`
   and pass `add_custom_arguments=safe_ckpt.integrations.slime.add_arguments` to
-  `slime.utils.arguments.parse_args` (see README, "Using with slime").
+  `slime.utils.arguments.parse_args` (see README, "With slime").
 
 Must not: change slime's behaviour with `--ckpt-backend megatron` (the default).
 """

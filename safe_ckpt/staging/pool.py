@@ -64,7 +64,7 @@ class PinnedPool:
         self.capacity_bytes = int(capacity_bytes)
         self.pinned = torch.cuda.is_available() if pinned is None else pinned
         # Off by default: on the H200 host a pool on huge pages saved no faster
-        # (benchmarks/diag_thp.py, README "Measured and not shipped").
+        # (benchmarks/diag/diag_thp.py, benchmarks/README.md "Measured and not shipped").
         self.huge_pages = huge_pages
         self._cond = threading.Condition()
         self._buffer: torch.Tensor | None = None
