@@ -16,22 +16,27 @@ from tests.slime_mirror.ray.actor_group import RayTrainGroup, repo_env  # noqa: 
 
 SPEC = dict(hidden=64, ffn=256, vocab=512, layers=2, seq=32, buckets=2, bucket_numel=20_000, pieces_per_rank=3)
 MODEL_MODULE = "tests.slime_mirror.backends.megatron_utils.model"
+ACTOR_MODULE = "tests.slime_mirror.backends.megatron_utils.actor"
+RELOADABLE_MODULE = "tests.slime_mirror.utils.reloadable_process_group"
 
 
 def _args(save_dir, backend="safe", extra=()):
     """slime's argument parsing in miniature: Megatron-style flags plus add_arguments()."""
     parser = argparse.ArgumentParser()
-    for flag in ("--save", "--custom-megatron-init-path"):
+    for flag in ("--save", "--custom-megatron-init-path", "--save-hf"):
         parser.add_argument(flag, default=None)
     parser.add_argument("--ckpt-format", default="torch_dist")
     parser.add_argument("--tensor-model-parallel-size", type=int, default=2)
-    for flag in ("--async-save", "--no-save-optim", "--no-save-rng", "--use-distributed-optimizer"):
+    for flag in ("--async-save", "--no-save-optim", "--no-save-rng", "--use-distributed-optimizer", "--offload-train",
+                 "--debug-rollout-only", "--overlap-param-gather"):
         parser.add_argument(flag, action="store_true")
     integration.add_arguments(parser)
     args = parser.parse_args(["--save", save_dir, "--ckpt-backend", backend, "--use-distributed-optimizer",
                               "--custom-megatron-init-path", integration.INIT_HOOK, "--safe-ckpt-io-threads", "2",
                               "--safe-ckpt-timeout-s", "30", *extra])
-    args.safe_ckpt_model_module = MODEL_MODULE  # where slime's save module lives in the mirror
+    args.safe_ckpt_model_module = MODEL_MODULE  # where slime's modules live in the mirror
+    args.safe_ckpt_actor_module = ACTOR_MODULE
+    args.safe_ckpt_reloadable_module = RELOADABLE_MODULE
     return args
 
 
