@@ -116,6 +116,8 @@ def snapshot_groups(reloadable_module: str | None = None) -> RankSnapshot:
 
     views, held, types = {}, [], set()
     for group, ranks in list(_world.pg_group_ranks.items()):
+        if not isinstance(group, dist.ProcessGroup):  # NON_GROUP_MEMBER: groups this rank is not in
+            continue
         order = tuple(sorted(ranks, key=ranks.get))
         views[id(group)] = GroupView(group.rank(), group.size(), order)
         held.append(group)
