@@ -107,10 +107,13 @@ def _each(group, method, *args):
 
 
 def _asleep_group(save_dir, extra=()):
-    """Two actors with --offload-train, put to sleep as slime's train() leaves them."""
+    """Two actors with --offload-train after one train() (wake_up, sleep): asleep, as slime's train()
+    leaves them. (The actor's own calls are what the asleep path sees: a driver-side
+    `RayTrainGroup.offload()` goes to the methods Ray resolved when it created the actor.)"""
     group = RayTrainGroup(_args(save_dir, extra=["--offload-train", *extra]), 2, SPEC, env_vars=repo_env())
     _each(group, "capture_logs")
-    group.offload()
+    _each(group, "train", 0)
+    assert [(c["wake_up"], c["sleep"]) for c in _each(group, "call_counts")] == [(1, 1), (1, 1)]
     return group
 
 
@@ -120,18 +123,17 @@ def test_asleep_actor_saves_without_waking_up_and_loads_with_stock_megatron(ray_
     group.save_model(7)  # returns while the writes go on in the background
     for state in _each(group, "asleep_state"):
         assert state["asleep"], state
-    assert [c["wake_up"] for c in _each(group, "call_counts")] == [0, 0]
-    group.onload()  # the next train() begins with wake_up: it finishes the save first
-    assert [c["wake_up"] for c in _each(group, "call_counts")] == [1, 1]
+    assert [(c["wake_up"], c["sleep"]) for c in _each(group, "call_counts")] == [(1, 1), (1, 1)]
+    _each(group, "train", 8)  # the next train() begins with wake_up: it finishes the save first
+    assert [c["wake_up"] for c in _each(group, "call_counts")] == [2, 2]
     assert _tracker(save_dir) == "7"
     for mismatches, iteration in _each(group, "check_load", 7):
         assert mismatches == [], mismatches[:5]
         assert iteration == 7
-    # asleep again, a forced save: done (committed) when save_model returns, still without waking up
-    group.offload()
+    # asleep again (train() ends with sleep), a forced save: committed when save_model returns, no wake-up
     group.save_model(8, force_sync=True)
     assert _tracker(save_dir) == "8"
-    assert [c["wake_up"] for c in _each(group, "call_counts")] == [1, 1]
+    assert [c["wake_up"] for c in _each(group, "call_counts")] == [2, 2]
     assert all(m == [] for m, _ in _each(group, "check_load", 8))
     for messages in _each(group, "logged"):
         assert any("saving iteration 7 asleep" in m for m in messages), messages
@@ -146,14 +148,14 @@ def test_save_hf_and_save_awake_keep_slimes_wake_up_path(ray_cluster, tmp_path):
         group = _asleep_group(save_dir, extra)
         group.save_model(4)
         counts = _each(group, "call_counts")
-        assert [c["wake_up"] for c in counts] == [1, 1] and [c["sleep"] for c in counts] == [2, 2], counts
+        assert [(c["wake_up"], c["sleep"]) for c in counts] == [(2, 2), (2, 2)], counts
         assert _tracker(save_dir) == "4"
         assert all(m == [] for m, _ in _each(group, "check_load", 4))
         if reason:
             assert [c["save_hf"] for c in counts] == [1, 1]
             assert os.path.isfile(tmp_path / "hf_4" / "config.json")
             for messages in _each(group, "logged"):
-                assert any("wake-up path" in m and reason in m for m in messages), messages
+                assert any("wakes the actor up" in m and reason in m for m in messages), messages
         else:  # turned off: the asleep path is not even installed
             assert _each(group, "asleep_state") == [None, None]
         for a in group._actor_handlers:

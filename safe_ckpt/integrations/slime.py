@@ -113,7 +113,9 @@ def install(args, model_module: str | None = None) -> None:
     log.info("safe_ckpt: slime checkpoints now go through safe_ckpt (%s.save_checkpoint)", module.__name__)
     from .slime_asleep import install_on_actor
 
-    install_on_actor(args)
+    saves = install_on_actor(args)
+    if saves is not None:
+        module.save_checkpoint = saves.routing(slime_save_checkpoint)
 
 
 def _launcher_argv(argv: list[str]) -> list[str]:

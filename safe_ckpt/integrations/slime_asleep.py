@@ -1,8 +1,9 @@
 """Save while asleep: slime's train actor checkpoints from where offload left its state.
 
-One job: with `--ckpt-backend safe`, replace slime's actor-level `save_model` (and wrap `sleep` and
-`wake_up` of `MegatronTrainRayActor`, in the actor's process, without editing slime) so that an
-actor whose training state is asleep saves it *without waking up*.
+One job: with `--ckpt-backend safe`, replace slime's actor-level save path (`MegatronTrainRayActor`'s
+`wake_up`/`sleep` around its `save_model`, and the `save_checkpoint` its `save` calls; in the
+actor's process, without editing slime) so that an actor whose training state is asleep saves it
+*without waking up*.
 
 slime (since v0.3.0) brackets every checkpoint with `wake_up()` (torch_memory_saver.resume(): the
 whole CPU backup copied back to the device, every process group rebuilt) and `sleep()`. The
@@ -42,8 +43,10 @@ import dataclasses
 import functools
 import importlib
 import logging
+import sys
 import threading
 import time
+from dataclasses import dataclass
 
 from .. import compat
 from . import slime_groups
@@ -105,15 +108,41 @@ def start_asleep_save(args, model, optimizer, opt_param_scheduler, iteration, gr
             process_group=group, retention=training.retention_from_args(args))
 
 
+@dataclass(frozen=True)
+class Bracket:
+    """A `save_model` whose `wake_up()` was skipped: its `save` goes asleep, its `sleep()` is a no-op."""
+
+    iteration_started_s: float
+    force_sync: bool
+
+
+def _is_save_model_body(frame, module_file: str | None) -> bool:
+    """Whether ``frame`` runs slime's `MegatronTrainRayActor.save_model` itself (slime's `@timer`
+    wraps the method from outside, so its own `self.wake_up()` call comes straight from the body)."""
+    code = frame.f_code if frame is not None else None
+    return code is not None and code.co_name == "save_model" and (module_file is None or code.co_filename == module_file)
+
+
 class AsleepSaves:
     """The asleep path of one train actor's process: whether it sleeps, the groups as they were
-    before, the detached gloo group, and the save in flight."""
+    before, the detached gloo group, the save in flight, and the `save_model` under way.
 
-    def __init__(self, group: slime_groups.DetachedGloo, reloadable_module: str | None = None) -> None:
+    It hooks what slime's `save_model` calls, not `save_model` itself: Ray resolves an actor's
+    methods once, when the actor is created (before `install` runs in its `init`), so a replaced
+    `save_model` would never be called from the driver; the calls inside it look the methods up
+    on every call. `save_model`'s `self.wake_up()` is skipped (the `Bracket` begins), its
+    `save(...)` reaches `save_checkpoint`, which starts the asleep save, and its `self.sleep()` is
+    skipped (the bracket ends; with `force_sync` the save is finished first).
+    """
+
+    def __init__(self, group: slime_groups.DetachedGloo, reloadable_module: str | None = None,
+                 actor_file: str | None = None) -> None:
         self.group = group
         self.reloadable_module = reloadable_module
+        self.actor_file = actor_file
         self.asleep = False
         self.snapshot: slime_groups.RankSnapshot | None = None
+        self.bracket: Bracket | None = None
         self.inflight = None
         self.inflight_iteration = None
         self.waiting = threading.Event()  # set while a wake_up waits for the save (observable)
@@ -148,40 +177,51 @@ class AsleepSaves:
                      self.last_wake_wait_s, self.inflight_iteration)
         training.finalize_async_saves(blocking=True)
 
-    def save_model(self, actor, original, rollout_id, force_sync=False):
-        args = actor.args
-        if getattr(args, "debug_rollout_only", False):
-            return original(actor, rollout_id, force_sync=force_sync)
-        reason = awake_reason(args, self.asleep, getattr(actor, "role", None))
-        if reason is not None:
-            level = logging.INFO if getattr(args, "offload_train", False) and self.asleep else logging.DEBUG
-            log.log(level, "safe_ckpt: saving iteration %s through slime's wake-up path: %s", rollout_id, reason)
-            return original(actor, rollout_id, force_sync=force_sync)
-        start = time.monotonic()
-        self.finish_inflight("save_model")
-        if args.async_save:
-            from megatron.training.async_utils import maybe_finalize_async_save
+    def wake_up(self, actor, original, caller, *args, **kwargs):
+        if _is_save_model_body(caller, self.actor_file):
+            reason = awake_reason(actor.args, self.asleep, getattr(actor, "role", None))
+            if reason is None:
+                self.finish_inflight("save_model")  # one save at a time
+                self.bracket = Bracket(time.monotonic(), bool(caller.f_locals.get("force_sync", False)))
+                return None
+            if self.asleep:
+                log.info("safe_ckpt: save_model wakes the actor up, as slime does: %s", reason)
+        self.bracket = None
+        self.finish_inflight("wake_up")
+        self.asleep = False
+        return original(actor, *args, **kwargs)
 
-            maybe_finalize_async_save(blocking=True)
-        self.inflight = start_asleep_save(args, actor.model, actor.optimizer, actor.opt_param_scheduler,
-                                          rollout_id, self.group, self.snapshot)
-        self.inflight_iteration = rollout_id
-        self.last_hold_s = time.monotonic() - start
-        log.info("safe_ckpt: save_model(%s) returned after %.3f s; writing goes on while the actor sleeps",
-                 rollout_id, self.last_hold_s)
-        if force_sync:
-            self.finish_inflight("save_model(force_sync=True)")
-
-    def sleep(self, actor, original, *args, **kwargs):
+    def sleep(self, actor, original, caller, *args, **kwargs):
+        bracket = self.bracket
+        if bracket is not None and _is_save_model_body(caller, self.actor_file):
+            self.bracket = None
+            if bracket.force_sync:
+                self.finish_inflight("save_model(force_sync=True)")
+            self.last_hold_s = time.monotonic() - bracket.iteration_started_s
+            log.info("safe_ckpt: save_model returned after %.3f s without waking up%s", self.last_hold_s,
+                     "" if bracket.force_sync else "; the writes go on while the actor sleeps")
+            return None
         snapshot = slime_groups.snapshot_groups(self.reloadable_module)  # before sleep destroys them
         result = original(actor, *args, **kwargs)
         self.snapshot, self.asleep = snapshot, True
         return result
 
-    def wake_up(self, actor, original, *args, **kwargs):
-        self.finish_inflight("wake_up")
-        self.asleep = False
-        return original(actor, *args, **kwargs)
+    def routing(self, awake_save_checkpoint):
+        """The `save_checkpoint` slime's `save` calls: the asleep save inside a bracket, else ``awake_save_checkpoint``."""
+
+        @functools.wraps(awake_save_checkpoint)
+        def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, *args, **kwargs):
+            if self.bracket is None or self.inflight is not None:
+                return awake_save_checkpoint(iteration, model, optimizer, opt_param_scheduler, *args, **kwargs)
+            from megatron.training.global_vars import get_args
+
+            self.inflight = start_asleep_save(get_args(), model, optimizer, opt_param_scheduler, iteration,
+                                              self.group, self.snapshot)
+            self.inflight_iteration = iteration
+            return self.inflight
+
+        save_checkpoint._safe_ckpt_asleep = self
+        return save_checkpoint
 
 
 def _wrap(cls, name: str, saves: AsleepSaves) -> None:
@@ -192,11 +232,24 @@ def _wrap(cls, name: str, saves: AsleepSaves) -> None:
 
     @functools.wraps(original)
     def method(self, *args, **kwargs):
-        return handler(self, original, *args, **kwargs)
+        return handler(self, original, sys._getframe(1), *args, **kwargs)
 
     method._safe_ckpt_asleep = saves
     method._safe_ckpt_original = original
     setattr(cls, name, method)
+
+
+def _with_subclasses(cls) -> list:
+    """``cls`` and every subclass that exists now. Ray runs an actor as an instance of a subclass it
+    makes of the class, with its own copy of each method (resolved when the actor was created):
+    the methods the actor's own code calls must be replaced there too."""
+    found, todo = [], [cls]
+    while todo:
+        current = todo.pop()
+        if current not in found:
+            found.append(current)
+            todo.extend(current.__subclasses__())
+    return found
 
 
 def install_on_actor(args, actor_module: str | None = None) -> AsleepSaves | None:
@@ -206,7 +259,8 @@ def install_on_actor(args, actor_module: str | None = None) -> AsleepSaves | Non
         return None
     name = actor_module or getattr(args, "safe_ckpt_actor_module", None) or SLIME_ACTOR_MODULE
     try:
-        cls = getattr(importlib.import_module(name), ACTOR_CLASS)
+        module = importlib.import_module(name)
+        cls = getattr(module, ACTOR_CLASS)
     except (ImportError, AttributeError) as exc:
         log.warning("safe_ckpt: no %s.%s to put the asleep save on (%s): saves wake the actor up as slime does",
                     name, ACTOR_CLASS, exc)
@@ -214,9 +268,11 @@ def install_on_actor(args, actor_module: str | None = None) -> AsleepSaves | Non
     slime_groups.install_detached_support()
     timeout_s = float(getattr(args, "safe_ckpt_timeout_s", None) or 600.0)
     saves = AsleepSaves(slime_groups.create_detached_gloo(timeout_s),
-                        getattr(args, "safe_ckpt_reloadable_module", None))
-    for method in ("save_model", "sleep", "wake_up"):
-        _wrap(cls, method, saves)
+                        getattr(args, "safe_ckpt_reloadable_module", None), getattr(module, "__file__", None))
+    for target in _with_subclasses(cls):
+        for method in ("sleep", "wake_up"):
+            if method in vars(target):
+                _wrap(target, method, saves)
     log.info("safe_ckpt: %s.%s saves asleep without waking up (--safe-ckpt-save-awake turns it off)",
              name, ACTOR_CLASS)
     return saves
@@ -224,4 +280,4 @@ def install_on_actor(args, actor_module: str | None = None) -> AsleepSaves | Non
 
 def installed(cls) -> AsleepSaves | None:
     """The asleep path installed on ``cls`` in this process, if any."""
-    return getattr(getattr(cls, "save_model", None), "_safe_ckpt_asleep", None)
+    return getattr(getattr(cls, "wake_up", None), "_safe_ckpt_asleep", None)

@@ -168,6 +168,13 @@ class MegatronTrainRayActor:
         reload_process_groups()
         return True
 
+    def train(self, rollout_id, rollout_data_ref=None, external_data=None):
+        """As slime's `train` around the training itself (none in the mirror): wake_up, sleep."""
+        if self.args.offload_train:
+            self.wake_up()
+        if self.args.offload_train:
+            self.sleep()
+
     def save_model(self, rollout_id, force_sync=False):
         """As slime's (624b824a), line for line (plus the mirror's count of HF saves)."""
         from pathlib import Path
@@ -226,7 +233,8 @@ class MegatronTrainRayActor:
         if saves is None:
             return None
         return {"asleep": saves.asleep, "inflight": saves.inflight is not None,
-                "last_hold_s": saves.last_hold_s, "last_wake_wait_s": saves.last_wake_wait_s}
+                "last_hold_s": saves.last_hold_s, "last_wake_wait_s": saves.last_wake_wait_s,
+                "class_is_patched": type(self).wake_up is MegatronTrainRayActor.wake_up}
 
     def capture_logs(self):
         """Keep safe_ckpt's log messages from now on (`logged()` returns them)."""
