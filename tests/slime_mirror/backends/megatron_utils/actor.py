@@ -18,6 +18,8 @@ torch_memory_saver region with a CPU backup. Where this differs from slime, and 
   `utils/reloadable_process_group.py` (destroyed at sleep, a temporary gloo WORLD meanwhile,
   re-created at wake_up); Megatron's model-parallel groups are rebuilt at reload where slime
   re-creates its wrapped groups in place.
+- `args.mirror_keep_groups` (mirror only) leaves the groups alive across sleep, as slime v0.2.x did:
+  the GPU residence scenario saves in place while asleep (`save_in_place`) through the stock path.
 - `init` does not call `sleep()` at its end as slime's does with `--offload-train`: the tests put
   the actor to sleep themselves (slime's `train()` also ends with `sleep()`).
 - `self.calls` counts sleep / wake_up / save_hf calls (test bookkeeping, not in slime).
@@ -151,7 +153,8 @@ class MegatronTrainRayActor:
         assert self.args.offload_train
         self.calls["sleep"] += 1
         _clear_memory(clear_host_memory=True)
-        destroy_process_groups()
+        if not getattr(self.args, "mirror_keep_groups", False):
+            destroy_process_groups()
         if self.device.startswith("cuda"):
             _memory_saver().pause(TMS_TAG)
         return True
@@ -165,7 +168,8 @@ class MegatronTrainRayActor:
         if self.device.startswith("cuda"):
             _memory_saver().resume(TMS_TAG)
         _clear_memory()
-        reload_process_groups()
+        if not getattr(self.args, "mirror_keep_groups", False):
+            reload_process_groups()
         return True
 
     def train(self, rollout_id, rollout_data_ref=None, external_data=None):
