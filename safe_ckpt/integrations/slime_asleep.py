@@ -24,14 +24,21 @@ which keeps slime's own wake-up path (a log line names the reason):
 
 What is held back, and why (the rule): the asleep save reads bytes that the next `wake_up()` and
 training step change or free: `torch_memory_saver.resume()` copies the CPU backup back to the
-device and releases the backup the save reads from, and the next step changes host-resident
-optimizer state. So `wake_up()` first waits until the in-flight asleep save has finished: every
+device, after which the backup buffer the save reads from is the saver's to free or reuse, and
+the next step changes host-resident optimizer state (and, once resumed, the device copy). So `wake_up()` first waits until the in-flight asleep save has finished: every
 byte written and the checkpoint committed (its last votes run on the detached group, which
 outlives the reload, but the backup does not outlive the resume). Nothing else waits:
 `update_weights()` (which reloads and destroys the process groups, and reads the rollout weights
 from slime's own host copy) and the rollout run beside the save. A save that failed raises its
 `CheckpointError` from that `wake_up()` (or from the next `save_model`, or a forced sync), as
 Megatron's async saves raise at finalize.
+
+"Asleep" is what the actor's own code did last: slime calls `self.sleep()` at the end of `init`,
+`train` and `save_model` and `self.wake_up()` at the start of `train` (and in `update_weights` when
+it reconnects a non-colocated critic); those calls are hooked. A call the driver sends through Ray
+(`RayTrainGroup.offload()` / `onload()`) runs the method Ray resolved when it created the actor
+and is not seen: an `offload()` leaves the next save on slime's wake-up path (safe), an `onload()`
+would not wait for an asleep save (slime's train loops make neither call).
 
 Must not: wake the actor, touch paused device memory, use NCCL, or change slime's behaviour with
 `--ckpt-backend megatron` or `--safe-ckpt-save-awake`.
