@@ -113,3 +113,29 @@ def detached_group_survives_the_cycles(rank, world, save_dir, cycles=2):
         actor.wake_up()
         seen.append(coord.exchange(f"woken{cycle}", rank))
     return {"seen": seen, "registered_after_sleep": registered_after_sleep}
+
+
+def ranks_of_destroyed_wrappers(rank, world, save_dir):
+    """slime's wrapped subgroups after sleep: `rank()` fails and torch no longer knows the group;
+    under `pinned_ranks` both answer as before sleep (the queries Megatron's state dict makes)."""
+    import torch.distributed as dist
+
+    from safe_ckpt.integrations import slime_groups
+    from tests.slime_mirror.utils.reloadable_process_group import ReloadableProcessGroup
+
+    single = [ReloadableProcessGroup(dist.new_group([r], backend="gloo"), [r]) for r in range(world)][rank]
+    both = ReloadableProcessGroup(dist.new_group(list(range(world)), backend="gloo"), list(range(world)))
+    awake = {"single": (single.rank(), single.size()), "both": (both.rank(), both.size(), dist.get_rank(both.group))}
+    snapshot = slime_groups.snapshot_groups(RELOADABLE_MODULE)
+    single.destroy(), both.destroy()
+    try:
+        both.rank()
+        unpinned = "answered"
+    except AttributeError as exc:
+        unpinned = str(exc)
+    with slime_groups.pinned_ranks(snapshot):
+        pinned = {"single": (single.rank(), single.size()),
+                  "both": (both.rank(), both.size(), dist.get_rank(both)),
+                  "ranks": dist.get_process_group_ranks(both), "world": dist.get_rank()}
+    restored = ReloadableProcessGroup.rank is not None and "answer" not in ReloadableProcessGroup.rank.__qualname__
+    return {"awake": awake, "unpinned": unpinned, "pinned": pinned, "restored": restored}

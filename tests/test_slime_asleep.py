@@ -45,3 +45,12 @@ def test_awake_reason(tmp_path, changes, expected):
     assert "awake" in awake_reason(cases.slime_args(str(tmp_path), extra=["--offload-train"]), False, "actor")
     if "save_hf" in changes:  # a critic has no HF export: it saves asleep
         assert awake_reason(args, asleep=True, role="critic") is None
+
+
+def test_pinned_ranks_answer_for_slimes_destroyed_wrappers(tmp_path):
+    for rank, out in enumerate(values(run_world(2, cases.ranks_of_destroyed_wrappers, (str(tmp_path),),
+                                                timeout_s=120))):
+        assert "NoneType" in out["unpinned"], out  # what Megatron's rank queries meet while asleep
+        assert out["pinned"] == {"single": (0, 1), "both": (rank, 2, rank), "ranks": [0, 1], "world": rank}, out
+        assert out["awake"] == {"single": (0, 1), "both": (rank, 2, rank)}, out
+        assert out["restored"], out

@@ -70,3 +70,27 @@ def reload_process_groups() -> None:
     _new_default_process_group(state, backend=state.backend)
     state.world_destroyed = False
     state.rebuild_subgroups()
+
+
+class ReloadableProcessGroup:
+    """slime's wrapper of a subgroup, as far as rank queries go: the process's wrappers are listed in
+    `GROUPS[pid]`; `group` is the live torch group, `None` after `destroy_process_groups()` (then
+    `rank()`/`size()` fail, as slime's forward to the missing group does). The mirror's own cycle
+    rebuilds Megatron's groups instead; the tests wrap groups with this to see slime's case."""
+
+    GROUPS: dict = {}
+
+    def __init__(self, group, ranks):
+        self.group = group
+        self.group_info = {"ranks": list(ranks), "backend": "gloo"}
+        ReloadableProcessGroup.GROUPS.setdefault(os.getpid(), []).append(self)
+
+    def rank(self) -> int:
+        return self.group.rank()
+
+    def size(self) -> int:
+        return self.group.size()
+
+    def destroy(self) -> None:
+        dist.destroy_process_group(self.group)
+        self.group = None
