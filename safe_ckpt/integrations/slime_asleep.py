@@ -56,6 +56,7 @@ import time
 from dataclasses import dataclass
 
 from .. import compat
+from ..errors import ValidationError
 from . import slime_groups
 
 log = logging.getLogger("safe_ckpt")
@@ -89,7 +90,7 @@ def start_asleep_save(args, model, optimizer, opt_param_scheduler, iteration, gr
     from ..megatron import training
 
     if not getattr(args, "save", None):
-        raise ValueError("--save is not set: there is nowhere to save the checkpoint")
+        raise ValidationError("--save is not set: there is nowhere to save the checkpoint")
     options = dataclasses.replace(training.options_from_args(args), unmapped_policy="cpu_backup")
     with slime_groups.pinned_ranks(snapshot):
         model = mck.unwrap_model(model)
