@@ -29,12 +29,12 @@ def make_args(save_dir: str, tp: int) -> argparse.Namespace:
     from safe_ckpt.integrations import slime as integration
 
     parser = argparse.ArgumentParser()
-    for flag in ("--save", "--custom-megatron-init-path"):
+    for flag in ("--save", "--custom-megatron-init-path", "--save-hf"):
         parser.add_argument(flag, default=None)
     parser.add_argument("--ckpt-format", default="torch_dist")
     parser.add_argument("--tensor-model-parallel-size", type=int, default=1)
     for flag in ("--async-save", "--no-save-optim", "--no-save-rng", "--use-distributed-optimizer",
-                 "--offload-train"):
+                 "--offload-train", "--debug-rollout-only", "--overlap-param-gather"):
         parser.add_argument(flag, action="store_true")
     integration.add_arguments(parser)
     args = parser.parse_args([
@@ -44,6 +44,10 @@ def make_args(save_dir: str, tp: int) -> argparse.Namespace:
         "--safe-ckpt-unmapped-policy", "error",
     ])
     args.safe_ckpt_model_module = MODEL_MODULE  # where slime's save module lives in the mirror
+    # This scenario is the save as slime v0.2.x made it (in place, groups alive, no wake-up):
+    # save_in_place, and the mirror keeps its groups across sleep. The asleep save of slime's
+    # current save_model is tests/gpu_slime_asleep_cases.py.
+    args.mirror_keep_groups = True
     return args
 
 
@@ -68,7 +72,7 @@ class RayCalls:
         self._ray, self.group = ray, group
 
     def save_model(self, rollout_id):
-        return self.group.save_model(rollout_id)
+        return self.each("save_in_place", rollout_id)
 
     def offload(self):
         return self.group.offload()
@@ -87,7 +91,7 @@ class LocalCalls:
         self.actors = actors
 
     def save_model(self, rollout_id):
-        return [a.save_model(rollout_id) for a in self.actors]
+        return [a.save_in_place(rollout_id) for a in self.actors]
 
     def offload(self):
         return [a.sleep() for a in self.actors]

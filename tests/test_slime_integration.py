@@ -2,7 +2,6 @@
 (tests/slime_mirror), `install()` as the --custom-megatron-init-path hook, and the checkpoint
 loaded back with stock Megatron."""
 
-import argparse
 import errno
 import os
 import signal
@@ -12,27 +11,12 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from safe_ckpt.integrations import slime as integration  # noqa: E402
+from tests.slime_asleep_cases import SPEC, slime_args  # noqa: E402
 from tests.slime_mirror.ray.actor_group import RayTrainGroup, repo_env  # noqa: E402
-
-SPEC = dict(hidden=64, ffn=256, vocab=512, layers=2, seq=32, buckets=2, bucket_numel=20_000, pieces_per_rank=3)
-MODEL_MODULE = "tests.slime_mirror.backends.megatron_utils.model"
 
 
 def _args(save_dir, backend="safe", extra=()):
-    """slime's argument parsing in miniature: Megatron-style flags plus add_arguments()."""
-    parser = argparse.ArgumentParser()
-    for flag in ("--save", "--custom-megatron-init-path"):
-        parser.add_argument(flag, default=None)
-    parser.add_argument("--ckpt-format", default="torch_dist")
-    parser.add_argument("--tensor-model-parallel-size", type=int, default=2)
-    for flag in ("--async-save", "--no-save-optim", "--no-save-rng", "--use-distributed-optimizer"):
-        parser.add_argument(flag, action="store_true")
-    integration.add_arguments(parser)
-    args = parser.parse_args(["--save", save_dir, "--ckpt-backend", backend, "--use-distributed-optimizer",
-                              "--custom-megatron-init-path", integration.INIT_HOOK, "--safe-ckpt-io-threads", "2",
-                              "--safe-ckpt-timeout-s", "30", *extra])
-    args.safe_ckpt_model_module = MODEL_MODULE  # where slime's save module lives in the mirror
-    return args
+    return slime_args(save_dir, backend=backend, extra=extra)
 
 
 @pytest.fixture(scope="module")
@@ -116,3 +100,63 @@ def test_launcher_puts_the_hook_on_the_command_line_and_chains_the_users():
     argv = integration._launcher_argv(["--custom-megatron-init-path", "my.hook", "--save", "/x"])
     assert argv[:2] == ["--custom-megatron-init-path", integration.INIT_HOOK]
     assert argv[-2:] == ["--safe-ckpt-chained-init-path", "my.hook"]
+
+
+def _each(group, method, *args):
+    return ray.get([getattr(a, method).remote(*args) for a in group._actor_handlers])
+
+
+def _asleep_group(save_dir, extra=()):
+    """Two actors with --offload-train after one train() (wake_up, sleep): asleep, as slime's train()
+    leaves them. (The actor's own calls are what the asleep path sees: a driver-side
+    `RayTrainGroup.offload()` goes to the methods Ray resolved when it created the actor.)"""
+    group = RayTrainGroup(_args(save_dir, extra=["--offload-train", *extra]), 2, SPEC, env_vars=repo_env())
+    _each(group, "capture_logs")
+    _each(group, "train", 0)
+    assert [(c["wake_up"], c["sleep"]) for c in _each(group, "call_counts")] == [(1, 1), (1, 1)]
+    return group
+
+
+def test_asleep_actor_saves_without_waking_up_and_loads_with_stock_megatron(ray_cluster, tmp_path):
+    save_dir = str(tmp_path)
+    group = _asleep_group(save_dir)
+    group.save_model(7)  # returns while the writes go on in the background
+    for state in _each(group, "asleep_state"):
+        assert state["asleep"], state
+    assert [(c["wake_up"], c["sleep"]) for c in _each(group, "call_counts")] == [(1, 1), (1, 1)]
+    _each(group, "train", 8)  # the next train() begins with wake_up: it finishes the save first
+    assert [c["wake_up"] for c in _each(group, "call_counts")] == [2, 2]
+    assert _tracker(save_dir) == "7"
+    for mismatches, iteration in _each(group, "check_load", 7):
+        assert mismatches == [], mismatches[:5]
+        assert iteration == 7
+    # asleep again (train() ends with sleep), a forced save: committed when save_model returns, no wake-up
+    group.save_model(8, force_sync=True)
+    assert _tracker(save_dir) == "8"
+    assert [c["wake_up"] for c in _each(group, "call_counts")] == [2, 2]
+    assert all(m == [] for m, _ in _each(group, "check_load", 8))
+    for messages in _each(group, "logged"):
+        assert any("saving iteration 7 asleep" in m for m in messages), messages
+    for a in group._actor_handlers:
+        ray.kill(a)
+
+
+def test_save_hf_and_save_awake_keep_slimes_wake_up_path(ray_cluster, tmp_path):
+    for extra, reason in ((["--save-hf", str(tmp_path / "hf_{rollout_id}")], "--save-hf"),
+                          (["--safe-ckpt-save-awake"], None)):
+        save_dir = str(tmp_path / extra[0].strip("-"))
+        group = _asleep_group(save_dir, extra)
+        group.save_model(4)
+        counts = _each(group, "call_counts")
+        assert [(c["wake_up"], c["sleep"]) for c in counts] == [(2, 2), (2, 2)], counts
+        assert _tracker(save_dir) == "4"
+        assert all(m == [] for m, _ in _each(group, "check_load", 4))
+        if reason:
+            assert [c["save_hf"] for c in counts] == [1, 1]
+            assert os.path.isfile(tmp_path / "hf_4" / "config.json")
+            for messages in _each(group, "logged"):
+                assert any("wakes the actor up" in m and reason in m for m in messages), messages
+        else:  # turned off: the asleep path is not even installed
+            assert _each(group, "asleep_state") == [None, None]
+        for a in group._actor_handlers:
+            ray.kill(a)

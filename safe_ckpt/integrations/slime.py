@@ -11,6 +11,9 @@ only when all actors succeeded, and a failing actor makes every actor raise the 
 for the save, and paused (offloaded) memory is refused with a clear error, or read from
 torch_memory_saver's CPU backup with `--safe-ckpt-unmapped-policy cpu_backup`.
 
+With `--offload-train`, `install` also replaces the actor's `save_model` so that an asleep actor
+saves without waking up (`slime_asleep`; `--safe-ckpt-save-awake` turns that off).
+
 Ways to enable it:
 - `python -m safe_ckpt.integrations.slime <train.py arguments> --ckpt-backend safe`
 - or add to slime's command line `--custom-megatron-init-path safe_ckpt.integrations.slime.install`
@@ -50,6 +53,9 @@ def add_arguments(parser):
                        help="how long a rank waits for the others in a save (default 600)")
     group.add_argument("--safe-ckpt-keep-last", type=int, default=None, help="keep only the newest N iterations")
     group.add_argument("--safe-ckpt-keep-every", type=int, default=None, help="... and every K-th iteration")
+    group.add_argument("--safe-ckpt-save-awake", action="store_true",
+                       help="with --offload-train, save as slime does (wake up, save, sleep) instead of "
+                            "saving asleep from torch_memory_saver's CPU backup")
     group.add_argument("--safe-ckpt-chained-init-path", type=str, default=None,
                        help="another --custom-megatron-init-path hook to run first (set by the launcher)")
     return parser
@@ -105,6 +111,11 @@ def install(args, model_module: str | None = None) -> None:
     module.save_checkpoint = slime_save_checkpoint
     _patch_async_finalize()
     log.info("safe_ckpt: slime checkpoints now go through safe_ckpt (%s.save_checkpoint)", module.__name__)
+    from .slime_asleep import install_on_actor
+
+    saves = install_on_actor(args)
+    if saves is not None:
+        module.save_checkpoint = saves.routing(slime_save_checkpoint)
 
 
 def _launcher_argv(argv: list[str]) -> list[str]:

@@ -1,6 +1,15 @@
-"""A CPU mirror of the parts of THUDM/slime (v0.2.x) that its checkpoint save goes through:
-`RayTrainGroup.save_model` -> `MegatronTrainRayActor.save_model` ->
-`backends.megatron_utils.model.save` -> the module-global `save_checkpoint`, with the same
-module layout, names and call signatures, launched as real Ray actors. What differs is
-only what cannot run here: gloo instead of NCCL, no GPUs, no SGLang, and a Megatron-shaped
-synthetic model/optimizer instead of a trained GPTModel."""
+"""A CPU mirror of the parts of THUDM/slime that its checkpoint save goes through:
+`RayTrainGroup.save_model` -> `MegatronTrainRayActor.save_model` (with `wake_up`/`sleep`
+around the save under `--offload-train`, `maybe_finalize_async_save`, `force_sync`, `--save-hf`)
+-> `backends.megatron_utils.model.save` -> the module-global `save_checkpoint`, with the same
+module layout, names and call signatures, launched as real Ray actors.
+
+Mirrored commit: THUDM/slime 624b824a898ab0ec1fcb4d373004c7f3852bf515 (2026-08-21, main,
+"[NFC] Add observability subfolder (#2298)"): `slime/backends/megatron_utils/actor.py`
+(`save_model`, `sleep`, `wake_up`), `model.py` (`save`), `checkpoint.py` (re-export),
+`slime/ray/actor_group.py` (`save_model`, `onload`, `offload`) and
+`slime/utils/reloadable_process_group.py` (the WORLD destroy/reload cycle).
+
+What differs is only what cannot run here: gloo instead of NCCL, no GPUs (or one, for the GPU
+tests), no SGLang, and a Megatron-shaped synthetic model/optimizer instead of a trained
+GPTModel; each difference is listed where it is (actor.py, utils/reloadable_process_group.py)."""

@@ -1,19 +1,28 @@
 """Mirror of slime's MegatronTrainRayActor (init, save_model, sleep/wake_up), over gloo, on CPU or GPU.
 
-With `args.offload_train` (slime's `--offload-train`) and `device="cuda"` the synthetic state
-lives on the GPU inside a real torch_memory_saver region with a CPU backup, and `sleep()` /
-`wake_up()` pause and resume it, as slime's do between training and rollout. Where this
-differs from slime v0.2.x, and why:
-- slime (v0.2.4) puts torch_memory_saver in its `preload` hook mode (RayTrainGroup sets
-  `LD_PRELOAD` and `TMS_INIT_ENABLE{,_CPU_BACKUP}=1`, so every allocation of the actor is
-  pauseable, one default tag) and `sleep()` calls `pause()` for all tags. The mirror uses the
-  `torch` hook mode (a CUDAPluggableAllocator MemPool, no LD_PRELOAD in the worker's
-  environment) and one explicit region with `enable_cpu_backup=True` around the state; its
-  tag is the only one, so pausing the tag pauses what slime's `pause()` would.
-- slime's `sleep()` also destroys its reloadable NCCL process groups, and `save_model`
-  reloads them around the save (v0.2.3/v0.2.4); the mirror has no NCCL groups (gloo only),
-  so there is nothing to destroy or reload. Memory stays paused during `save_model`, as in
-  v0.2.x (v0.3.x calls `wake_up()` first instead).
+Mirrors THUDM/slime 624b824a (see tests/slime_mirror/__init__.py): `save_model` wakes the actor up
+(`--offload-train`), finalizes pending async saves, saves, finalizes again if `force_sync`, writes
+the HF copy (`--save-hf`, actor role), and puts it back to sleep; `sleep` = clear memory, destroy
+the process groups, pause the memory saver; `wake_up` = resume, clear memory, reload the groups.
+With `args.offload_train` and `device="cuda"` the synthetic state lives inside a real
+torch_memory_saver region with a CPU backup. Where this differs from slime, and why:
+- slime puts torch_memory_saver in its `preload` hook mode (RayTrainGroup sets `LD_PRELOAD` and
+  `TMS_INIT_ENABLE{,_CPU_BACKUP}=1`, so every allocation of the actor is pauseable, one default tag)
+  and calls `pause()`/`resume()` for all tags. The mirror uses the `torch` hook mode (a
+  CUDAPluggableAllocator MemPool, no LD_PRELOAD) and one explicit region with
+  `enable_cpu_backup=True` around the state; its tag is the only one.
+- On CPU (`device="cpu"`) `--offload-train` has no memory saver to pause: `sleep`/`wake_up` do
+  everything else (clear memory, destroy and reload the process groups), so the CPU tests see
+  slime's group cycle and call counts.
+- The process groups: the mirror's gloo WORLD stands for slime's NCCL WORLD in
+  `utils/reloadable_process_group.py` (destroyed at sleep, a temporary gloo WORLD meanwhile,
+  re-created at wake_up); Megatron's model-parallel groups are rebuilt at reload where slime
+  re-creates its wrapped groups in place.
+- `args.mirror_keep_groups` (mirror only) leaves the groups alive across sleep, as slime v0.2.x did:
+  the GPU residence scenario saves in place while asleep (`save_in_place`) through the stock path.
+- `init` does not call `sleep()` at its end as slime's does with `--offload-train`: the tests put
+  the actor to sleep themselves (slime's `train()` also ends with `sleep()`).
+- `self.calls` counts sleep / wake_up / save_hf calls (test bookkeeping, not in slime).
 """
 
 from __future__ import annotations
@@ -63,7 +72,7 @@ def _clear_memory(clear_host_memory: bool = False) -> None:
         torch._C._host_emptyCache()
 
 
-def _memory_saver():
+def _memory_saver():  # slime imports it at module level; the CPU mirror must not need it
     from torch_memory_saver import torch_memory_saver
 
     return torch_memory_saver
@@ -92,7 +101,11 @@ class MegatronTrainRayActor:
         from safe_ckpt.synthetic import StateSpec, build_state
         from tests.slime_mirror.utils.misc import load_function
 
+        from tests.slime_mirror.utils.reloadable_process_group import register_default_process_group
+
         self.args = args
+        self.role = role
+        self.calls = {"sleep": 0, "wake_up": 0, "save_hf": 0}
         self.device = str(device)
         if self.device.startswith("cuda"):
             import torch
@@ -101,6 +114,7 @@ class MegatronTrainRayActor:
         if not dist.is_initialized():  # ranks spawned by tests/mp.py come with their group
             dist.init_process_group("gloo", timeout=timedelta(seconds=120))
         mpu.initialize_model_parallel(args.tensor_model_parallel_size, 1)
+        register_default_process_group(timedelta(seconds=120), rebuild_subgroups=self._rebuild_model_parallel)
         set_args(args)
         self.spec = StateSpec(**seed_spec)
         with self._offloadable_region():
@@ -114,13 +128,17 @@ class MegatronTrainRayActor:
             load_function(args.custom_megatron_init_path)(args)
         return True
 
+    def _rebuild_model_parallel(self):
+        from megatron.core import mpu
+
+        mpu.destroy_model_parallel()
+        mpu.initialize_model_parallel(self.args.tensor_model_parallel_size, 1)
+
     def _offloadable_region(self):
         """Where slime's model and optimizer are allocated when --offload-train is set:
         pauseable memory with a CPU backup (see the module docstring for the hook mode)."""
-        if not getattr(self.args, "offload_train", False):
+        if not getattr(self.args, "offload_train", False) or not self.device.startswith("cuda"):
             return contextlib.nullcontext()
-        if not self.device.startswith("cuda"):
-            raise ValueError("--offload-train needs the state on a CUDA device (device='cuda')")
         tms = _memory_saver()
         try:
             tms.hook_mode = "torch"  # only before the saver's first use in this process
@@ -129,24 +147,75 @@ class MegatronTrainRayActor:
         return tms.region(tag=TMS_TAG, enable_cpu_backup=True)
 
     def sleep(self):
-        """As slime's sleep (RayTrainGroup.offload): drop cached memory, pause the saver."""
+        """As slime's: drop cached memory, destroy the process groups, pause the saver."""
+        from tests.slime_mirror.utils.reloadable_process_group import destroy_process_groups
+
         assert self.args.offload_train
+        self.calls["sleep"] += 1
         _clear_memory(clear_host_memory=True)
-        _memory_saver().pause(TMS_TAG)
+        if not getattr(self.args, "mirror_keep_groups", False):
+            destroy_process_groups()
+        if self.device.startswith("cuda"):
+            _memory_saver().pause(TMS_TAG)
         return True
 
     def wake_up(self):
-        """As slime's wake_up (RayTrainGroup.onload): resume the saver (the CPU backup is copied back)."""
+        """As slime's: resume the saver (the CPU backup is copied back), clear memory, reload the groups."""
+        from tests.slime_mirror.utils.reloadable_process_group import reload_process_groups
+
         assert self.args.offload_train
-        _memory_saver().resume(TMS_TAG)
+        self.calls["wake_up"] += 1
+        if self.device.startswith("cuda"):
+            _memory_saver().resume(TMS_TAG)
         _clear_memory()
+        if not getattr(self.args, "mirror_keep_groups", False):
+            reload_process_groups()
         return True
 
+    def train(self, rollout_id, rollout_data_ref=None, external_data=None):
+        """As slime's `train` around the training itself (none in the mirror): wake_up, sleep."""
+        if self.args.offload_train:
+            self.wake_up()
+        if self.args.offload_train:
+            self.sleep()
+
     def save_model(self, rollout_id, force_sync=False):
-        """As slime v0.2.x: finalize pending async saves, save, finalize again if forced.
-        With --offload-train, v0.2.x only reloads its NCCL groups here (none in the mirror):
-        the memory stays as it is, paused if the actor is asleep."""
+        """As slime's (624b824a), line for line (plus the mirror's count of HF saves)."""
+        from pathlib import Path
+
+        from .hf_checkpoint_saver import save_hf_model_to_path
         from .model import save  # slime imports it at module level; here the driver must not need megatron.training
+
+        if self.args.debug_rollout_only:
+            return
+
+        # torch dist may trigger nccl communication during saving.
+        if self.args.offload_train:
+            self.wake_up()
+
+        if self.args.async_save:
+            from megatron.training.async_utils import maybe_finalize_async_save
+
+            maybe_finalize_async_save(blocking=True)
+
+        save(rollout_id, self.model, self.optimizer, self.opt_param_scheduler)
+
+        if force_sync and self.args.async_save:
+            maybe_finalize_async_save(blocking=True)
+
+        if self.args.save_hf is not None and self.role == "actor":
+            self.calls["save_hf"] += 1
+            save_hf_model_to_path(self.args, Path(self.args.save_hf.format(rollout_id=rollout_id)), self.model)
+
+        if self.args.offload_train:
+            self.sleep()
+
+    # ---- test hooks (not in slime) -----------------------------------------------------------
+    def save_in_place(self, rollout_id, force_sync=False):
+        """The save as slime v0.2.x made it: finalize, save, finalize if forced, with the state left
+        where it is (paused if asleep). What the GPU residence scenario drives."""
+        from .model import save
+
         if self.args.async_save:
             from megatron.training.async_utils import maybe_finalize_async_save
 
@@ -157,7 +226,65 @@ class MegatronTrainRayActor:
 
             maybe_finalize_async_save(blocking=True)
 
-    # ---- test hooks (not in slime) -----------------------------------------------------------
+    def call_counts(self):
+        return dict(self.calls)
+
+    def asleep_state(self):
+        """What the asleep path installed on this class knows (None where it is not installed)."""
+        from safe_ckpt.integrations.slime_asleep import installed
+
+        saves = installed(type(self))
+        if saves is None:
+            return None
+        return {"asleep": saves.asleep, "inflight": saves.inflight is not None,
+                "last_hold_s": saves.last_hold_s, "last_wake_wait_s": saves.last_wake_wait_s,
+                "class_is_patched": type(self).wake_up is MegatronTrainRayActor.wake_up}
+
+    def capture_logs(self):
+        """Keep safe_ckpt's log messages from now on (`logged()` returns them)."""
+        import logging
+
+        records = self._log_records = []
+
+        class Keep(logging.Handler):
+            def emit(self, record):
+                records.append(record.getMessage())
+
+        logger = logging.getLogger("safe_ckpt")
+        logger.addHandler(Keep())
+        logger.setLevel(logging.INFO)
+        return True
+
+    def logged(self):
+        return list(getattr(self, "_log_records", []))
+
+    def gate_writes(self):
+        """Hold every write of the next saves at a gate until `release_writes()`; `writes_reached`
+        is set when the first write arrives there (in-process tests only: a Ray actor runs one call
+        at a time, so nothing could release it while a call waits)."""
+        import dataclasses
+        import threading
+
+        import safe_ckpt.megatron.training as training
+        from tests.hooked_sink import HookedSink
+
+        self.writes_reached, self.writes_released = threading.Event(), threading.Event()
+        reached, released = self.writes_reached, self.writes_released
+        original = training.options_from_args
+
+        class GatedSink(HookedSink):
+            def before_write(self):
+                reached.set()
+                if not released.wait(120):
+                    raise TimeoutError("the test never released the gated writes")
+
+        training.options_from_args = lambda args: dataclasses.replace(original(args), sink_factory=GatedSink)
+        return True
+
+    def release_writes(self):
+        self.writes_released.set()
+        return True
+
     def arm_fault(self, fault_kw):
         """Make this actor's next save misbehave (a SIGKILL, ENOSPC, ...) in its byte sink."""
         import safe_ckpt.megatron.training as training

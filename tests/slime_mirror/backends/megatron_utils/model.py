@@ -4,7 +4,9 @@ from .checkpoint import save_checkpoint
 
 
 def save(iteration, model, optimizer, opt_param_scheduler) -> None:
-    """As slime's `save` (v0.2.x): the name `save_checkpoint` is looked up in this module."""
+    """As slime's `save`: the name `save_checkpoint` is looked up in this module. (slime also turns
+    Megatron's forward pre-hooks off and on around it under --overlap-param-gather with the
+    distributed optimizer; the synthetic model has no hooks.)"""
     get_args()
     save_checkpoint(
         iteration, model, optimizer, opt_param_scheduler,

@@ -1,0 +1,105 @@
+"""Body of the GPU asleep-save test (tests/test_gpu_slime.py): a real GPTModel with Megatron's
+DistributedOptimizer whose whole training state lives in a real torch_memory_saver region with a
+CPU backup, trained, put to sleep (paused), saved asleep by safe_ckpt's slime path, while a
+rollout stand-in then takes the freed GPU memory; woken up, trained on. A fresh process resumes
+from the asleep checkpoint with stock `load_checkpoint`; both must match an uninterrupted run bit
+for bit. Needs CUDA, torch_memory_saver with CPU backup, and Megatron-LM's `megatron.training`.
+
+The asleep save runs as slime's actor runs it (`slime_asleep.start_asleep_save` on the detached
+gloo group, with the ranks pinned to the groups as they were before sleep), under
+torch.profiler: host-to-device copies, kernels and NCCL calls during the save are counted.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+TAG = "train"
+ROLLOUT_FILL = 0.8  # share of the free GPU memory the rollout stand-in takes while the state sleeps
+
+
+def _memory_saver():
+    from torch_memory_saver import torch_memory_saver
+
+    try:
+        torch_memory_saver.hook_mode = "torch"  # before its first use in this process
+    except (AttributeError, AssertionError):
+        pass
+    return torch_memory_saver
+
+
+def profile_counts(prof) -> dict:
+    """Device activity in a profile: host-to-device copies, kernels, NCCL (by event name)."""
+    from torch.autograd import DeviceType
+
+    htod = kernels = nccl = dtoh = 0
+    kernel_names = []
+    for e in prof.events():
+        name = e.name or ""
+        if "nccl" in name.lower():
+            nccl += 1
+        if getattr(e, "device_type", None) != DeviceType.CUDA:
+            continue
+        if "HtoD" in name:
+            htod += 1
+        elif "DtoH" in name:
+            dtoh += 1
+        elif not name.startswith(("Memcpy", "Memset")):
+            kernels += 1
+            kernel_names.append(name)
+    return {"HtoD": htod, "DtoH": dtoh, "kernels": kernels, "nccl": nccl, "kernel_names": kernel_names[:10]}
+
+
+def run(rank, world, root, variant) -> dict:
+    """Train FIRST in a pauseable region, pause, save asleep, fill the freed memory, resume, train SECOND."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from safe_ckpt.integrations import slime_asleep, slime_groups
+    from tests import gpu_megatron_cases as g
+
+    tms = _memory_saver()
+    save_dir = os.path.join(root, "safe")
+    with tms.region(tag=TAG, enable_cpu_backup=True):  # as slime's preload mode: the whole state pauseable
+        model, optimizer, scheduler = g._setup(save_dir, variant, world)
+        from megatron.training import get_args
+
+        args = get_args()
+        out = {"losses_first": g._train(model, optimizer, scheduler, 0, g.FIRST)}
+    torch.cuda.synchronize()
+    from tests.megatron_evidence import evidence, opt_digest
+
+    out["opt_digest"] = evidence(opt_digest, optimizer, scheduler)  # awake: the state the save must hold
+    slime_groups.install_detached_support()
+    group = slime_groups.create_detached_gloo(120.0)  # at install, awake
+    snapshot = slime_groups.snapshot_groups()  # what the actor's sleep() records first
+    free_awake = torch.cuda.mem_get_info()[0]
+    tms.pause(TAG)  # slime's sleep (its group teardown is the CPU tests' business)
+    out["freed_bytes"] = torch.cuda.mem_get_info()[0] - free_awake
+
+    start = time.monotonic()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        handle = slime_asleep.start_asleep_save(args, model, optimizer, scheduler, g.FIRST, group, snapshot)
+        out["save_model_held_s"] = time.monotonic() - start
+        result = handle.wait()
+        torch.cuda.synchronize()
+    out["durable_s"] = time.monotonic() - start
+    out["asleep_save_profile"] = profile_counts(prof)
+    out["bytes_by_residence"] = dict(result.bytes_by_residence)
+
+    # the rollout stand-in: takes most of the memory the paused state gave back, and writes it
+    free = torch.cuda.mem_get_info()[0]
+    filler = torch.empty(int(free * ROLLOUT_FILL), dtype=torch.uint8, device="cuda")
+    filler.fill_(0xA5)
+    torch.cuda.synchronize()
+    out["rollout_bytes"] = filler.numel()
+    del filler
+    torch.cuda.empty_cache()
+
+    tms.resume(TAG)  # slime's wake_up: the backup copied back
+    with tms.region(tag=TAG, enable_cpu_backup=True):
+        out["losses_second"] = g._train(model, optimizer, scheduler, g.FIRST, g.FIRST + g.SECOND)
+    out["tracker"] = open(os.path.join(save_dir, "latest_checkpointed_iteration.txt")).read().strip()
+    return out

@@ -1,0 +1,141 @@
+"""Bodies of the asleep-save tests (tests/test_slime_asleep.py) that run in ranks spawned by
+tests/mp.py: each rank holds one mirrored slime train actor (tests/slime_mirror) and plays
+slime's driver itself, so a test can act while one of the actor's calls is still waiting."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STAND_INS = os.path.join(REPO, "tests", "stand_ins")
+SPEC = dict(hidden=64, ffn=256, vocab=512, layers=2, seq=32, buckets=2, bucket_numel=20_000, pieces_per_rank=3)
+MODEL_MODULE = "tests.slime_mirror.backends.megatron_utils.model"
+ACTOR_MODULE = "tests.slime_mirror.backends.megatron_utils.actor"
+RELOADABLE_MODULE = "tests.slime_mirror.utils.reloadable_process_group"
+BOUND_S = 120  # every wait here is bounded; a hang fails the test
+
+
+def slime_args(save_dir, backend="safe", extra=()):
+    """slime's argument parsing in miniature: Megatron-style flags plus add_arguments()."""
+    import argparse
+
+    from safe_ckpt.integrations import slime as integration
+
+    parser = argparse.ArgumentParser()
+    for flag in ("--save", "--custom-megatron-init-path", "--save-hf"):
+        parser.add_argument(flag, default=None)
+    parser.add_argument("--ckpt-format", default="torch_dist")
+    parser.add_argument("--tensor-model-parallel-size", type=int, default=2)
+    for flag in ("--async-save", "--no-save-optim", "--no-save-rng", "--use-distributed-optimizer", "--offload-train",
+                 "--debug-rollout-only", "--overlap-param-gather"):
+        parser.add_argument(flag, action="store_true")
+    integration.add_arguments(parser)
+    args = parser.parse_args(["--save", save_dir, "--ckpt-backend", backend, "--use-distributed-optimizer",
+                              "--custom-megatron-init-path", integration.INIT_HOOK, "--safe-ckpt-io-threads", "2",
+                              "--safe-ckpt-timeout-s", "30", *extra])
+    args.safe_ckpt_model_module = MODEL_MODULE  # where slime's modules live in the mirror
+    args.safe_ckpt_actor_module = ACTOR_MODULE
+    args.safe_ckpt_reloadable_module = RELOADABLE_MODULE
+    return args
+
+
+def _actor(rank, world, save_dir, extra=()):
+    if STAND_INS not in sys.path:
+        sys.path.insert(0, STAND_INS)
+    from tests.slime_mirror.backends.megatron_utils.actor import MegatronTrainRayActor
+
+    actor = MegatronTrainRayActor(world, rank, None, None)
+    actor.init(slime_args(save_dir, extra=["--offload-train", *extra]), "actor", SPEC, device="cpu")
+    return actor
+
+
+def _tracker(save_dir):
+    path = os.path.join(save_dir, "latest_checkpointed_iteration.txt")
+    return open(path).read().strip() if os.path.exists(path) else None
+
+
+def wake_up_waits_for_the_asleep_save(rank, world, save_dir):
+    """sleep -> save_model (writes held at a gate) -> wake_up in a thread: it must wait, without
+    calling slime's wake_up, until the gate opens and the save is committed."""
+    import torch.distributed as dist
+
+    from safe_ckpt.integrations.slime_asleep import installed
+
+    actor = _actor(rank, world, save_dir)
+    saves = installed(type(actor))
+    actor.gate_writes()
+    actor.sleep()
+    actor.save_model(9)
+    returned_before_writing = not actor.writes_released.is_set()
+    assert actor.writes_reached.wait(BOUND_S), "no write reached the gate"
+    woke = threading.Thread(target=actor.wake_up, name="wake_up")
+    woke.start()
+    assert saves.waiting.wait(BOUND_S), "wake_up did not wait for the asleep save"
+    during = {"wake_up_calls": actor.calls["wake_up"], "tracker": _tracker(save_dir),
+              "thread_alive": woke.is_alive(), "asleep": saves.asleep}
+    actor.release_writes()
+    woke.join(BOUND_S)
+    after = {"thread_alive": woke.is_alive(), "wake_up_calls": actor.calls["wake_up"], "asleep": saves.asleep}
+    dist.barrier()
+    after["tracker"] = _tracker(save_dir)
+    mismatches, iteration = actor.check_load(9)
+    return {"returned_before_writing": returned_before_writing, "during": during, "after": after,
+            "mismatches": mismatches[:5], "iteration": iteration, "calls": actor.call_counts()}
+
+
+def detached_group_survives_the_cycles(rank, world, save_dir, cycles=2):
+    """The asleep save's group works before, during and after slime's destroy/reload cycles; a gloo group made with `new_group` before sleep does not survive one."""
+    import torch.distributed as dist
+
+    from safe_ckpt import dist as safe_dist
+    from safe_ckpt.integrations.slime_asleep import installed
+    from tests.slime_mirror.utils import reloadable_process_group as rpg
+
+    actor = _actor(rank, world, save_dir)
+    saves = installed(type(actor))
+    coord = safe_dist.coordinator(saves.group, 30.0)
+    registered = dist.new_group(backend="gloo")
+    seen = [coord.exchange("awake", rank)]
+    registered_after_sleep = None
+    for cycle in range(cycles):
+        actor.sleep()
+        seen.append(coord.exchange(f"asleep{cycle}", rank + 10 * cycle))
+        if registered_after_sleep is None:
+            try:
+                registered_after_sleep = f"rank {dist.get_rank(registered)}"
+            except ValueError as exc:  # expected: slime's sleep destroyed it with WORLD
+                registered_after_sleep = str(exc)
+        rpg.reload_process_groups()  # update_weights() does this alone, while the save writes
+        seen.append(coord.exchange(f"reloaded{cycle}", rank))
+        rpg.destroy_process_groups()
+        actor.wake_up()
+        seen.append(coord.exchange(f"woken{cycle}", rank))
+    return {"seen": seen, "registered_after_sleep": registered_after_sleep}
+
+
+def ranks_of_destroyed_wrappers(rank, world, save_dir):
+    """slime's wrapped subgroups after sleep: `rank()` fails and torch no longer knows the group;
+    under `pinned_ranks` both answer as before sleep (the queries Megatron's state dict makes)."""
+    import torch.distributed as dist
+
+    from safe_ckpt.integrations import slime_groups
+    from tests.slime_mirror.utils.reloadable_process_group import ReloadableProcessGroup
+
+    single = [ReloadableProcessGroup(dist.new_group([r], backend="gloo"), [r]) for r in range(world)][rank]
+    both = ReloadableProcessGroup(dist.new_group(list(range(world)), backend="gloo"), list(range(world)))
+    awake = {"single": (single.rank(), single.size()), "both": (both.rank(), both.size(), dist.get_rank(both.group))}
+    snapshot = slime_groups.snapshot_groups(RELOADABLE_MODULE)
+    single.destroy(), both.destroy()
+    try:
+        both.rank()
+        unpinned = "answered"
+    except AttributeError as exc:
+        unpinned = str(exc)
+    with slime_groups.pinned_ranks(snapshot):
+        pinned = {"single": (single.rank(), single.size()),
+                  "both": (both.rank(), both.size(), dist.get_rank(both)),
+                  "ranks": dist.get_process_group_ranks(both), "world": dist.get_rank()}
+    restored = ReloadableProcessGroup.rank is not None and "answer" not in ReloadableProcessGroup.rank.__qualname__
+    return {"awake": awake, "unpinned": unpinned, "pinned": pinned, "restored": restored}

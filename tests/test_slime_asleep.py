@@ -1,0 +1,56 @@
+"""slime's asleep save on CPU, in ranks spawned by tests/mp.py over real gloo, each holding one
+mirrored train actor (tests/slime_mirror, slime 624b824a): wake_up waits for the save in flight
+(gated writes, no sleeps), and the save's group survives slime's destroy/reload cycles.
+The Ray-driven cases are in tests/test_slime_integration.py."""
+
+import os
+
+import pytest
+
+from safe_ckpt.integrations.slime_asleep import awake_reason
+from tests import slime_asleep_cases as cases
+from tests.mp import run_world, values
+
+
+def test_wake_up_waits_for_the_asleep_save_then_it_loads(tmp_path):
+    for out in values(run_world(2, cases.wake_up_waits_for_the_asleep_save, (str(tmp_path),), timeout_s=300)):
+        assert out["returned_before_writing"], out
+        # while the writes are held: slime's wake_up not called, nothing committed, still asleep
+        assert out["during"] == {"wake_up_calls": 0, "tracker": None, "thread_alive": True, "asleep": True}, out
+        assert out["after"] == {"thread_alive": False, "wake_up_calls": 1, "asleep": False, "tracker": "9"}, out
+        assert out["mismatches"] == [] and out["iteration"] == 9, out
+
+
+def test_detached_group_survives_destroy_and_reload_cycles(tmp_path):
+    for rank, out in enumerate(values(run_world(2, cases.detached_group_survives_the_cycles, (str(tmp_path),),
+                                                timeout_s=300))):
+        # awake; then per cycle: asleep, after update_weights' reload, woken up
+        assert out["seen"] == [[0, 1], [0, 1], [0, 1], [0, 1], [10, 11], [0, 1], [0, 1]], out
+        assert "not registered" in out["registered_after_sleep"], out  # what a registered group suffers
+
+
+@pytest.mark.parametrize("changes, expected", [
+    ({}, None),
+    ({"offload_train": False}, "--offload-train is off"),
+    ({"safe_ckpt_save_awake": True}, "--safe-ckpt-save-awake"),
+    ({"save_hf": "/x/{rollout_id}"}, "--save-hf"),
+    ({"overlap_param_gather": True}, "--overlap-param-gather"),
+])
+def test_awake_reason(tmp_path, changes, expected):
+    args = cases.slime_args(str(tmp_path), extra=["--offload-train"])
+    for name, value in changes.items():
+        setattr(args, name, value)
+    reason = awake_reason(args, asleep=True, role="actor")
+    assert (reason is None) if expected is None else (expected in reason), reason
+    assert "awake" in awake_reason(cases.slime_args(str(tmp_path), extra=["--offload-train"]), False, "actor")
+    if "save_hf" in changes:  # a critic has no HF export: it saves asleep
+        assert awake_reason(args, asleep=True, role="critic") is None
+
+
+def test_pinned_ranks_answer_for_slimes_destroyed_wrappers(tmp_path):
+    for rank, out in enumerate(values(run_world(2, cases.ranks_of_destroyed_wrappers, (str(tmp_path),),
+                                                timeout_s=120))):
+        assert "NoneType" in out["unpinned"], out  # what Megatron's rank queries meet while asleep
+        assert out["pinned"] == {"single": (0, 1), "both": (rank, 2, rank), "ranks": [0, 1], "world": rank}, out
+        assert out["awake"] == {"single": (0, 1), "both": (rank, 2, rank)}, out
+        assert out["restored"], out
