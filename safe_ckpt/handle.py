@@ -57,7 +57,8 @@ class SaveHandle:
             self._result = self._job.finish(stall_s=self.stall_s)
         except BaseException as exc:
             self._error = exc
-            log.error("safe_ckpt: asynchronous save of %s failed: %s", self.checkpoint_dir, exc)
+            log.error("safe_ckpt: asynchronous save of %s failed: %s", self.checkpoint_dir,
+                      str(exc).removeprefix("safe_ckpt: ") or type(exc).__name__)
             with _inflight_lock:
                 _unobserved.append(self)
         finally:
@@ -103,8 +104,8 @@ def _finish_inflight_at_exit() -> None:
     if not failed:
         return
     for handle in failed:
-        log.error("safe_ckpt: the asynchronous save of %s failed and nobody waited for it (%s); "
-                  "exiting with status 1", handle.checkpoint_dir, handle._error)
+        log.error("safe_ckpt: the asynchronous save of %s failed and nobody waited for it (see the error "
+                  "above: %s); exiting with status 1", handle.checkpoint_dir, type(handle._error).__name__)
     for handler in logging.getLogger().handlers + log.handlers + [logging.lastResort]:
         try:
             if handler is not None:
