@@ -67,6 +67,7 @@ def _forget(group) -> None:
 _counts_lock = threading.Lock()
 _sequences: dict = {}  # group -> number of collectives issued on it by safe_ckpt
 _saves: dict = {}  # group -> number of saves this process started on it
+_last_arrival: dict = {}  # group -> this rank's arrival key of its latest collective on it
 
 
 def _next(counts: dict, group) -> int:
@@ -120,7 +121,6 @@ class Coordinator:
         self.step = 0
         self.interrupted: BaseException | None = None  # a SIGINT held during a collective
         self.lost = False  # a collective broke: no further collective of this save can pair
-        self._last_key: str | None = None
 
     def _store(self):
         try:
@@ -184,9 +184,12 @@ class Coordinator:
         return [e.payload for e in out]
 
     def _forget_arrival(self, store, key: str) -> None:
-        """Delete this rank's previous arrival key: every peer took part in the collective
-        just completed, so none can still be waiting in the one before it."""
-        previous, self._last_key = self._last_key, key
+        """Delete this rank's arrival key of its previous collective on the group (of this save
+        or an earlier one): every peer took part in the collective just completed, so none can
+        still be waiting in the one before it."""
+        with _counts_lock:
+            previous = _last_arrival.get(id(self.group))
+            _last_arrival[id(self.group)] = key
         if store is None or previous is None:
             return
         try:

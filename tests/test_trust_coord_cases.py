@@ -141,6 +141,7 @@ def concurrent_saves(rank, world, root, mirrored: bool) -> dict:
     out["loads"] = {n: loads_as(os.path.join(root, n), tensors[n], rank, world) for n in out["published"]}
     barrier()
     out["leftovers"] = leftovers(root)
+    barrier()  # every rank has looked before the next save creates its staging directory
     # The group is in step: one more save on it succeeds and loads bit-exact.
     c = full(3, world)
     after = os.path.join(root, "after")
@@ -239,6 +240,7 @@ def interrupts(rank, world, root) -> dict:
     barrier()
     out["published"] = sorted(n for n in ("writer", "main") if os.path.exists(os.path.join(root, n)))
     out["leftovers"] = leftovers(root)
+    barrier()
     good = os.path.join(root, "good")
     out["good"] = attempt(lambda: safe_ckpt.save(state(a, rank, world), good, options=options()))
     out["good_loads"] = out["good"]["error"] is None and loads_as(good, a, rank, world)
@@ -273,6 +275,7 @@ def changed_through_data(rank, world, root) -> dict:
     barrier()
     out["torn_exists"] = os.path.exists(path)
     out["leftovers"] = leftovers(root)
+    barrier()
     kept = w.detach().clone()
     good = os.path.join(root, "good")
     out["good"] = attempt(lambda: safe_ckpt.async_save(st(w), good, options=options()).wait(timeout=3 * GATE_S))
