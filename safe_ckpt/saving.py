@@ -11,16 +11,13 @@ Call order on every rank (each step after a collective sees the same data everyw
 `async_save` returns after step 2's staging of device memory; a background thread
 runs the rest.
 
-Failures: whatever a rank meets between two collectives (an exception in its own
-planning, a sink factory that raises, a writer's error, an exception while building
-the index or in ``post_commit``) is kept and reported in the next collective, which is
-always a vote; every rank then raises the same `CheckpointError` as soon as every rank
-has reached that vote, rank 0 removes the staging directory, and the group is in step
-for the next save. A `KeyboardInterrupt` or `SystemExit` on a rank is handled the same
-way (writers cancelled and joined, the vote told, nothing published, the staging
-directory removed) and then re-raised as itself on that rank; its peers raise the
-`CheckpointError` naming it. An interrupt that arrives once the commit vote has passed
-leaves the published checkpoint in place and is raised after the save's last step.
+Failures: whatever a rank meets between two collectives (an exception in its planning,
+a sink factory that raises, a writer's error, an exception in ``post_commit``) goes to
+the next collective, always a vote (`ballot`): every rank raises the same
+`CheckpointError` once all have reached it, rank 0 removes the staging directory, and
+the group stays in step. A `KeyboardInterrupt` or `SystemExit` is handled the same way
+(writers cancelled and joined, nothing published) and re-raised as itself on its rank;
+one that arrives after the commit vote leaves the published checkpoint in place.
 
 Concurrency: one save runs at a time per process (`slot`), sync and async alike, from
 any thread: a later save waits for the earlier one to end (its handle to finish), at
@@ -43,11 +40,12 @@ import time
 from . import commit, compat, dist, gcfreeze, slot
 from .encoding.layout import lay_out, lay_out_rank
 from .encoding.metadata import METADATA_FILE, build_metadata, metadata_bytes
-from .errors import CheckpointError, RankFailure, failure_from_exception, problems_error
+from .errors import CheckpointError, problems_error
 from .integrity import MANIFEST_FILE, checksum_of, manifest_bytes
 from .version import __version__
 from .options import SaveOptions
 from .pipeline import ItemWriteFailed, RankWork, RankWriter
+from .ballot import Ballot
 from .local_plan import plan_locally
 from .plan import GlobalPlan, Problem, build_global_plan
 from .plan.message import option_mismatches
@@ -65,7 +63,6 @@ CONFIG_FILE = "metadata.json"
 # Files of equal bytes per writer thread: with two, a writer whose file another writer holds
 # still finds one free (one file is never written by two threads at once: see staging.dispatch).
 FILES_PER_WRITER = 2
-INTERRUPTS = (KeyboardInterrupt, SystemExit)
 
 
 class _Job:
@@ -97,49 +94,22 @@ class _Job:
         self.writer: RankWriter | None = None
         self._writers_started = False
         self.awaits_vote = False  # the planning exchange passed: the peers' next collective is a vote
-        self._failure: RankFailure | None = None  # this rank's failure, for the next vote
-        self._interrupt: BaseException | None = None  # re-raised as itself once the vote is done
+        self.ballot: Ballot | None = None  # this rank's failures, for the next vote
         self.t0 = time.perf_counter()
 
-    # ------------------------------------------------------------ failures
     def note(self, stage: str, exc: BaseException, key: str | None = None) -> None:
-        """Keep this rank's first failure for the next vote, and stop the writers."""
-        if isinstance(exc, INTERRUPTS) and self._interrupt is None:
-            self._interrupt = exc
-        if self._failure is None:
-            if not isinstance(exc, (CheckpointError, *INTERRUPTS)):
-                log.debug("safe_ckpt: rank %d failed during %s", self.coord.rank, stage, exc_info=exc)
-            self._failure = failure_from_exception(self.coord.rank, stage, exc, key)
-        if self.writer is not None:
-            self.writer.cancel()
-
-    def _raise_interrupt(self) -> None:
-        if self._interrupt is not None:
-            raise self._interrupt
-
-    def _vote(self, stage: str, report=None) -> list:
-        """Every rank's ``report``; or, if any rank failed, the same error on every rank once
-        this rank's staging directory is gone (an interrupt is raised as itself instead)."""
-        failure, self._failure = self._failure, None
-        try:
-            reports = self.coord.vote(stage, failure, report)
-        except CheckpointError:
-            self._abort()
-            self._raise_interrupt()
-            raise
-        if self.coord.interrupted is not None:  # held during the vote: it fails the next step
-            held, self.coord.interrupted = self.coord.interrupted, None
-            self.note(f"after {stage}", held)
-        return reports
+        self.ballot.note(stage, exc, key)
 
     # ------------------------------------------------------------------ plan
     def plan(self) -> None:
         self.coord = dist.coordinator(self.process_group, self.options.collective_timeout_s, self.checkpoint_dir)
         rank = self.coord.rank
+        self.ballot = Ballot(self.coord, self._abort)
         mine = plan_locally(self.state, rank, checkpoint_dir=self.checkpoint_dir, options=self.options,
                             content_metadata=self.content_metadata, sharded_only=self.sharded_only, kv=self.kv)
         self.state = None  # the job keeps only the sources it needs
-        self.area, self.kv_sink, self._interrupt = mine.area, mine.kv_sink, mine.interrupt
+        self.area, self.kv_sink = mine.area, mine.kv_sink
+        self.ballot.keep_interrupt(mine.interrupt)
         try:
             messages = self.coord.exchange("planning", mine.message)
         except CheckpointError:
@@ -151,20 +121,18 @@ class _Job:
         except Exception as exc:  # the same inputs on every rank: the same failure everywhere
             global_plan = [Problem("CheckpointError", "<planning>", tuple(range(self.coord.world_size)),
                                    f"internal error: {type(exc).__name__}: {exc}")]
-        if self.coord.interrupted is not None:
-            self._interrupt = self._interrupt or self.coord.interrupted
-            self.coord.interrupted = None
+        self.ballot.keep_interrupt(self.ballot.take_held())
         if not isinstance(global_plan, GlobalPlan):
             self._abort()
-            self._raise_interrupt()
+            self.ballot.raise_interrupt()
             raise problems_error("planning", global_plan)
         self.awaits_vote = True
         self.global_plan = global_plan
         self.staging_dir = messages[0].staging_dir
         self.save_id = messages[0].save_id
         self.coord.save_id = self.save_id
-        if self._interrupt is not None:
-            self.note("planning", self._interrupt)
+        if self.ballot.interrupt is not None:
+            self.note("planning", self.ballot.interrupt)
             return
         try:
             self.layout = lay_out_rank(global_plan, rank, **self._layout_kwargs())
@@ -206,6 +174,7 @@ class _Job:
             raise CheckpointError(f"staging directory {self.staging_dir} is not visible here: "
                                   "all ranks must share the filesystem")
         self.writer = writer
+        self.ballot.on_note(writer.cancel)
         self._writers_started = True  # before start(): an interrupt inside it must still join
         writer.start()
 
@@ -213,7 +182,7 @@ class _Job:
         """For `async_save`: wait until every device byte is in host memory. On a failure here
         (an interrupt) nobody else will finish this job: vote it now, and raise."""
         try:
-            if self._failure is None and self._writers_started:
+            if self.ballot.failure is None and self._writers_started:
                 self.writer.wait_staged()
         except BaseException as exc:
             self.note("writing", exc)
@@ -237,7 +206,7 @@ class _Job:
         """The write stats, or None after a failure (noted); the writers have all ended."""
         if not self._writers_started:
             return None
-        if self._failure is None:
+        if self.ballot.failure is None:
             try:
                 self._prepare_commit()
             except BaseException as exc:
@@ -245,7 +214,7 @@ class _Job:
         while True:
             try:
                 stats = self.writer.join()
-                return stats if self._failure is None else None
+                return stats if self.ballot.failure is None else None
             except ItemWriteFailed as exc:
                 self.note("writing", exc.cause, exc.key)
                 return None
@@ -255,25 +224,25 @@ class _Job:
     def _finish(self, stall_s: float | None) -> SaveResult:
         rank = self.coord.rank
         stats = self._join_writers()
-        reports = self._vote("writing", stats.checksums if stats is not None else None)
+        reports = self.ballot.vote("writing", stats.checksums if stats is not None else None)
         t_commit = time.perf_counter()
-        if rank == 0 and self._failure is None:
+        if rank == 0 and self.ballot.failure is None:
             try:
                 self._commit([c for report in reports for c in (report or [])])
             except BaseException as exc:
                 self.note("commit", exc)
                 self._abort()
-        self._vote("commit")
+        self.ballot.vote("commit")
         if self.post_commit is not None:
             try:
                 self.post_commit(self.coord)
             except BaseException as exc:
                 if self.coord.lost:  # no collective can pair any more: report what broke
-                    self._raise_interrupt()
+                    self.ballot.raise_interrupt()
                     raise
                 self.note("post-commit", exc)
-            self._vote("post-commit")
-        self._raise_interrupt()  # one that arrived after the commit vote: the checkpoint stays
+            self.ballot.vote("post-commit")
+        self.ballot.raise_interrupt()  # one that arrived after the commit vote: the checkpoint stays
         t_end = time.perf_counter()
         total = t_end - self.t0
         result = SaveResult(
