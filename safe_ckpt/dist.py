@@ -5,6 +5,19 @@ the same `CheckpointError` on every rank. Every rank takes part in every vote, s
 failure on one rank never leaves the others waiting in a collective; a dead or silent
 peer surfaces as a `CoordinationError` once the group's timeout passes.
 
+Every message travels in an `Envelope` naming the save it belongs to and its step in
+that save (stage name and collective number). The planning exchange names the save by
+what every rank knows before it (the target and how many saves this process started on
+the group); later steps add rank 0's save id. A message of another save or step fails
+that collective on every rank with a `CoordinationError` naming every rank's save: never
+a silent pairing. Each rank's arrival key in the job's store is deleted once its next
+collective completes (every peer has then left the earlier one), so the store holds at
+most one key per rank and group, whatever the number of saves.
+
+A SIGINT that arrives in the main thread while it waits in a collective is held until the
+collective has completed on this rank (`Coordinator.interrupted`): an interrupt between
+the collectives inside one exchange would leave the peers one collective ahead.
+
 Must not: use NCCL or any device collective, or copy anything to a device. With
 `process_group=None` it uses a gloo group over the default world, created once and
 cached, which works when the default group is NCCL; without `torch.distributed`
@@ -14,7 +27,10 @@ initialized it degrades to a single rank.
 from __future__ import annotations
 
 import logging
+import signal
 import threading
+from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -48,14 +64,44 @@ def _forget(group) -> None:
             del _groups[key]
 
 
-_sequence_lock = threading.Lock()
+_counts_lock = threading.Lock()
 _sequences: dict = {}  # group -> number of collectives issued on it by safe_ckpt
+_saves: dict = {}  # group -> number of saves this process started on it
+_last_arrival: dict = {}  # group -> this rank's arrival key of its latest collective on it
 
 
-def _next_sequence(group) -> int:
-    with _sequence_lock:
-        _sequences[id(group)] = _sequences.get(id(group), 0) + 1
-        return _sequences[id(group)]
+def _next(counts: dict, group) -> int:
+    with _counts_lock:
+        counts[id(group)] = counts.get(id(group), 0) + 1
+        return counts[id(group)]
+
+
+@dataclass(frozen=True)
+class Envelope:
+    """One rank's message and where it belongs: which save, which step of it."""
+
+    save: str  # target and this process's count of saves on the group, e.g. "/ckpt/iter_5 #3"
+    save_id: str | None  # rank 0's save id, once the planning exchange has told every rank
+    stage: str
+    step: int  # collectives of this save before this one
+    payload: object
+
+
+@contextmanager
+def _interrupts_held(record):
+    """Hold a SIGINT (Python's default handler only) until the block ends; then ``record`` it."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield
+        return
+    got: list = []
+    signal.signal(signal.SIGINT, lambda signum, frame: got.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        if got:
+            record(KeyboardInterrupt())
 
 
 class Coordinator:
@@ -66,10 +112,15 @@ class Coordinator:
     the ranks that never arrived: dead, or stuck before that step.
     """
 
-    def __init__(self, group, rank: int, world_size: int) -> None:
+    def __init__(self, group, rank: int, world_size: int, save: str = "") -> None:
         self.group = group
         self.rank = rank
         self.world_size = world_size
+        self.save = save
+        self.save_id: str | None = None
+        self.step = 0
+        self.interrupted: BaseException | None = None  # a SIGINT held during a collective
+        self.lost = False  # a collective broke: no further collective of this save can pair
 
     def _store(self):
         try:
@@ -94,21 +145,30 @@ class Coordinator:
     def distributed(self) -> bool:
         return self.group is not None and self.world_size > 1
 
+    def _hold(self, exc: BaseException) -> None:
+        if self.interrupted is None:
+            self.interrupted = exc
+
     def exchange(self, stage: str, obj) -> list:
         """Every rank's ``obj``, in rank order."""
+        envelope = Envelope(self.save, self.save_id, stage, self.step, obj)
+        self.step += 1
         if not self.distributed:
             return [obj]
         out: list = [None] * self.world_size
-        seq = _next_sequence(self.group)
+        seq = _next(_sequences, self.group)
         store = self._store()
+        key = self._arrival_key(seq, self.rank)
         if store is not None:
             try:
-                store.set(self._arrival_key(seq, self.rank), "1")
+                store.set(key, "1")
             except Exception:
                 store = None
         try:
-            dist.all_gather_object(out, obj, group=self.group)
+            with _interrupts_held(self._hold):
+                dist.all_gather_object(out, envelope, group=self.group)
         except Exception as exc:  # gloo raises RuntimeError/DistBackendError subclasses
+            self.lost = True
             _forget(self.group)
             absent = self._absent(store, seq) if store is not None else []
             who = (f"rank(s) {', '.join(map(str, absent))} never reached this step (dead, or stuck before it)"
@@ -119,7 +179,23 @@ class Coordinator:
                 f"{type(exc).__name__}: {exc}",
                 failures or [RankFailure(self.rank, stage, "CoordinationError", str(exc))],
             ) from exc
-        return out
+        self._forget_arrival(store, key)
+        _check_same_step(out, stage)
+        return [e.payload for e in out]
+
+    def _forget_arrival(self, store, key: str) -> None:
+        """Delete this rank's arrival key of its previous collective on the group (of this save
+        or an earlier one): every peer took part in the collective just completed, so none can
+        still be waiting in the one before it."""
+        with _counts_lock:
+            previous = _last_arrival.get(id(self.group))
+            _last_arrival[id(self.group)] = key
+        if store is None or previous is None:
+            return
+        try:
+            store.delete_key(previous)
+        except Exception as exc:  # a store without deletion only grows, as before
+            log.debug("safe_ckpt: cannot delete %s from the store: %s", previous, exc)
 
     def vote(self, stage: str, failure: RankFailure | None, report=None) -> list:
         """Raise the same error on every rank if any rank reports a failure; otherwise
@@ -131,11 +207,35 @@ class Coordinator:
         return [r for _, r in ballots]
 
 
-def coordinator(process_group=None, timeout_s: float = 600.0) -> Coordinator:
+def _check_same_step(envelopes: list[Envelope], stage: str) -> None:
+    """Every rank raises the same `CoordinationError` unless all envelopes name one save and step."""
+    first = envelopes[0]
+    if all((e.save, e.save_id, e.stage, e.step) == (first.save, first.save_id, first.stage, first.step)
+           for e in envelopes):
+        return
+    lines = [f"  rank {r}: save of {e.save}" + (f" (id {e.save_id})" if e.save_id else "")
+             + f", step {e.step} ({e.stage})" for r, e in enumerate(envelopes)]
+    message = "\n".join([
+        f"safe_ckpt: the ranks met in one collective from different saves or steps (during {stage}); "
+        "nothing of these saves is published:", *lines,
+        "  every rank must start the same saves in the same order: two saves at once on one group pair up "
+        "their collectives wrongly",
+    ])
+    raise CoordinationError(message, [RankFailure(r, stage, "CoordinationError", "in another save or step")
+                                      for r in range(len(envelopes))])
+
+
+def save_name(target: str, group) -> str:
+    """The planning exchange's name of a save: the target and how many saves this process
+    has started on the group (every rank counts the same saves, in the same order)."""
+    return f"{target} #{_next(_saves, group)}" if group is not None else target
+
+
+def coordinator(process_group=None, timeout_s: float = 600.0, target: str = "") -> Coordinator:
     if not (dist.is_available() and dist.is_initialized()):
         if process_group is not None:
             raise ValidationError("process_group was given but torch.distributed is not initialized")
-        return Coordinator(None, 0, 1)
+        return Coordinator(None, 0, 1, target)
     if process_group is None:
         group = _cached_gloo_group(timeout_s)
     else:
@@ -146,4 +246,4 @@ def coordinator(process_group=None, timeout_s: float = 600.0) -> Coordinator:
                 "Pass a gloo group (torch.distributed.new_group(backend='gloo')) or None for the world"
             )
         group = process_group
-    return Coordinator(group, dist.get_rank(group), dist.get_world_size(group))
+    return Coordinator(group, dist.get_rank(group), dist.get_world_size(group), save_name(target, group))

@@ -96,7 +96,10 @@ def kind_of(exc: BaseException) -> str:
 
 
 def failure_from_exception(rank: int, stage: str, exc: BaseException, key: str | None = None) -> RankFailure:
-    message = str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+        message = f"interrupted ({type(exc).__name__}{': ' + str(exc) if str(exc) else ''}); its writers were stopped"
+    else:
+        message = str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
     return RankFailure(rank=rank, stage=stage, kind=kind_of(exc), message=message, key=key)
 
 

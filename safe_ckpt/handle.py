@@ -1,28 +1,36 @@
 """SaveHandle: an asynchronous save that finishes in a background thread.
 
 One job: run the remaining collective steps of a save (join the writers, vote,
-commit) off the caller's thread, keep at most one save in flight per process, and
-finish pending saves before the interpreter exits. Must not: contain save logic.
+commit) off the caller's thread, and finish pending saves before the interpreter exits.
+Must not: contain save logic.
+
+A failure nobody was told about is never silent:
+- when an asynchronous save fails, its background thread logs an ERROR on the
+  ``safe_ckpt`` logger naming the checkpoint directory and the error, at once (whether or
+  not anyone waits for the handle later);
+- at interpreter exit (an ``atexit`` handler) every save still running is waited for; if
+  one of them failed and its error was never observed, by `SaveHandle.wait()` raising it
+  or `SaveHandle.exception()` returning it, the handler logs an ERROR naming each such
+  checkpoint, flushes the logging handlers, stdout and stderr, and ends the process with
+  ``os._exit(1)``: the exit status is 1 whatever it would have been, and the ``atexit``
+  handlers registered before safe_ckpt was imported do not run. A process killed by a
+  signal, or ended with ``os._exit``, runs no ``atexit`` handler: then only the ERROR line
+  written when the save failed remains.
 """
 
 from __future__ import annotations
 
 import atexit
 import logging
+import os
+import sys
 import threading
 
 log = logging.getLogger("safe_ckpt")
 
 _inflight_lock = threading.Lock()
 _inflight: list["SaveHandle"] = []
-
-
-def wait_for_previous() -> None:
-    """One save at a time per process: block until the asynchronous ones in flight are done."""
-    with _inflight_lock:
-        previous = list(_inflight)
-    for handle in previous:
-        handle._thread.join()
+_unobserved: list["SaveHandle"] = []  # failed, and nobody has seen the error yet
 
 
 class SaveHandle:
@@ -35,6 +43,7 @@ class SaveHandle:
 
     def __init__(self, job, stall_s: float) -> None:
         self.stall_s = stall_s
+        self.checkpoint_dir = job.checkpoint_dir
         self._job = job
         self._result = None
         self._error: BaseException | None = None
@@ -48,11 +57,21 @@ class SaveHandle:
             self._result = self._job.finish(stall_s=self.stall_s)
         except BaseException as exc:
             self._error = exc
+            log.error("safe_ckpt: asynchronous save of %s failed: %s", self.checkpoint_dir,
+                      str(exc).removeprefix("safe_ckpt: ") or type(exc).__name__)
+            with _inflight_lock:
+                _unobserved.append(self)
         finally:
             self._job = None
             with _inflight_lock:
                 if self in _inflight:
                     _inflight.remove(self)
+
+    def _observed(self) -> BaseException | None:
+        with _inflight_lock:
+            if self in _unobserved:
+                _unobserved.remove(self)
+        return self._error
 
     def done(self) -> bool:
         return not self._thread.is_alive()
@@ -61,13 +80,15 @@ class SaveHandle:
         self._thread.join(timeout)
         if self._thread.is_alive():
             raise TimeoutError(f"safe_ckpt: save still running after {timeout} s")
-        if self._error is not None:
+        if self._observed() is not None:
             raise self._error
         return self._result
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         self._thread.join(timeout)
-        return self._error
+        if self._thread.is_alive():
+            return None
+        return self._observed()
 
 
 @atexit.register
@@ -75,7 +96,25 @@ def _finish_inflight_at_exit() -> None:
     with _inflight_lock:
         pending = list(_inflight)
     for handle in pending:
-        log.warning("safe_ckpt: waiting for an asynchronous save to finish before exit")
+        log.warning("safe_ckpt: waiting for the asynchronous save of %s to finish before exit",
+                    handle.checkpoint_dir)
         handle._thread.join()
-
-
+    with _inflight_lock:
+        failed = list(_unobserved)
+    if not failed:
+        return
+    for handle in failed:
+        log.error("safe_ckpt: the asynchronous save of %s failed and nobody waited for it (see the error "
+                  "above: %s); exiting with status 1", handle.checkpoint_dir, type(handle._error).__name__)
+    for handler in logging.getLogger().handlers + log.handlers + [logging.lastResort]:
+        try:
+            if handler is not None:
+                handler.flush()
+        except Exception:
+            pass
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os._exit(1)

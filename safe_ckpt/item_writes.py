@@ -51,10 +51,22 @@ class ItemWrites:
         self._lock = threading.Lock()
         self._recorded: list[ItemChecksum] = []
 
-    def write(self, handle, item: PlacedItem, buffers: list) -> None:
+    def write(self, handle, item: PlacedItem, buffers: list, recheck: bool = False) -> bool:
         """One vectored write of an item, its checksum computed meanwhile on another thread;
-        or, without checksum threads, piece by piece: hash a piece, then write it."""
+        or, without checksum threads, piece by piece: hash a piece, then write it.
+
+        ``recheck``: the buffers are memory the caller may change meanwhile (an async save's
+        host source): hash each piece just before writing it, then every piece again once all
+        are written; returns False if the two differ (the written bytes may be torn; the
+        recorded checksum is that of the bytes as each piece was hashed). A change that lasts
+        past the write is always seen; one undone before the second pass may not be."""
         crc = None
+        if recheck:
+            crc = self._write_fused(handle, item, buffers)
+            unchanged = checksum_of(buffers) == crc
+            if self.checksums:
+                self.record(ItemChecksum(item.relative_path, item.offset_bytes, item.length_bytes, crc, item.fqn))
+            return unchanged
         if not self.checksums:
             handle.write_at(item.offset_bytes, buffers)
         elif self.hasher is not None:
@@ -67,16 +79,22 @@ class ItemWrites:
             crc = checksum_of(buffers)
             handle.write_at(item.offset_bytes, buffers)
         else:
-            hasher = Hasher(ALGORITHM)
-            offset = item.offset_bytes
-            for group in pieces(buffers, FUSED_PIECE_BYTES):
-                for buf in group:
-                    hasher.update(buf)
-                handle.write_at(offset, group)
-                offset += sum(len(b) for b in group)
-            crc = hasher.value()
+            crc = self._write_fused(handle, item, buffers)
         if crc is not None:
             self.record(ItemChecksum(item.relative_path, item.offset_bytes, item.length_bytes, crc, item.fqn))
+        return True
+
+    @staticmethod
+    def _write_fused(handle, item: PlacedItem, buffers: list) -> int:
+        """Hash a piece, write it, next piece: every byte is hashed before it is written."""
+        hasher = Hasher(ALGORITHM)
+        offset = item.offset_bytes
+        for group in pieces(buffers, FUSED_PIECE_BYTES):
+            for buf in group:
+                hasher.update(buf)
+            handle.write_at(offset, group)
+            offset += sum(len(b) for b in group)
+        return hasher.value()
 
     def write_gridded(self, handle, item: PlacedItem, prefix: bytes, payload: memoryview, sums: memoryview,
                       suffix: bytes) -> None:

@@ -89,9 +89,11 @@ class RankWriter:
 
     def __init__(self, work: RankWork, sink: Sink, stager: Stager, *, crc32: bool, progress: Progress,
                  checksums: bool = False, lanes: int | None = None, checksum_threads: int | None = None,
-                 whole_writes: bool = False, nice: int | None = None) -> None:
+                 whole_writes: bool = False, nice: int | None = None, recheck_host_sources: bool = False) -> None:
         """``whole_writes``: the sink takes each item in one `write_at` (kvstore values);
-        ``nice``: how much nicer the writer threads run (None: `cpu.WRITER_NICE_INCREMENT`)."""
+        ``nice``: how much nicer the writer threads run (None: `cpu.WRITER_NICE_INCREMENT`);
+        ``recheck_host_sources``: the caller may change host sources while they are written
+        (an async save): hash each one written from its own memory before and after its write."""
         self.work = work
         self.checksums = checksums
         self._writes = ItemWrites(checksums, whole_writes)
@@ -110,6 +112,7 @@ class RankWriter:
         self._handles: list = [None] * len(files)  # open files (one writer at a time each)
         self._checksum_threads = _checksum_threads(checksum_threads, self._lanes) if checksums else 0
         self._nice = nice
+        self._recheck = recheck_host_sources
         self._files_finished = 0  # files whose last item was written (then synced and closed)
         self._threads: list[threading.Thread] = []
         self._t0 = 0.0
@@ -346,19 +349,24 @@ class RankWriter:
             payload = staged.ready()
             crc = torchzip.payload_crc32(payload) if self.crc32 else 0
             sums = staged.grid() if self.checksums else None
+            residence = self.work.residences[chunk.local_index]
+            recheck = self._recheck and residence in HOST_RESIDENCES and staged.from_source_memory
+            unchanged = True
             if sums is not None:
                 self._writes.write_gridded(handle, item, container.prefix, payload[0], sums, container.suffix(crc))
             else:
-                self._writes.write(handle, item, [container.prefix, *payload, container.suffix(crc)])
+                unchanged = self._writes.write(handle, item, [container.prefix, *payload, container.suffix(crc)],
+                                               recheck=recheck)
         finally:
             staged.release()
-        residence = self.work.residences[chunk.local_index]
         if residence in HOST_RESIDENCES:
             source = self.work.sources[chunk.local_index]
-            if source._version != self.work.versions[chunk.local_index]:
+            if not unchanged or source._version != self.work.versions[chunk.local_index]:
+                how = "its bytes changed while they were written" if not unchanged else "its version counter moved"
                 raise SourceModifiedError(
-                    f"host tensor {chunk.fqn!r} was modified in place while it was being saved; "
-                    "the checkpoint would be torn, so it is not committed"
+                    f"host tensor {chunk.fqn!r} was modified in place while it was being saved ({how}); "
+                    "the checkpoint would be torn, so it is not committed. Do not change host tensors "
+                    "until the save's handle has finished"
                 )
         self._account(residence, chunk.payload_bytes)
 

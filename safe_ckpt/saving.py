@@ -6,9 +6,26 @@ Call order on every rank (each step after a collective sees the same data everyw
   2. write: stage and write this rank's items into the staging directory, fsync;
   3. vote: every rank reports success or its failure; any failure fails all ranks;
   4. commit: rank 0 writes `.metadata` and `metadata.json`, publishes atomically;
-  5. vote: every rank learns whether the checkpoint is visible.
+  5. vote: every rank learns whether the checkpoint is visible;
+  6. with a ``post_commit`` step (the tracker file): that step, then a last vote.
 `async_save` returns after step 2's staging of device memory; a background thread
-runs the rest. One save runs at a time per process; a new one waits for the last.
+runs the rest.
+
+Failures: whatever a rank meets between two collectives (an exception in its planning,
+a sink factory that raises, a writer's error, an exception in ``post_commit``) goes to
+the next collective, always a vote (`ballot`): every rank raises the same
+`CheckpointError` once all have reached it, rank 0 removes the staging directory, and
+the group stays in step. A `KeyboardInterrupt` or `SystemExit` is handled the same way
+(writers cancelled and joined, nothing published) and re-raised as itself on its rank;
+one that arrives after the commit vote leaves the published checkpoint in place.
+
+Concurrency: one save runs at a time per process (`slot`), sync and async alike, from
+any thread: a later save waits for the earlier one to end (its handle to finish), at
+most `SaveOptions.collective_timeout_s`, then fails on that rank with a
+`CoordinationError`. Every collective carries the save's name and step (`dist`), so
+ranks that start saves in different orders (each process taking them one at a time)
+fail those saves on every rank with a `CoordinationError` naming both saves, and
+publish nothing of them; saves started in the same order on every rank all succeed.
 
 Must not: contain stage logic (that lives in plan/residence/staging/encoding/sinks/commit).
 """
@@ -20,23 +37,25 @@ import logging
 import os
 import time
 
-from . import commit, compat, dist, gcfreeze, residence
+from . import commit, compat, dist, gcfreeze, slot
 from .encoding.layout import lay_out, lay_out_rank
 from .encoding.metadata import METADATA_FILE, build_metadata, metadata_bytes
-from .errors import CheckpointError, RankFailure, failure_from_exception, problems_error
+from .errors import CheckpointError, problems_error
 from .integrity import MANIFEST_FILE, checksum_of, manifest_bytes
 from .version import __version__
 from .options import SaveOptions
 from .pipeline import ItemWriteFailed, RankWork, RankWriter
-from .plan import GlobalPlan, LocalState, Problem, build_global_plan, collect, rank_plan
-from .plan.message import PlanMessage, layout_options, option_mismatches
+from .ballot import Ballot
+from .local_plan import plan_locally
+from .plan import GlobalPlan, Problem, build_global_plan
+from .plan.message import option_mismatches
 from .progress import Progress, human_bytes
 from .results import SaveResult, SaveTimings
 from . import kvcommit
 from .sinks.posix import PosixSink
-from .sinks.tensorstore import TensorStoreSink, is_kvstore_url, open_location
+from .sinks.tensorstore import is_kvstore_url
 from .staging.pool import shared_pool
-from .handle import SaveHandle, wait_for_previous
+from .handle import SaveHandle
 from .staging.stager import Stager, record_producer_fence
 
 log = logging.getLogger("safe_ckpt")
@@ -50,7 +69,7 @@ class _Job:
     """One save on one rank, from plan to published checkpoint."""
 
     def __init__(self, sharded_state_dict, checkpoint_dir, process_group, options, content_metadata,
-                 sharded_only: bool = False, post_commit=None):
+                 sharded_only: bool = False, post_commit=None, asynchronous: bool = False):
         self.options = options or SaveOptions()
         target = os.fspath(checkpoint_dir)
         # A URL ("file://", "gs://", "memory://", ...) or a kvstore spec selects the TensorStore sink.
@@ -65,79 +84,61 @@ class _Job:
         # state and metadata.json; we add the sharded items and `.metadata` into it.
         self.sharded_only = sharded_only
         self.post_commit = post_commit  # collective step after a successful commit (tracker file)
+        # The caller runs on while host sources are written: each is checked again after its write.
+        self.asynchronous = asynchronous
         self.area: commit.StagingArea | None = None
         self.gc_hold = gcfreeze.Hold(False)  # start() puts the save's hold here
+        self.slot: slot.Held | None = None  # start() puts the process's save slot here
         self._prebuilt: dict | None = None  # rank 0's small files, built while the writers write
+        self.coord: dist.Coordinator | None = None
+        self.writer: RankWriter | None = None
+        self._writers_started = False
+        self.awaits_vote = False  # the planning exchange passed: the peers' next collective is a vote
+        self.ballot: Ballot | None = None  # this rank's failures, for the next vote
         self.t0 = time.perf_counter()
 
-    # ------------------------------------------------------------------ plan
-    def _classify(self, local):
-        allow_backup = self.options.unmapped_policy == "cpu_backup"
-        residences, sources, problems = [], [], []
-        for d in local.shards:
-            try:
-                c = residence.classify(d.source, allow_cpu_backup=allow_backup)
-            except Exception as exc:
-                c = residence.Classified(residence.Residence.INVALID.value, f"cannot be classified: {exc}")
-            residences.append(c.residence)
-            sources.append(d.source if c.source is None else c.source)
-            if c.residence == residence.Residence.CUDA_UNMAPPED.value:
-                msg = f"{c.detail}; {residence.UNMAPPED_REMEDY}"
-                problems.append(Problem("ResidenceError", d.key, (local.rank,), msg))
-            elif c.residence == residence.Residence.INVALID.value:
-                problems.append(Problem("ValidationError", d.key, (local.rank,), c.detail))
-        return residences, sources, problems
+    def note(self, stage: str, exc: BaseException, key: str | None = None) -> None:
+        self.ballot.note(stage, exc, key)
 
+    # ------------------------------------------------------------------ plan
     def plan(self) -> None:
-        self.coord = dist.coordinator(self.process_group, self.options.collective_timeout_s)
+        self.coord = dist.coordinator(self.process_group, self.options.collective_timeout_s, self.checkpoint_dir)
         rank = self.coord.rank
-        try:
-            local = collect(self.state, rank, self.content_metadata, with_common=not self.sharded_only)
-            residences, sources, problems = self._classify(local)
-        except Exception as exc:  # a bug must still reach the exchange, or peers would wait
-            log.exception("safe_ckpt: rank %d failed while planning", rank)
-            local = LocalState(rank, [], [], {}, [])
-            residences, sources = [], []
-            problems = [Problem("CheckpointError", "<planning>", (rank,), f"{type(exc).__name__}: {exc}")]
+        self.ballot = Ballot(self.coord, self._abort)
+        mine = plan_locally(self.state, rank, checkpoint_dir=self.checkpoint_dir, options=self.options,
+                            content_metadata=self.content_metadata, sharded_only=self.sharded_only, kv=self.kv)
         self.state = None  # the job keeps only the sources it needs
-        save_id = None
-        if self.kv and self.sharded_only:
-            problems.append(Problem("ValidationError", "<target>", (rank,),
-                                    "the Megatron strategy writes local directories only, not kvstores"))
-        elif self.kv:
-            try:
-                self.kv_sink = TensorStoreSink(open_location(self.checkpoint_dir, self.options.kvstore_spec))
-            except Exception as exc:
-                problems.append(Problem("WriteError", "<target>", (rank,), f"{type(exc).__name__}: {exc}"))
-        if rank == 0:
-            save_id = commit.new_save_id()
-            try:
-                replace = "any" if self.sharded_only else self.options.replace
-                if self.kv_sink is not None:
-                    kvcommit.check_target(self.kv_sink, replace)
-                elif not self.kv:
-                    self.area = commit.prepare(self.checkpoint_dir, save_id, replace)
-            except Exception as exc:
-                problems.append(Problem("CommitError", "<target>", (0,), f"{type(exc).__name__}: {exc}"))
-        message = PlanMessage(
-            rank_plan(local, residences, problems), self.area.staging_dir if self.area else None, save_id,
-            layout_options(self.options.chunk_bytes, self.options.io_threads),
-        )
+        self.area, self.kv_sink = mine.area, mine.kv_sink
+        self.ballot.keep_interrupt(mine.interrupt)
         try:
-            messages = self.coord.exchange("planning", message)
+            messages = self.coord.exchange("planning", mine.message)
         except CheckpointError:
             self._abort()
             raise
-        global_plan = option_mismatches(messages) or build_global_plan(
-            [m.plan for m in messages], self.options.chunk_bytes, FILES_PER_WRITER * self.options.io_threads)
+        try:
+            global_plan = option_mismatches(messages) or build_global_plan(
+                [m.plan for m in messages], self.options.chunk_bytes, FILES_PER_WRITER * self.options.io_threads)
+        except Exception as exc:  # the same inputs on every rank: the same failure everywhere
+            global_plan = [Problem("CheckpointError", "<planning>", tuple(range(self.coord.world_size)),
+                                   f"internal error: {type(exc).__name__}: {exc}")]
+        self.ballot.keep_interrupt(self.ballot.take_held())
         if not isinstance(global_plan, GlobalPlan):
             self._abort()
+            self.ballot.raise_interrupt()
             raise problems_error("planning", global_plan)
+        self.awaits_vote = True
         self.global_plan = global_plan
         self.staging_dir = messages[0].staging_dir
         self.save_id = messages[0].save_id
-        self.layout = lay_out_rank(global_plan, rank, **self._layout_kwargs())
-        self._start_writes(local, residences, sources)
+        self.coord.save_id = self.save_id
+        if self.ballot.interrupt is not None:
+            self.note("planning", self.ballot.interrupt)
+            return
+        try:
+            self.layout = lay_out_rank(global_plan, rank, **self._layout_kwargs())
+            self._start_writes(mine.local, mine.residences, mine.sources)
+        except BaseException as exc:
+            self.note("writing", exc)
 
     def _start_writes(self, local, residences, sources) -> None:
         opts = self.options
@@ -163,64 +164,85 @@ class _Job:
         )
         payload = sum(i.length_bytes for i in self.layout.items)
         progress = Progress(payload, self.coord.rank, opts.progress_interval_s)
-        self.writer = RankWriter(
+        writer = RankWriter(
             work, sink, Stager(self.pool, fence, grid=opts.checksums and opts.device_checksums), crc32=opts.zip_crc32,
             progress=progress, checksums=opts.checksums, lanes=opts.io_threads, checksum_threads=opts.checksum_threads,
-            whole_writes=self.kv, nice=opts.writer_nice,
+            whole_writes=self.kv, nice=opts.writer_nice, recheck_host_sources=self.asynchronous,
         )
         self.t_planned = time.perf_counter()  # plan_s ends where write_s begins
         if not self.kv and not os.path.isdir(self.staging_dir):
-            self._write_failure = RankFailure(
-                self.coord.rank, "writing", "WriteError",
-                f"staging directory {self.staging_dir} is not visible here: all ranks must share the filesystem",
-            )
-            return
-        self._write_failure = None
-        self.writer.start()
+            raise CheckpointError(f"staging directory {self.staging_dir} is not visible here: "
+                                  "all ranks must share the filesystem")
+        self.writer = writer
+        self.ballot.on_note(writer.cancel)
+        self._writers_started = True  # before start(): an interrupt inside it must still join
+        writer.start()
 
     def wait_staged(self) -> float:
+        """For `async_save`: wait until every device byte is in host memory. On a failure here
+        (an interrupt) nobody else will finish this job: vote it now, and raise."""
         try:
-            if self._write_failure is None:
+            if self.ballot.failure is None and self._writers_started:
                 self.writer.wait_staged()
-        except BaseException:  # no handle will finish this job: do not leave the collector frozen
-            self.gc_hold.release()
+        except BaseException as exc:
+            self.note("writing", exc)
+            self.finish()
             raise
         return time.perf_counter() - self.t0
+
+    def release(self) -> None:
+        self.gc_hold.release()
+        if self.slot is not None:
+            self.slot.release()
 
     # ---------------------------------------------------------------- finish
     def finish(self, stall_s: float | None = None) -> SaveResult:
         try:
             return self._finish(stall_s)
         finally:
-            self.gc_hold.release()
+            self.release()
+
+    def _join_writers(self):
+        """The write stats, or None after a failure (noted); the writers have all ended."""
+        if not self._writers_started:
+            return None
+        if self.ballot.failure is None:
+            try:
+                self._prepare_commit()
+            except BaseException as exc:
+                self.note("writing", exc)
+        while True:
+            try:
+                stats = self.writer.join()
+                return stats if self.ballot.failure is None else None
+            except ItemWriteFailed as exc:
+                self.note("writing", exc.cause, exc.key)
+                return None
+            except BaseException as exc:  # an interrupt while waiting: the writers stop, then join again
+                self.note("writing", exc)
 
     def _finish(self, stall_s: float | None) -> SaveResult:
         rank = self.coord.rank
-        failure, stats = self._write_failure, None
-        if failure is None:
-            try:
-                self._prepare_commit()
-                stats = self.writer.join()
-            except ItemWriteFailed as exc:
-                failure = failure_from_exception(rank, "writing", exc.cause, exc.key)
-            except BaseException as exc:
-                failure = failure_from_exception(rank, "writing", exc)
-        try:
-            reports = self.coord.vote("writing", failure, stats.checksums if stats is not None else None)
-        except CheckpointError:
-            self._abort()
-            raise
+        stats = self._join_writers()
+        reports = self.ballot.vote("writing", stats.checksums if stats is not None else None)
         t_commit = time.perf_counter()
-        failure = None
-        if rank == 0:
+        if rank == 0 and self.ballot.failure is None:
             try:
                 self._commit([c for report in reports for c in (report or [])])
             except BaseException as exc:
-                failure = failure_from_exception(rank, "commit", exc)
+                self.note("commit", exc)
                 self._abort()
-        self.coord.vote("commit", failure)
+        self.ballot.vote("commit")
         if self.post_commit is not None:
-            self.post_commit(self.coord)
+            try:
+                self.post_commit(self.coord)
+            except BaseException as exc:
+                if self.coord.lost:  # no collective can pair any more: report what broke
+                    self.ballot.raise_interrupt()
+                    raise
+                self.note("post-commit", exc)
+            self.ballot.vote("post-commit")
+        self.ballot.raise_interrupt()  # one that arrived after the commit vote: the checkpoint stays
         t_end = time.perf_counter()
         total = t_end - self.t0
         result = SaveResult(
@@ -326,18 +348,23 @@ class _Job:
 
 
 def start(sharded_state_dict: dict, checkpoint_dir, *, process_group=None, options: SaveOptions | None = None,
-          content_metadata: dict | None = None, sharded_only: bool = False, post_commit=None) -> "_Job":
+          content_metadata: dict | None = None, sharded_only: bool = False, post_commit=None,
+          asynchronous: bool = False) -> "_Job":
     """Plan and start writing (collective); for the adapters at the edges. The returned job
-    is finished with `.finish()` or handed to `SaveHandle` after `.wait_staged()`."""
-    wait_for_previous()
-    hold = gcfreeze.Hold((options or SaveOptions()).gc_freeze)
+    is finished with `.finish()`, or (``asynchronous``) handed to `SaveHandle` after
+    `.wait_staged()`. Waits for this process's previous save to end first (see above)."""
+    options = options or SaveOptions()
+    job = _Job(sharded_state_dict, checkpoint_dir, process_group, options, content_metadata,
+               sharded_only=sharded_only, post_commit=post_commit, asynchronous=asynchronous)
+    job.slot = slot.acquire(job.checkpoint_dir, options.collective_timeout_s)
     try:
-        job = _Job(sharded_state_dict, checkpoint_dir, process_group, options, content_metadata,
-                   sharded_only=sharded_only, post_commit=post_commit)
-        job.gc_hold = hold
+        job.gc_hold = gcfreeze.Hold(options.gc_freeze)
         job.plan()
-    except BaseException:
-        hold.release()
+    except BaseException as exc:
+        if job.awaits_vote:  # the peers wait in the writing vote: tell them, then raise
+            job.note("writing", exc)
+            job.finish()
+        job.release()
         raise
     return job
 
@@ -349,7 +376,8 @@ def save(sharded_state_dict: dict, checkpoint_dir, *, process_group=None, option
     Every rank of ``process_group`` (default: all ranks, over a cached gloo group)
     calls it with its own shards. Returns once the checkpoint is published, or raises
     the same `CheckpointError` on every rank and leaves nothing a loader would take
-    for a checkpoint.
+    for a checkpoint (a rank interrupted by `KeyboardInterrupt` or `SystemExit` raises
+    that instead, once its writers have stopped and its peers were told).
     """
     return start(sharded_state_dict, checkpoint_dir, process_group=process_group, options=options,
                  content_metadata=content_metadata).finish()
@@ -361,9 +389,21 @@ def async_save(sharded_state_dict: dict, checkpoint_dir, *, process_group=None, 
 
     With a staging budget smaller than the device bytes, staging waits for earlier
     chunks to be written, so the return is later. Host tensors are written from their
-    own memory afterwards: modifying one in place before the handle finishes fails the
-    save with `SourceModifiedError` instead of committing torn data.
+    own memory afterwards; until the handle finishes, the caller must not change them.
+    What is detected (the save then fails with `SourceModifiedError` naming the key and
+    rank, and publishes nothing):
+    - an in-place operation on the saved tensor object itself (``w.add_(1)``), at any
+      time before its last chunk is written (the tensor's version counter moved);
+    - any change to a contiguous chunk's bytes, by whatever means (``w.data.fill_()``,
+      a numpy view, another process through shared memory), made while that chunk is
+      being written: its bytes are hashed before the write and again after it.
+    Not detected: a change through ``.data`` or a view that does not share the version
+    counter, made wholly before a chunk's write begins or after it ends (the checkpoint
+    then holds, for that tensor, a mix of values from before and after the change), and
+    changes to the few non-contiguous host chunks that are copied to the staging pool
+    before their write. Device-resident tensors are copied before `async_save` returns
+    and may change freely afterwards.
     """
     job = start(sharded_state_dict, checkpoint_dir, process_group=process_group, options=options,
-                content_metadata=content_metadata)
+                content_metadata=content_metadata, asynchronous=True)
     return SaveHandle(job, job.wait_staged())

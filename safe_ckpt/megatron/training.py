@@ -113,7 +113,7 @@ def save_state(state_dict: dict, save_dir: str, checkpoint_dir: str, tracker_val
             prune(save_dir, int(tracker_value), retention)  # only once the new one is current
 
     job = save_mod.start(state_dict, checkpoint_dir, process_group=process_group, options=options,
-                         content_metadata=content_metadata, post_commit=write_tracker)
+                         content_metadata=content_metadata, post_commit=write_tracker, asynchronous=async_save)
     if not async_save:
         return job.finish()
     handle = save_mod.SaveHandle(job, job.wait_staged())

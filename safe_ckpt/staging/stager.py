@@ -74,6 +74,11 @@ class StagedChunk:
             self._pending_copy = None
         return [host_memoryview(self._lease.tensor[:self.nbytes])]
 
+    @property
+    def from_source_memory(self) -> bool:
+        """The payload is read from the source's own memory, not from a copy."""
+        return self._lease is None
+
     def grid(self) -> memoryview | None:
         """The payload's grid sums as bytes (after `ready()`), or None where the host must hash it."""
         if self._sums_issued is not None:
