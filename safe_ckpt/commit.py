@@ -1,26 +1,57 @@
 """All-or-nothing publication of a checkpoint directory on a POSIX filesystem.
 
 One job: every save writes into a hidden staging directory beside the target; only
-after all ranks' files are durable is it published with one atomic rename (or an
-atomic exchange with an existing checkpoint), after which the parent directory is
-fsynced. The training-level tracker file is replaced atomically and written last.
-A killed or failed save leaves at most a hidden staging directory, recognisable by
-its name, that no loader mistakes for a checkpoint.
+after all ranks' files are durable, and each rank has checked that the staging directory
+is still its save's and holds every planned file at its planned size (`check_staged`),
+is it published with one atomic rename (or an atomic exchange with an existing
+checkpoint), after which the parent directory is fsynced. The training-level tracker
+file is replaced atomically and written last. A killed or failed save leaves at most
+hidden directories, recognisable by their names, that no loader mistakes for a checkpoint.
+
+Running saves are protected. The process that creates a staging directory holds it
+(`safe_ckpt.claim`): an owner record inside it (host, pid, save id) whose mtime is a
+heartbeat refreshed every 5 s, and an exclusive `flock` on the directory. `prepare` and
+`safe-ckpt gc` remove a staging directory only when its owner is stale:
+  - no process holds its `flock`, and
+  - it has no readable owner record, or the record names a process on this machine
+    (same hostname, boot id and pid namespace) that has exited, or the record's
+    heartbeat is older than `claim.STALE_AFTER_S` (60 s; the clocks of the hosts that
+    share the filesystem must agree to well within that).
+A new save of a target whose staging directory is live is refused (one save per target
+at a time). A staging directory removed anyway (by hand, or by a host that judged it
+stale) fails its save at the pre-publish check: nothing is published.
+
+Replacing an existing checkpoint: with `renameat2(RENAME_EXCHANGE)` it is one atomic
+swap. Where the filesystem lacks it (NFS, Lustre, ...) the old checkpoint is renamed
+aside to `.<name>.safe_ckpt-replaced-<save id>` and the new one renamed in; a crash
+between the two leaves the name empty. Recovery rule: the next `prepare` or `gc` that
+finds a `replaced` directory, no directory under the target name, and no live save of
+that save id, renames the old checkpoint back (the save that was publishing never
+reported success, so the name returns to what it held); the staged new one is then a
+stale leftover. A `replaced` directory is deleted only while the target name holds a
+complete checkpoint (or when it is not one itself): the only complete copy is never deleted.
+
+A target that is a symbolic link is refused (publishing renames, which would replace
+the link by a directory); save to the path it resolves to. Hidden names of long targets
+use a shortened, hashed form of the name, so any name the filesystem accepts can be saved.
 
 Must not: leave a half-written directory under the target name, or touch any
-directory other than the target and its own staging directory.
+directory other than the target and hidden directories named after it.
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno
+import hashlib
 import logging
 import os
+import re
 import shutil
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from .claim import OWNER_FILE, STALE_AFTER_S, Claim, Owner, liveness, read_owner
 from .errors import CommitError
 from .sinks.posix import fsync_path
 
@@ -33,6 +64,11 @@ LEFTOVER_MARKS = (STAGING_MARK, REPLACED_MARK, DELETING_MARK)
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
+_ID_CHARS = 16  # new_save_id()
+_NAME_MAX_BYTES = 255  # NAME_MAX of Linux filesystems
+# A base name longer than this would push its hidden siblings' names past NAME_MAX.
+_BASE_MAX_BYTES = _NAME_MAX_BYTES - 1 - max(len(m) for m in LEFTOVER_MARKS) - _ID_CHARS
+_HASHED = re.compile(r"~[0-9a-f]{16}$")
 
 
 @dataclass(frozen=True)
@@ -40,16 +76,31 @@ class StagingArea:
     final_dir: str
     staging_dir: str
     save_id: str
+    claim: Claim | None = field(default=None, compare=False, repr=False)
 
 
 def new_save_id() -> str:
-    return uuid.uuid4().hex[:16]
+    return uuid.uuid4().hex[:_ID_CHARS]
+
+
+def hidden_base(name: str) -> str:
+    """The part of a target's name its hidden siblings carry: the name itself, or for a name
+    too long for that, a prefix and a hash of the whole name."""
+    if len(os.fsencode(name)) <= _BASE_MAX_BYTES:
+        return name
+    prefix = name[:_BASE_MAX_BYTES - 17]
+    while len(os.fsencode(prefix)) > _BASE_MAX_BYTES - 17:
+        prefix = prefix[:-1]
+    return f"{prefix}~{hashlib.sha256(os.fsencode(name)).hexdigest()[:16]}"
+
+
+def _hidden(final_dir: str, mark: str, save_id: str) -> str:
+    parent, name = os.path.split(os.path.abspath(final_dir).rstrip(os.sep))
+    return os.path.join(parent, f".{hidden_base(name)}{mark}{save_id}")
 
 
 def staging_dir_for(final_dir: str, save_id: str) -> str:
-    final_dir = os.path.abspath(final_dir)
-    parent, name = os.path.split(final_dir.rstrip(os.sep))
-    return os.path.join(parent, f".{name}{STAGING_MARK}{save_id}")
+    return _hidden(final_dir, STAGING_MARK, save_id)
 
 
 def is_complete_checkpoint(path: str) -> bool:
@@ -59,6 +110,11 @@ def is_complete_checkpoint(path: str) -> bool:
 
 def check_target(final_dir: str, replace: str) -> None:
     """Refuse a target the replace policy does not allow (see `SaveOptions.replace`)."""
+    if os.path.islink(final_dir):
+        raise CommitError(
+            f"{final_dir} is a symbolic link (to {os.readlink(final_dir)}); publishing renames the checkpoint "
+            f"into place and would replace the link by a directory. Save to {os.path.realpath(final_dir)} instead"
+        )
     if os.path.exists(final_dir) and not os.path.isdir(final_dir):
         raise CommitError(f"{final_dir} exists and is not a directory")
     if not os.path.isdir(final_dir) or not os.listdir(final_dir) or replace == "any":
@@ -75,32 +131,164 @@ def check_target(final_dir: str, replace: str) -> None:
 def leftovers_of(final_dir: str) -> list[str]:
     """Staging / replaced / deleting directories an interrupted save of this target left behind."""
     parent, name = os.path.split(os.path.abspath(final_dir).rstrip(os.sep))
-    prefix = f".{name}.safe_ckpt-"
+    prefix = f".{hidden_base(name)}.safe_ckpt-"
     try:
-        return [os.path.join(parent, n) for n in os.listdir(parent) if n.startswith(prefix)]
+        return sorted(os.path.join(parent, n) for n in os.listdir(parent)
+                      if n.startswith(prefix) and any(n[len(prefix) - 11:].startswith(m) for m in LEFTOVER_MARKS))
     except FileNotFoundError:
         return []
 
 
+@dataclass(frozen=True)
+class Leftover:
+    path: str
+    mark: str
+    save_id: str
+    target: str | None  # the checkpoint's path, where it can be told
+
+
+def parse_leftover(path: str) -> Leftover | None:
+    """What a hidden directory named by safe_ckpt is; None for any other name."""
+    parent, name = os.path.split(path)
+    for mark in LEFTOVER_MARKS:
+        at = name.rfind(mark)
+        if name.startswith(".") and at > 1:
+            base, save_id = name[1:at], name[at + len(mark):]
+            return Leftover(path, mark, save_id, _target_of(parent, base, save_id))
+    return None
+
+
+def _target_of(parent: str, base: str, save_id: str) -> str | None:
+    if not _HASHED.search(base):
+        return os.path.join(parent, base)
+    owner = read_owner(os.path.join(parent, f".{base}{STAGING_MARK}{save_id}"))
+    if owner is not None:
+        return os.path.join(parent, os.path.basename(owner.target))
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return None
+    return next((os.path.join(parent, n) for n in names if not n.startswith(".") and hidden_base(n) == base), None)
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """What `sweep` did (or, with ``dry_run``, would do)."""
+
+    removed: list[str] = field(default_factory=list)
+    restored: list[str] = field(default_factory=list)  # target names given back their checkpoint
+    live: list[str] = field(default_factory=list)  # "path: why" of running saves' directories, left alone
+    kept: list[str] = field(default_factory=list)  # "path: why" of leftovers that may hold the only copy
+
+
+def sweep(paths: list[str], dry_run: bool = False, stale_after_s: float = STALE_AFTER_S) -> Sweep:
+    """Recover from and clear the leftovers at ``paths`` (see the module docstring for the rules)."""
+    out = Sweep()
+    found = [x for x in map(parse_leftover, paths) if x is not None]
+    order = {REPLACED_MARK: 0, STAGING_MARK: 1, DELETING_MARK: 2}
+    for item in sorted(found, key=lambda x: (order[x.mark], x.path)):
+        if not os.path.lexists(item.path):
+            continue
+        if item.mark == DELETING_MARK:
+            _remove(item.path, dry_run, out)
+            continue
+        parent, name = os.path.split(item.path)
+        staging = os.path.join(parent, name.replace(item.mark, STAGING_MARK, 1) if item.mark != STAGING_MARK else name)
+        state = liveness(staging, stale_after_s) if os.path.isdir(staging) else None
+        if state is not None and state.live:
+            out.live.append(f"{item.path}: {state.why}")
+        elif item.mark == STAGING_MARK:
+            _remove(item.path, dry_run, out)
+        elif item.target is None:
+            out.kept.append(f"{item.path}: cannot tell which checkpoint name it belongs to; rename it back by hand")
+        elif not os.path.lexists(item.target):
+            log.warning("safe_ckpt: %s restored from %s, which a save interrupted while replacing it left",
+                        item.target, item.path)
+            if not dry_run:
+                os.rename(item.path, item.target)
+                fsync_path(parent, directory=True)
+            out.restored.append(item.target)
+        elif is_complete_checkpoint(item.target) or not is_complete_checkpoint(item.path):
+            _remove(item.path, dry_run, out)
+        else:
+            out.kept.append(f"{item.path}: the only complete checkpoint of {item.target}, which holds an "
+                            "incomplete one; compare them and remove one by hand")
+    for line in out.kept:
+        log.warning("safe_ckpt: kept %s", line)
+    return out
+
+
+def _remove(path: str, dry_run: bool, out: Sweep) -> None:
+    if not dry_run:
+        log.info("safe_ckpt: removing %s left by an interrupted save", path)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        if os.path.lexists(path):
+            log.warning("safe_ckpt: could not remove %s", path)
+            return
+    out.removed.append(path)
+
+
 def prepare(final_dir: str, save_id: str, replace: str = "checkpoint") -> StagingArea:
-    """Create the staging directory (rank 0, before any rank writes); clear old leftovers."""
+    """Create and claim the staging directory (rank 0, before any rank writes). First restore
+    a checkpoint an interrupted replace left aside and clear stale leftovers; refuse while
+    another save of the same target is running."""
     final_dir = os.path.abspath(final_dir)
-    check_target(final_dir, replace)
     parent = os.path.dirname(final_dir)
     os.makedirs(parent, exist_ok=True)
-    for stale in leftovers_of(final_dir):  # one save per target at a time: older ones are dead
-        log.info("safe_ckpt: removing %s left by an interrupted save", stale)
-        shutil.rmtree(stale, ignore_errors=True)
+    swept = sweep(leftovers_of(final_dir))
+    check_target(final_dir, replace)
+    if swept.live:
+        raise CommitError(
+            f"another save of {final_dir} is running ({'; '.join(swept.live)}); one save per target at a time. "
+            f"If that save is dead, its directory is removed once its heartbeat is {STALE_AFTER_S:.0f} s old "
+            "(at once where its process ran on this machine and has exited)"
+        )
     staging = staging_dir_for(final_dir, save_id)
     os.mkdir(staging)
-    return StagingArea(final_dir, staging, save_id)
+    try:
+        claim = Claim(staging, Owner.here(save_id, final_dir))
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return StagingArea(final_dir, staging, save_id, claim)
+
+
+def check_staged(staging_dir: str, save_id: str, planned: dict[str, int]) -> None:
+    """Before the vote that leads to publishing, on every rank: the staging directory is still
+    the one this save created (its owner record names ``save_id``) and holds each file of
+    ``planned`` (relative path -> bytes) at exactly that size. Raises `CommitError` naming
+    the file; the save then fails on every rank and nothing is published."""
+    what = f"staging directory {staging_dir} of save {save_id}"
+    if not os.path.isdir(staging_dir):
+        raise CommitError(f"the {what} is gone: it was removed while the save was writing (by hand, or by "
+                          "a host that took it for a dead save's); nothing is published")
+    owner = read_owner(staging_dir)
+    if owner is None or owner.save_id != save_id:
+        found = "no owner record" if owner is None else f"the owner record of save {owner.save_id}"
+        raise CommitError(f"the {what} holds {found}: it was removed and made again while the save was "
+                          "writing; nothing is published")
+    for name, size_bytes in sorted(planned.items()):
+        try:
+            actual_bytes = os.stat(os.path.join(staging_dir, name)).st_size
+        except FileNotFoundError:
+            raise CommitError(f"{name} is missing from the {what}; nothing is published") from None
+        if actual_bytes != size_bytes:
+            raise CommitError(f"{name} in the {what} holds {actual_bytes} bytes, not the {size_bytes} "
+                              "written; nothing is published")
 
 
 def remove_checkpoint(path: str) -> None:
     """Delete a checkpoint so that no crash leaves a half-deleted one under its name:
     rename it to a hidden `...safe_ckpt-deleting-...` name first, then remove that."""
-    parent, name = os.path.split(os.path.abspath(path).rstrip(os.sep))
-    doomed = os.path.join(parent, f".{name}{DELETING_MARK}{new_save_id()}")
+    if os.path.islink(path):
+        raise CommitError(f"{path} is a symbolic link; not removing it or what it points to")
+    doomed = _hidden(path, DELETING_MARK, new_save_id())
     os.rename(path, doomed)
     shutil.rmtree(doomed, ignore_errors=True)
 
@@ -128,8 +316,18 @@ def _exchange(a: str, b: str) -> bool:
     raise OSError(err, f"renameat2(RENAME_EXCHANGE) of {a} and {b}: {os.strerror(err)}")
 
 
+def _check_still_ours(area: StagingArea) -> None:
+    owner = read_owner(area.staging_dir)
+    if owner is None or owner.save_id != area.save_id:
+        raise CommitError(f"the staging directory {area.staging_dir} of save {area.save_id} was removed or replaced "
+                          "before it could be published; nothing is published")
+
+
 def publish(area: StagingArea, fsync: bool = True) -> None:
     """Make the staged checkpoint visible under its final name, atomically."""
+    _check_still_ours(area)
+    if area.claim is not None:
+        area.claim.stop_heartbeat()
     if fsync:
         fsync_path(area.staging_dir, directory=True)
     parent = os.path.dirname(area.final_dir)
@@ -141,14 +339,26 @@ def publish(area: StagingArea, fsync: bool = True) -> None:
             fsync_path(parent, directory=True)
         shutil.rmtree(area.staging_dir, ignore_errors=True)
     else:
-        aside = os.path.join(parent, f".{os.path.basename(area.final_dir)}{REPLACED_MARK}{area.save_id}")
+        aside = _hidden(area.final_dir, REPLACED_MARK, area.save_id)
         os.rename(area.final_dir, aside)
-        os.rename(area.staging_dir, area.final_dir)
+        try:
+            os.rename(area.staging_dir, area.final_dir)
+        except BaseException:
+            os.rename(aside, area.final_dir)  # the name keeps what it held
+            raise
         if fsync:
             fsync_path(parent, directory=True)
         shutil.rmtree(aside, ignore_errors=True)
+    # The owner record travelled with the directory: it must not stay in the checkpoint.
+    _release(area, record_in=area.final_dir)
     if fsync:
+        fsync_path(area.final_dir, directory=True)
         fsync_path(parent, directory=True)
+
+
+def _release(area: StagingArea, record_in: str | None = None) -> None:
+    if area.claim is not None:
+        area.claim.release(record_in)
 
 
 def publish_into(area: StagingArea, last: str, fsync: bool = True) -> None:
@@ -158,19 +368,22 @@ def publish_into(area: StagingArea, last: str, fsync: bool = True) -> None:
     save calls a sharded strategy after writing `common.pt` itself): the loader keys on
     ``last`` (`.metadata`), so until it lands nothing of this save is visible as complete.
     """
+    _check_still_ours(area)
     os.makedirs(area.final_dir, exist_ok=True)
-    names = sorted(os.listdir(area.staging_dir))
+    names = sorted(n for n in os.listdir(area.staging_dir) if n != OWNER_FILE)
     for name in [n for n in names if n != last] + ([last] if last in names else []):
         if name == last and fsync:
             fsync_path(area.final_dir, directory=True)
         os.replace(os.path.join(area.staging_dir, name), os.path.join(area.final_dir, name))
     if fsync:
         fsync_path(area.final_dir, directory=True)
+    _release(area)
     os.rmdir(area.staging_dir)
 
 
 def abort(area: StagingArea) -> None:
-    """Remove the staging directory of a failed save (best effort)."""
+    """Remove the staging directory of a failed save (best effort) and give up its claim."""
+    _release(area)
     shutil.rmtree(area.staging_dir, ignore_errors=True)
 
 
