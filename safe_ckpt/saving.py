@@ -161,6 +161,8 @@ class _Job:
             object_payloads=local.object_payloads,
             whole_files={} if self.kv else local.whole_files,
         )
+        self.planned_bytes = {**{f.relative_path: f.size_bytes for f in self.layout.files},  # for check_staged
+                              **{name: len(data) for name, data in work.whole_files.items()}}
         payload = sum(i.length_bytes for i in self.layout.items)
         progress = Progress(payload, self.coord.rank, opts.progress_interval_s)
         self.writer = RankWriter(
@@ -201,6 +203,8 @@ class _Job:
             try:
                 self._prepare_commit()
                 stats = self.writer.join()
+                if not self.kv:  # the staging area is still this save's, with every planned file whole
+                    commit.check_staged(self.staging_dir, self.save_id, self.planned_bytes)
             except ItemWriteFailed as exc:
                 failure = failure_from_exception(rank, "writing", exc.cause, exc.key)
             except BaseException as exc:
