@@ -117,24 +117,28 @@ def _live_save_body(rank, world, root):
 
     seen = {}
 
-    def interfere(sink):  # from rank 1's process: rank 0's process owns the staging directory
+    def run_gc(sink):  # from rank 1's process: rank 0's process owns the staging directory
         seen["gc_removed"] = gc_tool.collect(root)
+        seen["staging_after_gc"] = os.path.isdir(sink.root)
+
+    def start_another_save(sink):
         try:
             area = commit.prepare(target, commit.new_save_id())
             seen["prepare"] = "allowed"
             commit.abort(area)
         except safe_ckpt.CommitError as exc:
             seen["prepare"] = str(exc)
-        seen["staging_still_there"] = os.path.isdir(sink.root)
+        seen["staging_after_prepare"] = os.path.isdir(sink.root)
 
-    hooked = (lambda d: _OnFirstWrite(d, interfere)) if rank == 1 else None
-    _attempt(record, "with_gc", _state(2, rank, world), target, _opts(sink_factory=hooked))
+    for name, seed, hook in (("with_gc", 2, run_gc), ("with_prepare", 3, start_another_save)):
+        hooked = (lambda d, hook=hook: _OnFirstWrite(d, hook)) if rank == 1 else None
+        _attempt(record, name, _state(seed, rank, world), target, _opts(sink_factory=hooked))
     record["seen"] = seen
 
     removed = (lambda d: _OnFirstWrite(d, lambda sink: shutil.rmtree(sink.root))) if rank == 1 else None
-    _attempt(record, "staging_removed", _state(3, rank, world), target, _opts(sink_factory=removed))
+    _attempt(record, "staging_removed", _state(4, rank, world), target, _opts(sink_factory=removed))
 
-    _attempt(record, "file_cut_short", _state(4, rank, world), target,
+    _attempt(record, "file_cut_short", _state(5, rank, world), target,
              _opts(sink_factory=_CutShort if rank == 1 else None))
     record["leftovers"] = _leftovers(root)
     return record
@@ -144,8 +148,9 @@ def test_a_live_save_is_protected_and_a_damaged_one_is_never_published(tmp_path)
     records = values(run_world(2, _live_save_body, (str(tmp_path),), timeout_s=300))
     seen = records[1]["seen"]
     # gc and a second save of the same target, from another process, leave the running save alone
-    assert [r["with_gc"] for r in records] == [None, None]
-    assert seen["staging_still_there"] and seen["gc_removed"] == []
+    assert [(r["with_gc"], r["with_prepare"]) for r in records] == [(None, None), (None, None)]
+    assert seen["staging_after_gc"] and seen["gc_removed"] == []
+    assert seen["staging_after_prepare"]
     assert "another save of" in seen["prepare"] and "is running" in seen["prepare"]
     # a staging directory removed anyway, or a staged file cut short: every rank fails, the
     # failing rank and the file are named, and the checkpoint published before is what loads
@@ -157,7 +162,7 @@ def test_a_live_save_is_protected_and_a_damaged_one_is_never_published(tmp_path)
     assert "gone" in records[0]["staging_removed"]["message"]
     cut = records[0]["file_cut_short"]["message"]
     assert "rank 1 [CommitError]" in cut and "__1_" in cut and "bytes, not the" in cut
-    assert _matches(tmp_path / "ck", 2, world=2)
+    assert _matches(tmp_path / "ck", 3, world=2)
     assert not os.path.exists(os.path.join(tmp_path, "ck", claim.OWNER_FILE))
     assert records[0]["leftovers"] == []
 
