@@ -21,7 +21,8 @@ A new save of a target whose staging directory is live is refused (one save per 
 at a time). A staging directory removed anyway (by hand, or by a host that judged it
 stale) fails its save at the pre-publish check: nothing is published.
 
-Replacing an existing checkpoint: with `renameat2(RENAME_EXCHANGE)` it is one atomic
+Replacing an existing checkpoint (`safe_ckpt.leftovers` applies the rules below): with
+`renameat2(RENAME_EXCHANGE)` it is one atomic
 swap. Where the filesystem lacks it (NFS, Lustre, ...) the old checkpoint is renamed
 aside to `.<name>.safe_ckpt-replaced-<save id>` and the new one renamed in; a crash
 between the two leaves the name empty. Recovery rule: the next `prepare` or `gc` that
@@ -43,32 +44,25 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import hashlib
 import logging
 import os
-import re
 import shutil
 import uuid
 from dataclasses import dataclass, field
 
-from .claim import OWNER_FILE, STALE_AFTER_S, Claim, Owner, liveness, read_owner
+from .claim import OWNER_FILE, STALE_AFTER_S, Claim, Owner, read_owner
 from .errors import CommitError
+from .leftovers import (  # noqa: F401 (the names callers know from here)
+    DELETING_MARK, ID_CHARS, LEFTOVER_MARKS, REPLACED_MARK, STAGING_MARK, Sweep, hidden_base, hidden_path,
+    is_complete_checkpoint, leftovers_of, staging_dir_for, sweep,
+)
 from .sinks.posix import fsync_path
 
 log = logging.getLogger(__name__)
 
-STAGING_MARK = ".safe_ckpt-staging-"
-REPLACED_MARK = ".safe_ckpt-replaced-"
-DELETING_MARK = ".safe_ckpt-deleting-"
-LEFTOVER_MARKS = (STAGING_MARK, REPLACED_MARK, DELETING_MARK)
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
-_ID_CHARS = 16  # new_save_id()
-_NAME_MAX_BYTES = 255  # NAME_MAX of Linux filesystems
-# A base name longer than this would push its hidden siblings' names past NAME_MAX.
-_BASE_MAX_BYTES = _NAME_MAX_BYTES - 1 - max(len(m) for m in LEFTOVER_MARKS) - _ID_CHARS
-_HASHED = re.compile(r"~[0-9a-f]{16}$")
 
 
 @dataclass(frozen=True)
@@ -80,32 +74,7 @@ class StagingArea:
 
 
 def new_save_id() -> str:
-    return uuid.uuid4().hex[:_ID_CHARS]
-
-
-def hidden_base(name: str) -> str:
-    """The part of a target's name its hidden siblings carry: the name itself, or for a name
-    too long for that, a prefix and a hash of the whole name."""
-    if len(os.fsencode(name)) <= _BASE_MAX_BYTES:
-        return name
-    prefix = name[:_BASE_MAX_BYTES - 17]
-    while len(os.fsencode(prefix)) > _BASE_MAX_BYTES - 17:
-        prefix = prefix[:-1]
-    return f"{prefix}~{hashlib.sha256(os.fsencode(name)).hexdigest()[:16]}"
-
-
-def _hidden(final_dir: str, mark: str, save_id: str) -> str:
-    parent, name = os.path.split(os.path.abspath(final_dir).rstrip(os.sep))
-    return os.path.join(parent, f".{hidden_base(name)}{mark}{save_id}")
-
-
-def staging_dir_for(final_dir: str, save_id: str) -> str:
-    return _hidden(final_dir, STAGING_MARK, save_id)
-
-
-def is_complete_checkpoint(path: str) -> bool:
-    """A published torch_dist checkpoint has both its index and its config."""
-    return os.path.isfile(os.path.join(path, ".metadata")) and os.path.isfile(os.path.join(path, "metadata.json"))
+    return uuid.uuid4().hex[:ID_CHARS]
 
 
 def check_target(final_dir: str, replace: str) -> None:
@@ -126,112 +95,6 @@ def check_target(final_dir: str, replace: str) -> None:
             f"{final_dir} holds files but no complete torch_dist checkpoint (foreign data or a broken save); "
             "refusing to replace it. Remove it, or pass SaveOptions(replace='any')"
         )
-
-
-def leftovers_of(final_dir: str) -> list[str]:
-    """Staging / replaced / deleting directories an interrupted save of this target left behind."""
-    parent, name = os.path.split(os.path.abspath(final_dir).rstrip(os.sep))
-    prefix = f".{hidden_base(name)}.safe_ckpt-"
-    try:
-        return sorted(os.path.join(parent, n) for n in os.listdir(parent)
-                      if n.startswith(prefix) and any(n[len(prefix) - 11:].startswith(m) for m in LEFTOVER_MARKS))
-    except FileNotFoundError:
-        return []
-
-
-@dataclass(frozen=True)
-class Leftover:
-    path: str
-    mark: str
-    save_id: str
-    target: str | None  # the checkpoint's path, where it can be told
-
-
-def parse_leftover(path: str) -> Leftover | None:
-    """What a hidden directory named by safe_ckpt is; None for any other name."""
-    parent, name = os.path.split(path)
-    for mark in LEFTOVER_MARKS:
-        at = name.rfind(mark)
-        if name.startswith(".") and at > 1:
-            base, save_id = name[1:at], name[at + len(mark):]
-            return Leftover(path, mark, save_id, _target_of(parent, base, save_id))
-    return None
-
-
-def _target_of(parent: str, base: str, save_id: str) -> str | None:
-    if not _HASHED.search(base):
-        return os.path.join(parent, base)
-    owner = read_owner(os.path.join(parent, f".{base}{STAGING_MARK}{save_id}"))
-    if owner is not None:
-        return os.path.join(parent, os.path.basename(owner.target))
-    try:
-        names = os.listdir(parent)
-    except OSError:
-        return None
-    return next((os.path.join(parent, n) for n in names if not n.startswith(".") and hidden_base(n) == base), None)
-
-
-@dataclass(frozen=True)
-class Sweep:
-    """What `sweep` did (or, with ``dry_run``, would do)."""
-
-    removed: list[str] = field(default_factory=list)
-    restored: list[str] = field(default_factory=list)  # target names given back their checkpoint
-    live: list[str] = field(default_factory=list)  # "path: why" of running saves' directories, left alone
-    kept: list[str] = field(default_factory=list)  # "path: why" of leftovers that may hold the only copy
-
-
-def sweep(paths: list[str], dry_run: bool = False, stale_after_s: float = STALE_AFTER_S) -> Sweep:
-    """Recover from and clear the leftovers at ``paths`` (see the module docstring for the rules)."""
-    out = Sweep()
-    found = [x for x in map(parse_leftover, paths) if x is not None]
-    order = {REPLACED_MARK: 0, STAGING_MARK: 1, DELETING_MARK: 2}
-    for item in sorted(found, key=lambda x: (order[x.mark], x.path)):
-        if not os.path.lexists(item.path):
-            continue
-        if item.mark == DELETING_MARK:
-            _remove(item.path, dry_run, out)
-            continue
-        parent, name = os.path.split(item.path)
-        staging = os.path.join(parent, name.replace(item.mark, STAGING_MARK, 1) if item.mark != STAGING_MARK else name)
-        state = liveness(staging, stale_after_s) if os.path.isdir(staging) else None
-        if state is not None and state.live:
-            out.live.append(f"{item.path}: {state.why}")
-        elif item.mark == STAGING_MARK:
-            _remove(item.path, dry_run, out)
-        elif item.target is None:
-            out.kept.append(f"{item.path}: cannot tell which checkpoint name it belongs to; rename it back by hand")
-        elif not os.path.lexists(item.target):
-            log.warning("safe_ckpt: %s restored from %s, which a save interrupted while replacing it left",
-                        item.target, item.path)
-            if not dry_run:
-                os.rename(item.path, item.target)
-                fsync_path(parent, directory=True)
-            out.restored.append(item.target)
-        elif is_complete_checkpoint(item.target) or not is_complete_checkpoint(item.path):
-            _remove(item.path, dry_run, out)
-        else:
-            out.kept.append(f"{item.path}: the only complete checkpoint of {item.target}, which holds an "
-                            "incomplete one; compare them and remove one by hand")
-    for line in out.kept:
-        log.warning("safe_ckpt: kept %s", line)
-    return out
-
-
-def _remove(path: str, dry_run: bool, out: Sweep) -> None:
-    if not dry_run:
-        log.info("safe_ckpt: removing %s left by an interrupted save", path)
-        if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
-        if os.path.lexists(path):
-            log.warning("safe_ckpt: could not remove %s", path)
-            return
-    out.removed.append(path)
 
 
 def prepare(final_dir: str, save_id: str, replace: str = "checkpoint") -> StagingArea:
@@ -288,7 +151,7 @@ def remove_checkpoint(path: str) -> None:
     rename it to a hidden `...safe_ckpt-deleting-...` name first, then remove that."""
     if os.path.islink(path):
         raise CommitError(f"{path} is a symbolic link; not removing it or what it points to")
-    doomed = _hidden(path, DELETING_MARK, new_save_id())
+    doomed = hidden_path(path, DELETING_MARK, new_save_id())
     os.rename(path, doomed)
     shutil.rmtree(doomed, ignore_errors=True)
 
@@ -339,7 +202,7 @@ def publish(area: StagingArea, fsync: bool = True) -> None:
             fsync_path(parent, directory=True)
         shutil.rmtree(area.staging_dir, ignore_errors=True)
     else:
-        aside = _hidden(area.final_dir, REPLACED_MARK, area.save_id)
+        aside = hidden_path(area.final_dir, REPLACED_MARK, area.save_id)
         os.rename(area.final_dir, aside)
         try:
             os.rename(area.staging_dir, area.final_dir)

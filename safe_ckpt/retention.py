@@ -21,7 +21,8 @@ import os
 import re
 from dataclasses import dataclass, field
 
-from .commit import is_complete_checkpoint, remove_checkpoint
+from .commit import remove_checkpoint
+from .leftovers import is_complete_checkpoint
 from .errors import CommitError
 
 log = logging.getLogger("safe_ckpt")

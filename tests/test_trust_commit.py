@@ -340,7 +340,7 @@ def test_a_target_name_of_240_characters_saves_replaces_and_recovers(tmp_path, m
     assert _matches(target, 2) and _leftovers(tmp_path) == []
     # a replace killed between its renames: the name is empty, the old checkpoint aside and the
     # new one staged, whose owner record (its process gone) is all that names the target
-    aside = commit._hidden(str(target), commit.REPLACED_MARK, "0" * 16)
+    aside = commit.hidden_path(str(target), commit.REPLACED_MARK, "0" * 16)
     staged = commit.staging_dir_for(str(target), "0" * 16)
     assert max(len(os.path.basename(aside)), len(os.path.basename(staged))) <= 255
     os.rename(target, aside)

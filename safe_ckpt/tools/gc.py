@@ -15,7 +15,8 @@ import logging
 import os
 
 from ..claim import OWNER_FILE, STALE_AFTER_S, liveness
-from ..commit import LEFTOVER_MARKS, STAGING_MARK, TRACKER_FILE, sweep
+from ..commit import TRACKER_FILE
+from ..leftovers import LEFTOVER_MARKS, STAGING_MARK, sweep
 
 log = logging.getLogger("safe_ckpt")
 
