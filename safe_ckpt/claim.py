@@ -18,6 +18,7 @@ import os
 import socket
 import threading
 import time
+import weakref
 from dataclasses import asdict, dataclass
 
 log = logging.getLogger(__name__)
@@ -27,6 +28,9 @@ HEARTBEAT_S = 5.0  # how often a running save touches its owner record
 STALE_AFTER_S = 60.0  # an owner record untouched this long belongs to a dead save
 # errnos of a filesystem that has no advisory locks: the owner record alone decides
 _NO_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL, errno.ENOSYS}
+# save id -> this process's unreleased claims: a record naming this process is live only if
+# listed (a failed save that never released its claim must not block the next one)
+_held: "weakref.WeakValueDictionary[str, Claim]" = weakref.WeakValueDictionary()
 
 
 def _read(path: str) -> str:
@@ -111,9 +115,14 @@ class Liveness:
 
 def liveness(staging_dir: str, stale_after_s: float = STALE_AFTER_S, now: float | None = None) -> Liveness:
     """Whether the save that created ``staging_dir`` may still be running (see `commit`)."""
+    owner = read_owner(staging_dir)
+    if owner is not None and owner.pid == os.getpid() and owner.on_this_machine():
+        mine = _held.get(owner.save_id)
+        if mine is not None and mine.held:
+            return Liveness(True, f"save {owner.save_id} of this process is running")
+        return Liveness(False, f"save {owner.save_id} of this process is over")
     if _locked(staging_dir):
         return Liveness(True, "locked by the process saving into it")
-    owner = read_owner(staging_dir)
     try:
         age_s = (time.time() if now is None else now) - os.stat(os.path.join(staging_dir, OWNER_FILE)).st_mtime
     except OSError:
@@ -139,29 +148,26 @@ class Claim:
         self._stop = threading.Event()
         self._fd = os.open(staging_dir, os.O_RDONLY | os.O_DIRECTORY)
         try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            if exc.errno not in _NO_LOCKS:
-                os.close(self._fd)
-                raise
-        try:
+            try:
+                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as exc:
+                if exc.errno not in _NO_LOCKS:
+                    raise
             fd = os.open(self.record, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
             with os.fdopen(fd, "w") as f:
                 json.dump(asdict(owner), f)
         except BaseException:
-            os.close(self._fd)
+            self._close()
             raise
-        self._thread = threading.Thread(target=self._beat, args=(heartbeat_s,), daemon=True,
-                                        name=f"safe_ckpt-heartbeat-{owner.save_id}")
+        _held[owner.save_id] = self
+        # The thread holds the claim weakly: a failed save that drops its claim unreleased stops it.
+        self._thread = threading.Thread(target=_beat, args=(weakref.ref(self), self._stop, self.record, heartbeat_s),
+                                        daemon=True, name=f"safe_ckpt-heartbeat-{owner.save_id}")
         self._thread.start()
 
-    def _beat(self, heartbeat_s: float) -> None:
-        while not self._stop.wait(heartbeat_s):
-            try:
-                os.utime(self.record)
-            except OSError as exc:  # the directory was taken away: the pre-publish check says so
-                log.warning("safe_ckpt: cannot refresh %s (%s)", self.record, exc)
-                return
+    @property
+    def held(self) -> bool:
+        return self._fd >= 0
 
     def stop_heartbeat(self) -> None:
         self._stop.set()
@@ -176,6 +182,23 @@ class Claim:
             os.unlink(os.path.join(record_in, OWNER_FILE) if record_in else self.record)
         except FileNotFoundError:
             pass
+        self._close()
+
+    def _close(self) -> None:
         if self._fd >= 0:
             fd, self._fd = self._fd, -1
             os.close(fd)
+
+    def __del__(self) -> None:  # dropped unreleased: let the lock go; the record then reads as over
+        if hasattr(self, "_fd"):
+            self._stop.set()
+            self._close()
+
+
+def _beat(claim_ref, stop: threading.Event, record: str, heartbeat_s: float) -> None:
+    while not stop.wait(heartbeat_s) and claim_ref() is not None:
+        try:
+            os.utime(record)
+        except OSError as exc:  # the directory was taken away: the pre-publish check says so
+            log.warning("safe_ckpt: cannot refresh %s (%s)", record, exc)
+            return

@@ -12,6 +12,8 @@ Running saves are protected. The process that creates a staging directory holds 
 (`safe_ckpt.claim`): an owner record inside it (host, pid, save id) whose mtime is a
 heartbeat refreshed every 5 s, and an exclusive `flock` on the directory. `prepare` and
 `safe-ckpt gc` remove a staging directory only when its owner is stale:
+  - the record names this very process and none of its running saves (a failed save
+    that dropped its claim unreleased does not block the next one), or
   - no process holds its `flock`, and
   - it has no readable owner record, or the record names a process on this machine
     (same hostname, boot id and pid namespace) that has exited, or the record's

@@ -175,6 +175,19 @@ def test_the_owner_record_and_heartbeat_end_with_the_save(tmp_path):
     assert _leftovers(tmp_path) == []
 
 
+def test_a_claim_this_process_dropped_unreleased_does_not_block_the_next_save(tmp_path):
+    import gc
+
+    target = tmp_path / "ck"
+    area = commit.prepare(str(target), commit.new_save_id())  # a failed save that never aborted
+    with pytest.raises(safe_ckpt.CommitError, match="another save of"):
+        commit.prepare(str(target), commit.new_save_id())  # while it is still held
+    del area
+    gc.collect()
+    safe_ckpt.save(_state(6), str(target), options=_opts())
+    assert _matches(target, 6) and _leftovers(tmp_path) == []
+
+
 def test_the_posix_sink_does_not_make_a_removed_root_again(tmp_path):
     root = tmp_path / "staging"
     root.mkdir()
@@ -215,11 +228,12 @@ def test_gc_and_prepare_remove_only_stale_staging_directories(tmp_path):
                                   age_s=claim.STALE_AFTER_S + 30)
     no_record = _fake_staging(tmp_path, "ck", None)
     live_elsewhere = _fake_staging(tmp_path, "ck", elsewhere)
-    live_here = _fake_staging(tmp_path, "ck", here)  # this process: running, though it holds no lock
+    # a running process of this machine (the one that started this test), though it holds no lock
+    live_here = _fake_staging(tmp_path, "ck", claim.Owner(**{**here.__dict__, "pid": os.getppid()}))
 
     with pytest.raises(safe_ckpt.CommitError, match="another save of .* is running") as info:
         commit.prepare(str(tmp_path / "ck"), commit.new_save_id())
-    assert "another-host" in str(info.value) and f"process {os.getpid()}" in str(info.value)
+    assert "another-host" in str(info.value) and f"process {os.getppid()}" in str(info.value)
     assert not any(os.path.exists(p) for p in (dead_here, old_elsewhere, no_record))
     assert os.path.isdir(live_elsewhere) and os.path.isdir(live_here)
 
