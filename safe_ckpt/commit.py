@@ -1,14 +1,45 @@
 """All-or-nothing publication of a checkpoint directory on a POSIX filesystem.
 
 One job: every save writes into a hidden staging directory beside the target; only
-after all ranks' files are durable is it published with one atomic rename (or an
-atomic exchange with an existing checkpoint), after which the parent directory is
-fsynced. The training-level tracker file is replaced atomically and written last.
-A killed or failed save leaves at most a hidden staging directory, recognisable by
-its name, that no loader mistakes for a checkpoint.
+after all ranks' files are durable, and each rank has checked that the staging directory
+is still its save's and holds every planned file at its planned size (`check_staged`),
+is it published with one atomic rename (or an atomic exchange with an existing
+checkpoint), after which the parent directory is fsynced. The training-level tracker
+file is replaced atomically and written last. A killed or failed save leaves at most
+hidden directories, recognisable by their names, that no loader mistakes for a checkpoint.
+
+Running saves are protected. The process that creates a staging directory holds it
+(`safe_ckpt.claim`): an owner record inside it (host, pid, save id) whose mtime is a
+heartbeat refreshed every 5 s, and an exclusive `flock` on the directory. `prepare` and
+`safe-ckpt gc` remove a staging directory only when its owner is stale:
+  - the record names this very process and none of its running saves (a failed save
+    that dropped its claim unreleased does not block the next one), or
+  - no process holds its `flock`, and
+  - it has no readable owner record, or the record names a process on this machine
+    (same hostname, boot id and pid namespace) that has exited, or the record's
+    heartbeat is older than `claim.STALE_AFTER_S` (60 s; the clocks of the hosts that
+    share the filesystem must agree to well within that).
+A new save of a target whose staging directory is live is refused (one save per target
+at a time). A staging directory removed anyway (by hand, or by a host that judged it
+stale) fails its save at the pre-publish check: nothing is published.
+
+Replacing an existing checkpoint (`safe_ckpt.leftovers` applies the rules below): with
+`renameat2(RENAME_EXCHANGE)` it is one atomic
+swap. Where the filesystem lacks it (NFS, Lustre, ...) the old checkpoint is renamed
+aside to `.<name>.safe_ckpt-replaced-<save id>` and the new one renamed in; a crash
+between the two leaves the name empty. Recovery rule: the next `prepare` or `gc` that
+finds a `replaced` directory, no directory under the target name, and no live save of
+that save id, renames the old checkpoint back (the save that was publishing never
+reported success, so the name returns to what it held); the staged new one is then a
+stale leftover. A `replaced` directory is deleted only while the target name holds a
+complete checkpoint (or when it is not one itself): the only complete copy is never deleted.
+
+A target that is a symbolic link is refused (publishing renames, which would replace
+the link by a directory); save to the path it resolves to. Hidden names of long targets
+use a shortened, hashed form of the name, so any name the filesystem accepts can be saved.
 
 Must not: leave a half-written directory under the target name, or touch any
-directory other than the target and its own staging directory.
+directory other than the target and hidden directories named after it.
 """
 
 from __future__ import annotations
@@ -19,17 +50,18 @@ import logging
 import os
 import shutil
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from .claim import OWNER_FILE, STALE_AFTER_S, Claim, Owner, read_owner
 from .errors import CommitError
+from .leftovers import (  # noqa: F401 (the names callers know from here)
+    DELETING_MARK, ID_CHARS, LEFTOVER_MARKS, REPLACED_MARK, STAGING_MARK, Sweep, hidden_base, hidden_path,
+    is_complete_checkpoint, leftovers_of, staging_dir_for, sweep,
+)
 from .sinks.posix import fsync_path
 
 log = logging.getLogger(__name__)
 
-STAGING_MARK = ".safe_ckpt-staging-"
-REPLACED_MARK = ".safe_ckpt-replaced-"
-DELETING_MARK = ".safe_ckpt-deleting-"
-LEFTOVER_MARKS = (STAGING_MARK, REPLACED_MARK, DELETING_MARK)
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
@@ -40,25 +72,20 @@ class StagingArea:
     final_dir: str
     staging_dir: str
     save_id: str
+    claim: Claim | None = field(default=None, compare=False, repr=False)
 
 
 def new_save_id() -> str:
-    return uuid.uuid4().hex[:16]
-
-
-def staging_dir_for(final_dir: str, save_id: str) -> str:
-    final_dir = os.path.abspath(final_dir)
-    parent, name = os.path.split(final_dir.rstrip(os.sep))
-    return os.path.join(parent, f".{name}{STAGING_MARK}{save_id}")
-
-
-def is_complete_checkpoint(path: str) -> bool:
-    """A published torch_dist checkpoint has both its index and its config."""
-    return os.path.isfile(os.path.join(path, ".metadata")) and os.path.isfile(os.path.join(path, "metadata.json"))
+    return uuid.uuid4().hex[:ID_CHARS]
 
 
 def check_target(final_dir: str, replace: str) -> None:
     """Refuse a target the replace policy does not allow (see `SaveOptions.replace`)."""
+    if os.path.islink(final_dir):
+        raise CommitError(
+            f"{final_dir} is a symbolic link (to {os.readlink(final_dir)}); publishing renames the checkpoint "
+            f"into place and would replace the link by a directory. Save to {os.path.realpath(final_dir)} instead"
+        )
     if os.path.exists(final_dir) and not os.path.isdir(final_dir):
         raise CommitError(f"{final_dir} exists and is not a directory")
     if not os.path.isdir(final_dir) or not os.listdir(final_dir) or replace == "any":
@@ -72,35 +99,61 @@ def check_target(final_dir: str, replace: str) -> None:
         )
 
 
-def leftovers_of(final_dir: str) -> list[str]:
-    """Staging / replaced / deleting directories an interrupted save of this target left behind."""
-    parent, name = os.path.split(os.path.abspath(final_dir).rstrip(os.sep))
-    prefix = f".{name}.safe_ckpt-"
-    try:
-        return [os.path.join(parent, n) for n in os.listdir(parent) if n.startswith(prefix)]
-    except FileNotFoundError:
-        return []
-
-
 def prepare(final_dir: str, save_id: str, replace: str = "checkpoint") -> StagingArea:
-    """Create the staging directory (rank 0, before any rank writes); clear old leftovers."""
+    """Create and claim the staging directory (rank 0, before any rank writes). First restore
+    a checkpoint an interrupted replace left aside and clear stale leftovers; refuse while
+    another save of the same target is running."""
     final_dir = os.path.abspath(final_dir)
-    check_target(final_dir, replace)
     parent = os.path.dirname(final_dir)
     os.makedirs(parent, exist_ok=True)
-    for stale in leftovers_of(final_dir):  # one save per target at a time: older ones are dead
-        log.info("safe_ckpt: removing %s left by an interrupted save", stale)
-        shutil.rmtree(stale, ignore_errors=True)
+    swept = sweep(leftovers_of(final_dir))
+    check_target(final_dir, replace)
+    if swept.live:
+        raise CommitError(
+            f"another save of {final_dir} is running ({'; '.join(swept.live)}); one save per target at a time. "
+            f"If that save is dead, its directory is removed once its heartbeat is {STALE_AFTER_S:.0f} s old "
+            "(at once where its process ran on this machine and has exited)"
+        )
     staging = staging_dir_for(final_dir, save_id)
     os.mkdir(staging)
-    return StagingArea(final_dir, staging, save_id)
+    try:
+        claim = Claim(staging, Owner.here(save_id, final_dir))
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return StagingArea(final_dir, staging, save_id, claim)
+
+
+def check_staged(staging_dir: str, save_id: str, planned: dict[str, int]) -> None:
+    """Before the vote that leads to publishing, on every rank: the staging directory is still
+    the one this save created (its owner record names ``save_id``) and holds each file of
+    ``planned`` (relative path -> bytes) at exactly that size. Raises `CommitError` naming
+    the file; the save then fails on every rank and nothing is published."""
+    what = f"staging directory {staging_dir} of save {save_id}"
+    if not os.path.isdir(staging_dir):
+        raise CommitError(f"the {what} is gone: it was removed while the save was writing (by hand, or by "
+                          "a host that took it for a dead save's); nothing is published")
+    owner = read_owner(staging_dir)
+    if owner is None or owner.save_id != save_id:
+        found = "no owner record" if owner is None else f"the owner record of save {owner.save_id}"
+        raise CommitError(f"the {what} holds {found}: it was removed and made again while the save was "
+                          "writing; nothing is published")
+    for name, size_bytes in sorted(planned.items()):
+        try:
+            actual_bytes = os.stat(os.path.join(staging_dir, name)).st_size
+        except FileNotFoundError:
+            raise CommitError(f"{name} is missing from the {what}; nothing is published") from None
+        if actual_bytes != size_bytes:
+            raise CommitError(f"{name} in the {what} holds {actual_bytes} bytes, not the {size_bytes} "
+                              "written; nothing is published")
 
 
 def remove_checkpoint(path: str) -> None:
     """Delete a checkpoint so that no crash leaves a half-deleted one under its name:
     rename it to a hidden `...safe_ckpt-deleting-...` name first, then remove that."""
-    parent, name = os.path.split(os.path.abspath(path).rstrip(os.sep))
-    doomed = os.path.join(parent, f".{name}{DELETING_MARK}{new_save_id()}")
+    if os.path.islink(path):
+        raise CommitError(f"{path} is a symbolic link; not removing it or what it points to")
+    doomed = hidden_path(path, DELETING_MARK, new_save_id())
     os.rename(path, doomed)
     shutil.rmtree(doomed, ignore_errors=True)
 
@@ -128,8 +181,18 @@ def _exchange(a: str, b: str) -> bool:
     raise OSError(err, f"renameat2(RENAME_EXCHANGE) of {a} and {b}: {os.strerror(err)}")
 
 
+def _check_still_ours(area: StagingArea) -> None:
+    owner = read_owner(area.staging_dir)
+    if owner is None or owner.save_id != area.save_id:
+        raise CommitError(f"the staging directory {area.staging_dir} of save {area.save_id} was removed or replaced "
+                          "before it could be published; nothing is published")
+
+
 def publish(area: StagingArea, fsync: bool = True) -> None:
     """Make the staged checkpoint visible under its final name, atomically."""
+    _check_still_ours(area)
+    if area.claim is not None:
+        area.claim.stop_heartbeat()
     if fsync:
         fsync_path(area.staging_dir, directory=True)
     parent = os.path.dirname(area.final_dir)
@@ -141,14 +204,26 @@ def publish(area: StagingArea, fsync: bool = True) -> None:
             fsync_path(parent, directory=True)
         shutil.rmtree(area.staging_dir, ignore_errors=True)
     else:
-        aside = os.path.join(parent, f".{os.path.basename(area.final_dir)}{REPLACED_MARK}{area.save_id}")
+        aside = hidden_path(area.final_dir, REPLACED_MARK, area.save_id)
         os.rename(area.final_dir, aside)
-        os.rename(area.staging_dir, area.final_dir)
+        try:
+            os.rename(area.staging_dir, area.final_dir)
+        except BaseException:
+            os.rename(aside, area.final_dir)  # the name keeps what it held
+            raise
         if fsync:
             fsync_path(parent, directory=True)
         shutil.rmtree(aside, ignore_errors=True)
+    # The owner record travelled with the directory: it must not stay in the checkpoint.
+    _release(area, record_in=area.final_dir)
     if fsync:
+        fsync_path(area.final_dir, directory=True)
         fsync_path(parent, directory=True)
+
+
+def _release(area: StagingArea, record_in: str | None = None) -> None:
+    if area.claim is not None:
+        area.claim.release(record_in)
 
 
 def publish_into(area: StagingArea, last: str, fsync: bool = True) -> None:
@@ -158,19 +233,22 @@ def publish_into(area: StagingArea, last: str, fsync: bool = True) -> None:
     save calls a sharded strategy after writing `common.pt` itself): the loader keys on
     ``last`` (`.metadata`), so until it lands nothing of this save is visible as complete.
     """
+    _check_still_ours(area)
     os.makedirs(area.final_dir, exist_ok=True)
-    names = sorted(os.listdir(area.staging_dir))
+    names = sorted(n for n in os.listdir(area.staging_dir) if n != OWNER_FILE)
     for name in [n for n in names if n != last] + ([last] if last in names else []):
         if name == last and fsync:
             fsync_path(area.final_dir, directory=True)
         os.replace(os.path.join(area.staging_dir, name), os.path.join(area.final_dir, name))
     if fsync:
         fsync_path(area.final_dir, directory=True)
+    _release(area)
     os.rmdir(area.staging_dir)
 
 
 def abort(area: StagingArea) -> None:
-    """Remove the staging directory of a failed save (best effort)."""
+    """Remove the staging directory of a failed save (best effort) and give up its claim."""
+    _release(area)
     shutil.rmtree(area.staging_dir, ignore_errors=True)
 
 

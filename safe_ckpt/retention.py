@@ -1,11 +1,17 @@
 """Retention of iteration directories for the Megatron entry point.
 
 One job: after a new checkpoint is committed (and the tracker points at it), decide
-which older `iter_XXXXXXX` directories to keep (the last N, every K-th, the current
-one and the one the tracker names) and remove the rest, each through a hidden rename
-so that a crash never leaves a half-deleted directory under an iteration's name. Runs
-on one rank only, so it is safe on a filesystem the ranks share.
-Must not: touch anything before the commit, or anything that is not an iteration dir.
+which older `iter_XXXXXXX` directories to keep and remove the rest, each through a
+hidden rename so that a crash never leaves a half-deleted directory under an
+iteration's name. Runs on one rank only, so it is safe on a filesystem the ranks share.
+
+The rules: only complete checkpoints (`.metadata` and `metadata.json`) are candidates
+for removal, anything else is somebody's data. Iterations newer than the current one
+(left by an abandoned run that a resumed one is overwriting) are not counted toward
+`keep_last` and are removed only with `Retention(remove_newer=True)`; without it they
+are reported. The current checkpoint and the one the run resumed from are never
+removed. Symbolic links are reported and left alone.
+Must not: touch anything before the commit, or anything that is not a complete iteration dir.
 """
 
 from __future__ import annotations
@@ -13,9 +19,11 @@ from __future__ import annotations
 import logging
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .commit import remove_checkpoint
+from .leftovers import is_complete_checkpoint
+from .errors import CommitError
 
 log = logging.getLogger("safe_ckpt")
 _ITER = re.compile(r"^iter_(\d{7,})$")
@@ -23,46 +31,78 @@ _ITER = re.compile(r"^iter_(\d{7,})$")
 
 @dataclass(frozen=True)
 class Retention:
-    keep_last: int | None = None  # the newest N iterations
+    keep_last: int | None = None  # the newest N iterations up to the current one
     keep_every: int | None = None  # plus every iteration divisible by K
+    remove_newer: bool = False  # remove complete iterations newer than the current one too
 
     @property
     def active(self) -> bool:
         return bool(self.keep_last) or bool(self.keep_every)
 
 
-def iterations(save_dir: str) -> dict[int, str]:
-    out = {}
+@dataclass(frozen=True)
+class Found:
+    """The iteration directories of a save directory, by kind."""
+
+    complete: dict[int, str] = field(default_factory=dict)
+    incomplete: dict[int, str] = field(default_factory=dict)
+    links: dict[int, str] = field(default_factory=dict)
+
+
+def survey(save_dir: str) -> Found:
+    found = Found()
     for name in os.listdir(save_dir):
         m = _ITER.match(name)
-        if m and os.path.isdir(os.path.join(save_dir, name)):
-            out[int(m.group(1))] = os.path.join(save_dir, name)
-    return out
+        path = os.path.join(save_dir, name)
+        if not m:
+            continue
+        if os.path.islink(path):
+            found.links[int(m.group(1))] = path
+        elif os.path.isdir(path):
+            (found.complete if is_complete_checkpoint(path) else found.incomplete)[int(m.group(1))] = path
+    return found
 
 
-def to_remove(found: list[int], current: int, policy: Retention) -> list[int]:
+def iterations(save_dir: str) -> dict[int, str]:
+    """The complete checkpoints of ``save_dir`` (real directories) by iteration."""
+    return survey(save_dir).complete
+
+
+def to_remove(found: list[int], current: int, policy: Retention, resumed_from: int | None = None) -> list[int]:
+    """Which of the complete checkpoints ``found`` the policy removes."""
     if not policy.active:
         return []
-    keep = {current}
+    older = sorted(i for i in found if i <= current)
+    keep = {current} | ({resumed_from} if resumed_from is not None else set())
     if policy.keep_last:
-        keep.update(sorted(found)[-policy.keep_last:])
+        keep.update(older[-policy.keep_last:])
     if policy.keep_every:
         keep.update(i for i in found if i % policy.keep_every == 0)
-    if not policy.keep_last:
-        keep.update(i for i in found if i > current)  # only keep_every: never touch newer ones
+    if not policy.remove_newer:
+        keep.update(i for i in found if i > current)
     return sorted(i for i in found if i not in keep)
 
 
-def prune(save_dir: str, current: int, policy: Retention) -> list[int]:
+def prune(save_dir: str, current: int, policy: Retention, resumed_from: int | None = None) -> list[int]:
     """Remove what `policy` does not keep; returns the removed iterations (failures are logged)."""
-    found = iterations(save_dir)
+    found = survey(save_dir)
+    newer = sorted(i for i in found.complete if i > current)
+    if newer and policy.active:
+        log.warning("safe_ckpt: iterations %s are newer than the current %d (left by an earlier run?); retention "
+                    "%s", newer, current, "removes them" if policy.remove_newer else
+                    "keeps them and does not count them (Retention(remove_newer=True) would remove them)")
+    if found.links and policy.active:
+        log.info("safe_ckpt: retention leaves symbolic links alone: %s", sorted(found.links.values()))
+    if found.incomplete and policy.active:
+        log.info("safe_ckpt: retention leaves directories that hold no complete checkpoint alone: %s",
+                 sorted(found.incomplete.values()))
     removed = []
-    for it in to_remove(list(found), current, policy):
+    for it in to_remove(list(found.complete), current, policy, resumed_from):
         try:
-            remove_checkpoint(found[it])
+            remove_checkpoint(found.complete[it])
             removed.append(it)
-        except OSError as exc:
-            log.warning("safe_ckpt: could not remove old checkpoint %s: %s", found[it], exc)
+        except (OSError, CommitError) as exc:
+            log.warning("safe_ckpt: could not remove old checkpoint %s: %s", found.complete[it], exc)
     if removed:
         log.info("safe_ckpt: retention removed iterations %s", removed)
     return removed

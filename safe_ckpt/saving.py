@@ -162,6 +162,8 @@ class _Job:
             object_payloads=local.object_payloads,
             whole_files={} if self.kv else local.whole_files,
         )
+        self.planned_bytes = {**{f.relative_path: f.size_bytes for f in self.layout.files},  # for check_staged
+                              **{name: len(data) for name, data in work.whole_files.items()}}
         payload = sum(i.length_bytes for i in self.layout.items)
         progress = Progress(payload, self.coord.rank, opts.progress_interval_s)
         writer = RankWriter(
@@ -214,12 +216,18 @@ class _Job:
         while True:
             try:
                 stats = self.writer.join()
-                return stats if self.ballot.failure is None else None
             except ItemWriteFailed as exc:
                 self.note("writing", exc.cause, exc.key)
                 return None
             except BaseException as exc:  # an interrupt while waiting: the writers stop, then join again
                 self.note("writing", exc)
+                continue
+            if self.ballot.failure is None and not self.kv:
+                try:  # the staging area is still this save's, with every planned file whole
+                    commit.check_staged(self.staging_dir, self.save_id, self.planned_bytes)
+                except Exception as exc:
+                    self.note("writing", exc)
+            return stats if self.ballot.failure is None else None
 
     def _finish(self, stall_s: float | None) -> SaveResult:
         rank = self.coord.rank

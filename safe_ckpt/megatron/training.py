@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
 import threading
 
 from .. import commit, compat
@@ -48,6 +49,9 @@ REFUSED_SHARDING_TYPES = {
 
 _pending_lock = threading.Lock()
 _pending: list = []
+# save directory -> the iteration its tracker named before this process's first save there:
+# the checkpoint the run resumed from, which retention never removes
+_resumed_from: dict = {}
 
 
 def options_from_args(args) -> SaveOptions:
@@ -89,6 +93,20 @@ def retention_from_args(args) -> Retention:
     return Retention(keep_last=keep_last, keep_every=keep_every)
 
 
+def resumed_from(save_dir: str) -> int | None:
+    """The iteration the tracker in ``save_dir`` named before this process first saved there."""
+    key = os.path.abspath(save_dir)
+    with _pending_lock:
+        if key not in _resumed_from:
+            try:
+                with open(os.path.join(key, commit.TRACKER_FILE)) as f:
+                    value = f.read().strip()
+            except OSError:
+                value = ""
+            _resumed_from[key] = int(value) if value.isdigit() else None
+        return _resumed_from[key]
+
+
 def save_state(state_dict: dict, save_dir: str, checkpoint_dir: str, tracker_value: str, *,
                content_metadata: dict | None = None, options: SaveOptions | None = None,
                async_save: bool = False, process_group=None, retention: Retention | None = None):
@@ -100,6 +118,7 @@ def save_state(state_dict: dict, save_dir: str, checkpoint_dir: str, tracker_val
     background (tracker and retention included); `finalize_async_saves()` waits for it.
     """
     options = options or SaveOptions()
+    resumed = resumed_from(save_dir)  # read before this save moves the tracker
 
     def write_tracker(coord) -> None:
         failure = None
@@ -110,7 +129,7 @@ def save_state(state_dict: dict, save_dir: str, checkpoint_dir: str, tracker_val
                 failure = failure_from_exception(0, "tracker", exc)
         coord.vote("tracker", failure)
         if coord.rank == 0 and retention is not None and tracker_value.isdigit():
-            prune(save_dir, int(tracker_value), retention)  # only once the new one is current
+            prune(save_dir, int(tracker_value), retention, resumed_from=resumed)  # once the new one is current
 
     job = save_mod.start(state_dict, checkpoint_dir, process_group=process_group, options=options,
                          content_metadata=content_metadata, post_commit=write_tracker, asynchronous=async_save)

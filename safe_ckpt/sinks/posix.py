@@ -151,22 +151,46 @@ class PosixFile:
 
 
 class PosixSink:
-    """Files under ``root`` (which must exist)."""
+    """Files under ``root``, which must exist: it is never created here, so a root removed
+    while a save writes (by hand, or by a cleanup that took it for a dead save's) fails the
+    next open with an error that says so, instead of being quietly made again and half filled.
+    Subdirectories below the root are created as needed."""
 
     def __init__(self, root: str, fsync: bool = True) -> None:
         self.root = root
         self.fsync = fsync
 
+    def _gone(self) -> OSError:
+        return FileNotFoundError(errno.ENOENT, f"the directory {self.root} this save writes into is gone (removed "
+                                 "while the save was writing); not making it again", self.root)
+
     def _path(self, relative_path: str) -> str:
         path = os.path.join(self.root, relative_path)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        below = os.path.relpath(os.path.dirname(path), self.root)
+        current = self.root
+        for part in [] if below == os.curdir else below.split(os.sep):
+            current = os.path.join(current, part)
+            try:
+                os.mkdir(current)  # fails (ENOENT) rather than make the root again
+            except FileExistsError:
+                pass
+            except FileNotFoundError:
+                raise self._gone() from None
         return path
 
+    def _file(self, relative_path: str) -> PosixFile:
+        try:
+            return PosixFile(self._path(relative_path), self.fsync)
+        except FileNotFoundError:
+            if not os.path.isdir(self.root):
+                raise self._gone() from None
+            raise
+
     def open(self, relative_path: str, size_bytes: int) -> PosixFile:
-        return PosixFile(self._path(relative_path), self.fsync)
+        return self._file(relative_path)
 
     def write_file(self, relative_path: str, data: bytes) -> None:
-        f = PosixFile(self._path(relative_path), self.fsync)
+        f = self._file(relative_path)
         try:
             f.write_at(0, [data])
             f.sync()

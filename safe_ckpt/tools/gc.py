@@ -1,24 +1,35 @@
-"""`safe-ckpt gc ROOT`: remove what interrupted saves left behind.
+"""`safe-ckpt gc ROOT`: clear up after interrupted saves.
 
 One job: find the hidden staging, replaced and deleting directories (and tracker
 temporaries) that safe_ckpt names recognisably, under ROOT and one level below, and
-remove them (or list them with ``dry_run``). A new save of a target clears its own
-leftovers too. Must not: touch anything without one of those markers.
+deal with them by `commit.sweep`'s rules: a running save's staging directory is left
+alone, a checkpoint an interrupted replace left aside is put back under its name, the
+rest is removed (or listed, with ``dry_run``). A new save of a target does the same for
+its own target. Must not: touch anything without one of those markers, or remove the
+only complete copy of a checkpoint.
 """
 
 from __future__ import annotations
 
+import logging
 import os
-import shutil
 
-from ..commit import LEFTOVER_MARKS, STAGING_MARK, TRACKER_FILE
+from ..claim import OWNER_FILE, STALE_AFTER_S, liveness
+from ..commit import TRACKER_FILE
+from ..leftovers import LEFTOVER_MARKS, STAGING_MARK, sweep
+
+log = logging.getLogger("safe_ckpt")
+
+
+def _parents(root: str) -> list[str]:
+    return [root] + [os.path.join(root, d) for d in sorted(os.listdir(root))
+                     if os.path.isdir(os.path.join(root, d)) and not d.startswith(".")]
 
 
 def find(root: str) -> list[str]:
+    """Every path under ROOT (and one level below) that an interrupted save may have left."""
     found = []
-    root = os.path.abspath(root)
-    for parent in [root] + [os.path.join(root, d) for d in sorted(os.listdir(root))
-                            if os.path.isdir(os.path.join(root, d)) and not d.startswith(".")]:
+    for parent in _parents(os.path.abspath(root)):
         for name in sorted(os.listdir(parent)):
             leftover_dir = any(mark in name for mark in LEFTOVER_MARKS) and name.startswith(".")
             tracker_tmp = name.startswith(TRACKER_FILE + STAGING_MARK)
@@ -27,12 +38,27 @@ def find(root: str) -> list[str]:
     return found
 
 
-def collect(root: str, dry_run: bool = False) -> list[str]:
+def collect(root: str, dry_run: bool = False, stale_after_s: float = STALE_AFTER_S) -> list[str]:
+    """Clear ROOT's leftovers; returns the paths removed (with ``dry_run``: that would be).
+    Restored checkpoints, running saves left alone and leftovers kept are logged."""
+    root = os.path.abspath(root)
     found = find(root)
-    if not dry_run:
-        for path in found:
-            if os.path.isdir(path):
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                os.unlink(path)
-    return found
+    tracker_tmps = [p for p in found if os.path.basename(p).startswith(TRACKER_FILE + STAGING_MARK)]
+    swept = sweep([p for p in found if p not in tracker_tmps], dry_run=dry_run, stale_after_s=stale_after_s)
+    removed = list(swept.removed)
+    for path in tracker_tmps:
+        if not dry_run:
+            os.unlink(path)
+        removed.append(path)
+    for parent in _parents(root):  # an owner record a crash left in a checkpoint it had just published
+        record = os.path.join(parent, OWNER_FILE)
+        if os.path.isfile(record) and not liveness(parent, stale_after_s).live:
+            if not dry_run:
+                os.unlink(record)
+            removed.append(record)
+    for target in swept.restored:
+        log.warning("safe_ckpt: gc %s %s from the copy an interrupted replace left aside",
+                    "would restore" if dry_run else "restored", target)
+    for line in swept.live:
+        log.info("safe_ckpt: gc left %s alone", line)
+    return sorted(removed)
