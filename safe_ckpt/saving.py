@@ -20,7 +20,7 @@ import logging
 import os
 import time
 
-from . import commit, compat, dist, gcfreeze, residence
+from . import commit, compat, cpu, dist, gcfreeze, residence
 from .encoding.layout import lay_out, lay_out_rank
 from .encoding.metadata import METADATA_FILE, build_metadata, metadata_bytes
 from .errors import CheckpointError, RankFailure, failure_from_exception, problems_error
@@ -90,6 +90,8 @@ class _Job:
 
     def plan(self) -> None:
         self.coord = dist.coordinator(self.process_group, self.options.collective_timeout_s)
+        # Defaults left None (io_threads, the pool, hashing threads) from this rank's share of its host.
+        self.options = cpu.settle(self.options, self.coord)
         rank = self.coord.rank
         try:
             local = collect(self.state, rank, self.content_metadata, with_common=not self.sharded_only)
