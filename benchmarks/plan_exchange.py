@@ -17,8 +17,9 @@ one-time host report exchange).
 
     PYTHONPATH=. python benchmarks/plan_exchange.py --ranks 8 --reps 5 --io-threads 2
 
-Prints one JSON document: the machine, the options, per rank and phase the median seconds,
-and the pickled size of one rank's plan message.
+Prints one JSON document: the machine (with the CPU seconds of a fixed Python loop before and
+after, to scale by), the options, per rank and phase the median seconds, and the pickled
+size of one rank's plan message.
 """
 
 from __future__ import annotations
@@ -162,6 +163,19 @@ def machine() -> dict:
             "torch": torch.__version__}
 
 
+def calibration_cpu_s() -> float:
+    """CPU seconds of a fixed pure-Python loop (best of 5): what this host's CPU time per unit of
+    interpreted work is at the time of the run, so runs on other hosts or loads can be scaled."""
+    best = float("inf")
+    for _ in range(5):
+        c0 = time.thread_time()
+        acc = 0
+        for i in range(1_000_000):
+            acc += i & 7
+        best = min(best, time.thread_time() - c0)
+    return best
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", type=int, default=8)
@@ -170,7 +184,7 @@ def main() -> None:
     ap.add_argument("--chunk-mib", type=int, default=64)
     ap.add_argument("--label", default="", help="what code ran (e.g. a commit), copied into the output")
     args = ap.parse_args()
-    host = {**machine(), "load_avg_at_start": os.getloadavg()}
+    host = {**machine(), "load_avg_at_start": os.getloadavg(), "calibration_cpu_s_at_start": calibration_cpu_s()}
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
@@ -186,6 +200,7 @@ def main() -> None:
         raise SystemExit(json.dumps(errors, indent=1))
     per_rank = [results[r] for r in range(args.ranks)]
     summary = {k: max(r["median"].get(k, 0.0) for r in per_rank) for k in per_rank[0]["median"]}
+    host.update(load_avg_at_end=os.getloadavg(), calibration_cpu_s_at_end=calibration_cpu_s())
     print(json.dumps({"label": args.label, "machine": host, "ranks": args.ranks, "io_threads": args.io_threads,
                       "chunk_bytes": args.chunk_mib << 20, "slowest_rank_median_s": summary,
                       "per_rank": per_rank}, indent=1))
