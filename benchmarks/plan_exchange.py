@@ -5,8 +5,8 @@ state of one data-parallel rank of the ``qwen3-4b-dp8`` bench preset (1217 shard
 its 1/8 of Qwen3-4B's bf16 weights and its fp32 optimizer buckets cut into per-parameter
 pieces), with its tensors allocated but never touched (`torch.empty`: planning reads shapes
 and residences, never bytes, so N x 7 GB of address space costs no memory). Then, for each
-repetition, every rank runs `saving._Job.plan` — collect, residence classification, rank 0
-preparing the staging directory, the plan exchange, `build_global_plan`, this rank's
+repetition, every rank runs `saving.start` (a save's collector hold, then `_Job.plan`) —
+collect, residence classification, rank 0 preparing the staging directory, the plan exchange, `build_global_plan`, this rank's
 `lay_out_rank` — up to where the writers would start (the writers are not started; the
 staging directory is removed), then what comes later while the writers write, timed apart:
 every rank's layout (`lay_out`, for `total_file_bytes`) and rank 0's index (`build_metadata`).
@@ -128,8 +128,7 @@ def _rank(rank: int, world: int, init_file: str, target: str, args, out_queue) -
             timer.times = {}
             dist.barrier()
             c0 = time.thread_time()
-            job = saving._Job(state, target, None, options, None)
-            job.plan()
+            job = saving.start(state, target, options=options)  # the entry a save takes, collector hold included
             row = {"plan_s": job.t_planned - job.t0, "plan_cpu_s": time.thread_time() - c0, **timer.times}
             chunks = len(job.global_plan.chunks_of(rank))
             t0, c0 = time.perf_counter(), time.thread_time()
@@ -140,6 +139,7 @@ def _rank(rank: int, world: int, init_file: str, target: str, args, out_queue) -
                 metadata_bytes(build_metadata(job.global_plan, layouts, target, job.save_id))
                 row["index_s"], row["index_cpu_s"] = time.perf_counter() - t0, time.thread_time() - c0
             job._abort()
+            job.gc_hold.release()
             rows.append(row)
             dist.barrier()
         keep = rows[1:] if len(rows) > 1 else rows
