@@ -5,13 +5,14 @@ state of one data-parallel rank of the ``qwen3-4b-dp8`` bench preset (1217 shard
 its 1/8 of Qwen3-4B's bf16 weights and its fp32 optimizer buckets cut into per-parameter
 pieces), with its tensors allocated but never touched (`torch.empty`: planning reads shapes
 and residences, never bytes, so N x 7 GB of address space costs no memory). Then, for each
-repetition, every rank runs `saving.start` (a save's collector hold, then `_Job.plan`) —
-collect, residence classification, rank 0 preparing the staging directory, the plan exchange, `build_global_plan`, this rank's
-`lay_out_rank` — up to where the writers would start (the writers are not started; the
-staging directory is removed), then what comes later while the writers write, timed apart:
-every rank's layout (`lay_out`, for `total_file_bytes`) and rank 0's index (`build_metadata`).
-Wall and CPU seconds (`time.thread_time`) of each phase: on a host with fewer cores than
-ranks the wall time holds the waits for a core, the CPU time does not. Phases are timed by wrapping the functions
+repetition, every rank runs `saving.start` (a save's collector hold, then `_Job.plan`):
+collect, residence classification, rank 0 preparing the staging directory, the plan
+exchange, `build_global_plan`, this rank's `lay_out_rank`, up to where the writers would
+start (the writers are not started; the staging directory is removed). Then what comes
+later, while the writers write, timed apart: every rank's layout (`lay_out`, for
+`total_file_bytes`) and rank 0's index (`build_metadata`). Wall and CPU seconds
+(`time.thread_time`) of each phase: on a host with fewer cores than ranks the wall time holds
+the waits for a core, the CPU time does not. Phases are timed by wrapping the functions
 `saving` calls; medians over the repetitions after the first (which also holds the group's
 one-time host report exchange).
 
