@@ -28,10 +28,22 @@ class SaveOptions:
         several chunks (each a standalone torch.save archive). Bounds loader memory too.
     io_threads: writer threads per rank; each rank writes two files of equal bytes per writer,
         and any free writer writes the next staged item of a file no other writer is writing.
+        None (default): the rank's share of its host's cores, within [1, 16], the fewest any
+        rank of the save gets (every rank must plan with the same value). A rank's share
+        counts each core it may run on (its CPU affinity) as 1/k, k being the ranks of the
+        save on the same machine that may run on it: 8 ranks free to use all 16 cores get 2
+        each; 8 ranks bound to 14 cores apiece get 14. Ranks on one machine are those whose
+        kernel boot id (else hostname) is the same; every rank tells the others its own once,
+        at the first save on a process group (one small exchange).
     fsync: make every file durable before the checkpoint is published.
     staging_budget_bytes: size of the process-wide pinned staging pool, allocated once
         on first use and reused by later saves. Device-resident bytes beyond it are
-        staged as earlier chunks finish writing.
+        staged as earlier chunks finish writing. None (default): 1/16 of the rank's share of
+        its host's available memory (MemAvailable, bounded by the cgroup's limit, read once
+        per process, divided by the ranks of the save on that machine), at most 2 GiB, at
+        least `chunk_bytes`: 8 ranks on a host with 2 TiB available get 2 GiB each, on one
+        with 128 GiB 1 GiB each. For `async_save` to return after the device-to-host copy
+        alone, set it to at least the rank's GPU bytes.
     collective_timeout_s: how long a rank waits for its peers in any coordination step
         (applies to the gloo group safe_ckpt creates; a caller's group keeps its own).
     zip_crc32: compute the zip CRC-32 of every payload (stock readers do not check it).
@@ -41,7 +53,8 @@ class SaveOptions:
     checksum_threads: threads that compute the checksums beside the writers; 0 computes each
         one in its writer thread, 2 MiB at a time just before writing it (no extra threads, and
         the write reads bytes the hash just brought into cache); None (default) uses as many
-        threads as writers while cores are spare, and 0 once the writers alone use every core.
+        threads as writers while the rank's share of cores (see `io_threads`) has cores to
+        spare, and 0 once the writers alone use every core of it.
     device_checksums: checksum GPU-resident chunks of 8 MiB or more on their device: row and
         column sums of the payload's 32-bit words, computed on the copy stream and folded with
         the host algorithm (`grid32+xxh3_64` in the manifest; see `safe_ckpt.integrity`), so
@@ -67,9 +80,9 @@ class SaveOptions:
     """
 
     chunk_bytes: int = 64 * MiB
-    io_threads: int = 8
+    io_threads: Optional[int] = None
     fsync: bool = True
-    staging_budget_bytes: int = 2 * GiB
+    staging_budget_bytes: Optional[int] = None
     collective_timeout_s: float = 600.0
     zip_crc32: bool = False
     checksums: bool = True
@@ -87,9 +100,9 @@ class SaveOptions:
         problems = []
         if not (4 * KiB <= self.chunk_bytes <= 2 * GiB):
             problems.append(f"chunk_bytes={self.chunk_bytes} must be within [4 KiB, 2 GiB]")
-        if not (1 <= self.io_threads <= 256):
-            problems.append(f"io_threads={self.io_threads} must be within [1, 256]")
-        if self.staging_budget_bytes < self.chunk_bytes:
+        if self.io_threads is not None and not (1 <= self.io_threads <= 256):
+            problems.append(f"io_threads={self.io_threads} must be None or within [1, 256]")
+        if self.staging_budget_bytes is not None and self.staging_budget_bytes < self.chunk_bytes:
             problems.append(
                 f"staging_budget_bytes={self.staging_budget_bytes} must be at least chunk_bytes={self.chunk_bytes}"
             )

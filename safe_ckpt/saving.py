@@ -37,7 +37,7 @@ import logging
 import os
 import time
 
-from . import commit, compat, dist, gcfreeze, slot
+from . import commit, compat, cpu, dist, gcfreeze, slot
 from .encoding.layout import lay_out, lay_out_rank
 from .encoding.metadata import METADATA_FILE, build_metadata, metadata_bytes
 from .errors import CheckpointError, problems_error
@@ -103,6 +103,8 @@ class _Job:
     # ------------------------------------------------------------------ plan
     def plan(self) -> None:
         self.coord = dist.coordinator(self.process_group, self.options.collective_timeout_s, self.checkpoint_dir)
+        # Defaults left None (io_threads, the pool, hashing threads) from this rank's share of its host.
+        self.options = cpu.settle(self.options, self.coord)
         rank = self.coord.rank
         self.ballot = Ballot(self.coord, self._abort)
         mine = plan_locally(self.state, rank, checkpoint_dir=self.checkpoint_dir, options=self.options,
@@ -299,13 +301,15 @@ class _Job:
         return small
 
     def _prepare_commit(self) -> None:
-        """Rank 0 builds the small files while its writers write: the caller's thread would only
+        """Rank 0 builds the small files (the others every rank's layout, for `total_file_bytes`)
+        while its writers write: the caller's thread would only
         wait in `join` (on an H200, 2.5-6 ms of a 0.36 s save's commit). It waits for the device
         copies to be issued and landed first, so that it does not hold the GIL while the stager
         issues them. A failure here is left for `_commit` to meet again, in the commit stage."""
-        if self.coord.rank != 0:
-            return
         self.writer.wait_staged()
+        if self.coord.rank != 0:
+            self._all_layouts()  # for total_file_bytes: every rank's chunks, cut now rather than after the commit
+            return
         try:
             self._prebuilt = self._small_files()
         except Exception as exc:

@@ -221,7 +221,8 @@ def test_a_thread_that_cannot_start_fails_the_save_and_gives_every_lease_back(tm
     tensors = {f"w{i}": torch.randn(96, 96, generator=g).t() for i in range(6)}
     state = {k: ShardedTensor(k, v, v.dtype, tuple(v.shape), tuple(v.shape), (0, 0), axis_fragmentations=None)
              for k, v in tensors.items()}
-    opts = safe_ckpt.SaveOptions(io_threads=2, chunk_bytes=16 * 1024, progress_interval_s=0, collective_timeout_s=30)
+    opts = safe_ckpt.SaveOptions(io_threads=2, chunk_bytes=16 * 1024, staging_budget_bytes=1 << 20,
+                                 progress_interval_s=0, collective_timeout_s=30)
     start = threading.Thread.start
 
     def refuse(self):

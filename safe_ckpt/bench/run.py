@@ -27,6 +27,27 @@ from .machine import fs_type, machine
 from .state import build
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Which GPU a rank uses and over what its default group talks."""
+
+    device: int | None  # None: no GPU
+    backend: str
+    ranks_per_gpu: int
+
+
+def placement(local_rank: int, local_world: int, devices: int) -> Placement:
+    """One rank per GPU where there are enough; otherwise the host's ranks share its GPUs
+    (``torchrun --nproc-per-node 8`` on one GPU: every rank on device 0) and the default group
+    is gloo only, since NCCL refuses two ranks on one device. A host's save is contended where
+    the ranks meet anyway: memory bandwidth, page cache, disk, cores, pinned memory."""
+    if devices <= 0:
+        return Placement(None, "gloo", 0)
+    if local_world > devices:
+        return Placement(local_rank % devices, "gloo", -(-local_world // devices))
+    return Placement(local_rank, "cpu:gloo,cuda:nccl", 1)
+
+
 def _init_dist() -> tuple[int, int]:
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
@@ -35,10 +56,11 @@ def _init_dist() -> tuple[int, int]:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
-    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend)
+    where = placement(int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+                      torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    if where.device is not None:
+        torch.cuda.set_device(where.device)
+    dist.init_process_group(where.backend)
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -74,8 +96,10 @@ def run(args) -> str:
     meta = machine()
     launcher = os.environ.get("SAFE_CKPT_BENCH_LAUNCHER") or ("torchrun" if "TORCHELASTIC_RUN_ID" in os.environ
                                                                else "single process")
+    device = torch.cuda.current_device() if torch.cuda.is_available() else None
+    sharing = _everyone(device, group).count(device) if device is not None else 0  # rank 0's GPU's ranks
     meta.update(label=args.label, world_size=world, reps=args.reps, peer_reps=args.peer_reps, preset=args.preset,
-                threads=args.threads, launcher=launcher)
+                threads=args.threads, launcher=launcher, backend=dist.get_backend(), ranks_on_gpu0=sharing)
     if rank == 0:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)) or ".", exist_ok=True)
         open(args.out + ".rows.jsonl", "w").close()  # this run's rows only

@@ -43,8 +43,10 @@ def add_arguments(parser):
     group.add_argument("--ckpt-backend", choices=["megatron", "safe"], default="megatron",
                        help="who writes torch_dist checkpoints: stock Megatron or safe_ckpt")
     group.add_argument("--safe-ckpt-staging-budget-gib", type=float, default=None,
-                       help="pinned staging pool per rank, allocated once (default 2 GiB)")
-    group.add_argument("--safe-ckpt-io-threads", type=int, default=None, help="writer threads per rank (default 8)")
+                       help="pinned staging pool per rank, allocated once (default: 1/16 of the rank's share of "
+                            "the host's available memory, at most 2 GiB)")
+    group.add_argument("--safe-ckpt-io-threads", type=int, default=None,
+                       help="writer threads per rank (default: the rank's share of the host's cores, within [1, 16])")
     group.add_argument("--safe-ckpt-writer-nice", type=int, default=None,
                        help="how much nicer than the training thread the writer threads run (default 5; 0: not)")
     group.add_argument("--safe-ckpt-unmapped-policy", choices=["error", "cpu_backup"], default="error",

@@ -58,8 +58,8 @@ def options_from_args(args) -> SaveOptions:
     """SaveOptions from Megatron args (the `--safe-ckpt-*` flags, where registered)."""
     budget = getattr(args, "safe_ckpt_staging_budget_gib", None)
     return SaveOptions(
-        io_threads=getattr(args, "safe_ckpt_io_threads", None) or 8,
-        staging_budget_bytes=int(budget * GiB) if budget else 2 * GiB,
+        io_threads=getattr(args, "safe_ckpt_io_threads", None),  # None: from the rank's share of its host
+        staging_budget_bytes=int(budget * GiB) if budget else None,
         unmapped_policy=getattr(args, "safe_ckpt_unmapped_policy", None) or "error",
         collective_timeout_s=float(getattr(args, "safe_ckpt_timeout_s", None) or 600.0),
         writer_nice=getattr(args, "safe_ckpt_writer_nice", None),

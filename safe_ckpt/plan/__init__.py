@@ -7,6 +7,8 @@ Must not: touch CUDA or files.
 
 from __future__ import annotations
 
+from functools import partial
+
 from .chunking import balanced_cuts, cut_rows, slot_of, split_box, tail_chunk_bytes, tail_start
 from .collect import DraftShard, LocalState, collect
 from .records import (
@@ -42,22 +44,27 @@ def rank_plan(local: LocalState, residences: list[str], extra_problems: list[Pro
 
 def build_global_plan(plans: list[RankPlan], chunk_bytes: int, files_per_rank: int = 1) -> GlobalPlan | list[Problem]:
     """The checkpoint's items, or the problems that prevent it (identical on every rank).
-    Each rank's chunks are spread over up to ``files_per_rank`` file slots of equal bytes."""
+    Each rank's chunks are spread over up to ``files_per_rank`` file slots of equal bytes, and
+    cut when first asked for (`GlobalPlan.chunks_of`)."""
     problems = validate(plans)
     if problems:
         return problems
     tensors: dict[str, TensorSpec] = {}
-    chunks: list[ChunkSpec] = []
     objects: list[ObjectSpec] = []
     for plan in plans:
         for s in plan.shards:
-            tensors.setdefault(s.key, TensorSpec(s.key, s.dtype, s.global_shape))
-        chunks.extend(_rank_chunks([s for s in plan.shards if s.is_main], chunk_bytes, files_per_rank))
+            if s.key not in tensors:
+                tensors[s.key] = TensorSpec(s.key, s.dtype, s.global_shape)
         for o in plan.objects:
             if o.is_main:
                 objects.append(ObjectSpec(o.fqn, o.rank, o.payload_bytes))
     ordered = [tensors[k] for k in sorted(tensors)]
-    return GlobalPlan(len(plans), ordered, chunks, objects)
+    mains = {plan.rank: [s for s in plan.shards if s.is_main] for plan in plans}
+    return GlobalPlan(len(plans), ordered, objects, partial(_chunks_of_rank, mains, chunk_bytes, files_per_rank))
+
+
+def _chunks_of_rank(mains: dict, chunk_bytes: int, files_per_rank: int, rank: int) -> list[ChunkSpec]:
+    return _rank_chunks(mains.get(rank, []), chunk_bytes, files_per_rank)
 
 
 def _rank_chunks(shards: list[ShardRef], chunk_bytes: int, files_per_rank: int) -> list[ChunkSpec]:

@@ -7,6 +7,7 @@ objects travel over the gloo group and feed the later stages.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -85,6 +86,27 @@ class RankPlan:
     objects: list[ObjectRef] = field(default_factory=list)
     problems: list[Problem] = field(default_factory=list)
 
+    def __reduce__(self):
+        # Every rank unpickles every rank's plan: shards as rows of plain values load about
+        # twice as fast as ShardRef and Box objects restored field by field (1217 shards:
+        # 2.9 against 6.2 ms of CPU per plan), and pickle five times as fast.
+        rows = [(s.key, s.rank, s.local_index, s.dtype, s.global_shape, s.box.offsets, s.box.sizes, s.is_main,
+                 s.residence, s.path) for s in self.shards]
+        return _plan_from_rows, (self.rank, rows, self.objects, self.problems)
+
+
+def _plan_from_rows(rank: int, rows: list, objects: list, problems: list) -> RankPlan:
+    new = object.__new__
+    shards = []
+    for key, shard_rank, local_index, dtype, global_shape, offsets, sizes, is_main, residence, path in rows:
+        box = new(Box)
+        box.__dict__.update(offsets=offsets, sizes=sizes)  # frozen: the fields as __init__ would set them
+        shard = new(ShardRef)
+        shard.__dict__.update(key=key, rank=shard_rank, local_index=local_index, dtype=dtype,
+                              global_shape=global_shape, box=box, is_main=is_main, residence=residence, path=path)
+        shards.append(shard)
+    return RankPlan(rank, shards, objects, problems)
+
 
 @dataclass(frozen=True)
 class ChunkSpec:
@@ -123,15 +145,28 @@ class TensorSpec:
 
 @dataclass(frozen=True)
 class GlobalPlan:
-    """The whole checkpoint's content: identical on every rank."""
+    """The whole checkpoint's content: identical on every rank.
+
+    A rank's chunks are cut when first asked for (``chunker(rank)``, a pure function of the
+    exchanged plans, so the same everywhere): to start writing a rank needs its own only;
+    every rank's are needed for the index, which rank 0 builds while its writers write. At 8
+    ranks of 1217 shards, cutting all of them is most of the planning's time."""
 
     world_size: int
     tensors: list[TensorSpec]
-    chunks: list[ChunkSpec]
     objects: list[ObjectSpec]
+    chunker: Callable[[int], list[ChunkSpec]] = field(compare=False, repr=False)
+    _cut: dict = field(default_factory=dict, compare=False, repr=False)  # rank -> its chunks, once cut
 
     def chunks_of(self, rank: int) -> list[ChunkSpec]:
-        return [c for c in self.chunks if c.rank == rank]
+        chunks = self._cut.get(rank)
+        if chunks is None:  # two threads asking at once cut the same list twice; either is kept
+            chunks = self._cut.setdefault(rank, self.chunker(rank))
+        return chunks
+
+    @property
+    def chunks(self) -> list[ChunkSpec]:
+        return [c for rank in range(self.world_size) for c in self.chunks_of(rank)]
 
     def objects_of(self, rank: int) -> list[ObjectSpec]:
         return [o for o in self.objects if o.rank == rank]

@@ -65,10 +65,14 @@ def _validate_tensor_key(key: str, shards: list[ShardRef]) -> list[Problem]:
         msg = f"ranks disagree on global shape: {_group_by_value(shards, 'global_shape')}"
         return [Problem(_V, key, _ranks(shards), msg)]
     shape = shards[0].global_shape
-    for s in shards:
-        if any(d < 0 for d in shape) or any(o < 0 for o in s.box.offsets) or any(
-            s.box.end(i) > shape[i] for i in range(len(shape))
-        ):
+    shape_negative = any(d < 0 for d in shape)
+    for s in shards:  # plain loops: at 8 ranks of 1217 shards this runs 10k times in every rank's plan
+        out = shape_negative
+        for o, n, d in zip(s.box.offsets, s.box.sizes, shape):
+            if o < 0 or o + n > d:
+                out = True
+                break
+        if out:
             msg = f"shard out of bounds of global shape {shape}: {_describe(s)}"
             problems.append(Problem(_V, key, (s.rank,), msg))
     if problems:
