@@ -45,13 +45,19 @@ def _places(items, limit: int = 4) -> str:
     return ", ".join(shown) + more
 
 
+def _paths(items, limit: int = 4) -> str:
+    paths = sorted({i.path for i in items})
+    more = f" and {len(paths) - limit} more" if len(paths) > limit else ""
+    return ", ".join(paths[:limit]) + more
+
+
 def _disagreement(key: str, shards: list[ShardRef], attr: str, what: str) -> Problem:
     groups: dict = defaultdict(list)
     for s in shards:
         groups[getattr(s, attr)].append(s)
     ranks = _ranks(shards)
     if len(ranks) == 1:  # one rank contradicts itself: name its places, not "ranks disagree"
-        where = "; ".join(f"{value} at {', '.join(sorted({s.path for s in group}))}" for value, group in groups.items())
+        where = "; ".join(f"{value} at {_paths(group)}" for value, group in groups.items())
         msg = f"rank {ranks[0]} gives key {key!r} with {len(groups)} different {what}s: {where}"
     else:
         where = "; ".join(f"{value} at {_places(group)}" for value, group in groups.items())
