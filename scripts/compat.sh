@@ -17,7 +17,7 @@ ROOT=$PWD
 DIR=${COMPAT_DIR:-$ROOT/.compat}
 OUT=${COMPAT_OUT:-$DIR/results.md}
 TESTS=${COMPAT_TESTS:-tests/test_roundtrip.py tests/test_megatron_adapter.py}
-CELL_TIMEOUT_S=${COMPAT_TIMEOUT_S:-1800}
+CELL_TIMEOUT_S=${COMPAT_TIMEOUT_S:-3600}  # a cell took 18-26 minutes on a loaded 2-core machine
 DEFAULT_CELLS=(
   3.11:2.13.0:0.15.3
   3.11:2.13.0:0.16.1
@@ -85,7 +85,9 @@ print(platform.python_version(), torch.__version__, version("megatron-core"))' 2
 }
 
 {
-  echo "Stock-load round trip across versions, $(date -u +%Y-%m-%d), $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null)"
+  tree=$(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null)
+  [ -z "$(git -C "$ROOT" status --porcelain --untracked-files=no 2>/dev/null)" ] || tree="$tree with uncommitted changes"
+  echo "Stock-load round trip across versions, $(date -u +%Y-%m-%d), safe_ckpt at $tree"
   echo "Tests: $TESTS"
   echo
   echo "| cell | Python | torch | megatron-core | result | tests | time |"
