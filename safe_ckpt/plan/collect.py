@@ -150,7 +150,7 @@ def _object(sh, path: str, rank: int, payloads: dict[str, bytes], main_paths: di
     )
 
 
-def large_common_tensors(common_state: dict, threshold_bytes: int = COMMON_TENSOR_WARN_BYTES) -> list[tuple[str, int]]:
+def _large_common_tensors(common_state: dict) -> list[tuple[str, int]]:
     """(path, bytes) of each plain tensor in the common state whose pickled storage exceeds the threshold."""
     found = []
     for path, leaf in _walk(common_state, into_tuples=True):
@@ -159,14 +159,14 @@ def large_common_tensors(common_state: dict, threshold_bytes: int = COMMON_TENSO
                 stored_bytes = leaf.untyped_storage().nbytes()
             except (NotImplementedError, RuntimeError):  # storage-less tensors: count the elements
                 stored_bytes = leaf.numel() * leaf.element_size()
-            if stored_bytes > threshold_bytes:
+            if stored_bytes > COMMON_TENSOR_WARN_BYTES:
                 found.append((path, stored_bytes))
     return found
 
 
-def warn_large_common_tensors(common_state: dict) -> None:
+def _warn_large_common_tensors(common_state: dict) -> None:
     """One warning naming every large plain tensor headed for the (unsharded, rank 0) common state."""
-    found = large_common_tensors(common_state)
+    found = _large_common_tensors(common_state)
     if not found:
         return
     shown = ", ".join(f"{path} ({_mib(n)})" for path, n in found[:_LISTED])
@@ -218,7 +218,7 @@ def collect(sharded_state_dict: dict, rank: int, content_metadata: dict | None =
     common = parts.common_state if rank == 0 else {}
     whole_files: dict[str, bytes] = {}
     if rank == 0 and with_common:
-        warn_large_common_tensors(common)
+        _warn_large_common_tensors(common)
         try:
             if compat.common_state_as_sharded_object():
                 fqn = f"{compat.COMMON_STATE_KEY}/shard_0_1"
