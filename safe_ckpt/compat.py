@@ -26,10 +26,41 @@ def package_version(name: str) -> Version | None:
         return None
 
 
+# The oldest megatron-core whose checkpoints the tests load back with stock Megatron
+# (scripts/compat.sh). 0.13-0.14's distributed optimizer saves `flattened_range` shards,
+# which the plan refuses, so those releases are refused up front instead of mid-save.
+MEGATRON_CORE_FLOOR = Version("0.15")
+_INSTALL_HINT = f"pip install 'megatron-core>={MEGATRON_CORE_FLOOR}'"
+
+
+def _installed_megatron_version() -> Version | None:
+    return package_version("megatron-core") or package_version("megatron_core")
+
+
+def unsupported_megatron_reason(version: Version) -> str | None:
+    """Why ``version`` of megatron-core cannot be used, or None where it can."""
+    # By release only: 0.15.0rc0 and source builds of 0.15 count as 0.15.
+    if version.release[:2] >= MEGATRON_CORE_FLOOR.release[:2]:
+        return None
+    return (f"safe_ckpt needs megatron-core >= {MEGATRON_CORE_FLOOR}, but megatron-core {version} is installed: "
+            f"its distributed optimizer saves flattened_range shards, which safe_ckpt does not write. "
+            f"Upgrade with: {_INSTALL_HINT}")
+
+
+@lru_cache(maxsize=None)
 def megatron_version() -> Version:
-    version = package_version("megatron-core") or package_version("megatron_core")
-    if version is None:
-        raise ImportError("safe_ckpt needs megatron-core (pip install 'megatron-core>=0.13')")
+    """The installed megatron-core's version; ImportError naming the floor when missing or too old."""
+    version = _installed_megatron_version()
+    if version is None:  # a source tree on sys.path has no package metadata, but says its version
+        try:
+            from megatron.core import package_info
+
+            version = Version(package_info.__version__)
+        except (ImportError, AttributeError, ValueError):
+            raise ImportError(f"safe_ckpt needs megatron-core >= {MEGATRON_CORE_FLOOR} ({_INSTALL_HINT})") from None
+    reason = unsupported_megatron_reason(version)
+    if reason is not None:
+        raise ImportError(reason)
     return version
 
 
@@ -140,6 +171,7 @@ def dcp_metadata(state_dict_metadata: dict, storage_data: dict, checkpoint_id: s
 
 
 def mcore_mapping():
+    megatron_version()  # a missing or too old megatron-core is refused here, at save time, by name
     from megatron.core.dist_checkpointing import mapping
 
     return mapping
@@ -263,3 +295,11 @@ def register_default_save_strategy(strategy) -> bool:
     torch_strategies.register_default_torch_strategies = register
     register()
     return True
+
+
+# At import: an installed megatron-core older than the floor fails here, with the versions
+# named, rather than deep inside a save. (Only package metadata is read: importing megatron
+# itself is slow, and a missing one is reported at save time.)
+_installed = _installed_megatron_version()
+if _installed is not None and unsupported_megatron_reason(_installed) is not None:
+    raise ImportError(unsupported_megatron_reason(_installed))

@@ -3,14 +3,16 @@
 One job: walk the caller's state (factories applied, non-persistent objects dropped,
 common state split off, exactly as megatron-core's save preprocessing does), check
 every leaf for problems that can be seen locally, and record each tensor shard with
-its source tensor. Problems are collected, never raised here, so every rank reaches
-the plan exchange and fails together.
+its source tensor, with its path in the caller's dict (``state['a'][0]``) for messages.
+Problems are collected, never raised here, so every rank reaches the plan exchange and
+fails together. Large plain tensors headed for the common state get one warning.
 
 Must not: touch CUDA, copy tensor data, or write files.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -20,6 +22,11 @@ from .. import compat
 from .records import Box, ObjectRef, Problem
 
 _V = "ValidationError"
+log = logging.getLogger("safe_ckpt")
+# Plain tensors above this go into the common state with a warning: Megatron pickles them
+# whole on rank 0, so a model or optimizer tensor passed outside ShardedTensor is a mistake.
+COMMON_TENSOR_WARN_BYTES = 1 << 20
+_LISTED = 10
 
 
 @dataclass(frozen=True)
@@ -46,13 +53,16 @@ class LocalState:
     whole_files: dict[str, bytes] = field(default_factory=dict)  # rank 0: common.pt where used
 
 
-def _walk(tree: Any, path: str) -> Iterator[tuple[str, Any]]:
+ROOT = "state"  # how messages spell the caller's state dict: state['model']['layer'][0]
+
+
+def _walk(tree: Any, path: str = ROOT, into_tuples: bool = False) -> Iterator[tuple[str, Any]]:
     if isinstance(tree, dict):
         for k, v in tree.items():
-            yield from _walk(v, f"{path}.{k}" if path else str(k))
-    elif isinstance(tree, list):
+            yield from _walk(v, f"{path}[{k!r}]", into_tuples)
+    elif isinstance(tree, list) or (into_tuples and isinstance(tree, tuple)):
         for i, v in enumerate(tree):
-            yield from _walk(v, f"{path}[{i}]")
+            yield from _walk(v, f"{path}[{i}]", into_tuples)
     else:
         yield path, tree
 
@@ -91,7 +101,7 @@ def _tensor_problem(sh, rank: int) -> str | None:
 def _draft(sh, path: str, rank: int) -> DraftShard | Problem:
     message = _tensor_problem(sh, rank)
     if message is not None:
-        return _problem(sh.key, rank, message)
+        return _problem(sh.key, rank, f"{message} (at {path})")
     sizes = (1,) * sh.prepend_axis_num + tuple(int(s) for s in sh.local_shape)
     box = Box(tuple(int(o) for o in sh.global_offset), sizes)
     return DraftShard(
@@ -113,17 +123,20 @@ def _box_view(data: torch.Tensor, sizes: tuple[int, ...]) -> torch.Tensor:
     return view
 
 
-def _object(sh, path: str, rank: int, payloads: dict[str, bytes]) -> ObjectRef | Problem:
+def _object(sh, path: str, rank: int, payloads: dict[str, bytes], main_paths: dict[str, str]) -> ObjectRef | Problem:
     fqn = sh.unique_key
     is_main = compat.is_main_replica(sh.replica_id)
     payload_bytes = 0
     if is_main:
-        if fqn in payloads:
-            return _problem(sh.key, rank, f"ShardedObject {fqn!r} appears twice as a main replica on this rank")
+        if fqn in main_paths:
+            return _problem(sh.key, rank, f"rank {rank} gives ShardedObject {fqn!r} twice as a main replica: "
+                                          f"at {main_paths[fqn]} and {path}")
+        main_paths[fqn] = path
         try:
             payloads[fqn] = compat.sharded_object_payload([sh.data])
         except Exception as exc:  # any pickling failure is the caller's data problem
-            return _problem(sh.key, rank, f"ShardedObject {fqn!r} cannot be serialized: {type(exc).__name__}: {exc}")
+            return _problem(sh.key, rank, f"ShardedObject {fqn!r} at {path} cannot be serialized: "
+                                          f"{type(exc).__name__}: {exc}")
         payload_bytes = len(payloads[fqn])
     return ObjectRef(
         fqn=fqn,
@@ -137,11 +150,47 @@ def _object(sh, path: str, rank: int, payloads: dict[str, bytes]) -> ObjectRef |
     )
 
 
+def _large_common_tensors(common_state: dict) -> list[tuple[str, int]]:
+    """(path, bytes) of each plain tensor in the common state whose pickled storage exceeds the threshold."""
+    found = []
+    for path, leaf in _walk(common_state, into_tuples=True):
+        if isinstance(leaf, torch.Tensor):
+            try:  # torch.save writes a view's whole storage, so that is what the common state grows by
+                stored_bytes = leaf.untyped_storage().nbytes()
+            except (NotImplementedError, RuntimeError):  # storage-less tensors: count the elements
+                stored_bytes = leaf.numel() * leaf.element_size()
+            if stored_bytes > COMMON_TENSOR_WARN_BYTES:
+                found.append((path, stored_bytes))
+    return found
+
+
+def _warn_large_common_tensors(common_state: dict) -> None:
+    """One warning naming every large plain tensor headed for the (unsharded, rank 0) common state."""
+    found = _large_common_tensors(common_state)
+    if not found:
+        return
+    shown = ", ".join(f"{path} ({_mib(n)})" for path, n in found[:_LISTED])
+    more = f" and {len(found) - _LISTED} more" if len(found) > _LISTED else ""
+    log.warning(
+        "safe_ckpt: %d plain tensor(s) larger than %s are outside any ShardedTensor, so they go into the "
+        "common state that rank 0 pickles whole (%s in all; other ranks' values are not saved): %s%s. "
+        "Wrap them in a ShardedTensor to save them sharded.",
+        len(found), _mib(COMMON_TENSOR_WARN_BYTES), _mib(sum(n for _, n in found)), shown, more)
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB"
+
+
 def collect(sharded_state_dict: dict, rank: int, content_metadata: dict | None = None,
             with_common: bool = True) -> LocalState:
     """One rank's shards, objects, local problems and (on rank 0, ``with_common``) the common state."""
-    mapping = compat.mcore_mapping()
     problems: list[Problem] = []
+    try:
+        mapping = compat.mcore_mapping()
+    except ImportError as exc:  # megatron-core missing or older than the supported floor
+        problems.append(_problem("<megatron-core>", rank, str(exc), kind="CheckpointError"))
+        return LocalState(rank, [], [], {}, problems)
     if not isinstance(sharded_state_dict, dict):
         problems.append(_problem("<root>", rank, f"state dict is a {type(sharded_state_dict).__name__}, not a dict"))
         return LocalState(rank, [], [], {}, problems)
@@ -154,20 +203,22 @@ def collect(sharded_state_dict: dict, rank: int, content_metadata: dict | None =
     shards: list[DraftShard] = []
     objects: list[ObjectRef] = []
     payloads: dict[str, bytes] = {}
-    for path, leaf in _walk(parts.sharded_tree, ""):
+    main_object_paths: dict[str, str] = {}
+    for path, leaf in _walk(parts.sharded_tree):
         if isinstance(leaf, mapping.ShardedTensor):
             out = _draft(leaf, path, rank)
             (problems if isinstance(out, Problem) else shards).append(out)
         elif isinstance(leaf, mapping.ShardedObject):
-            out = _object(leaf, path, rank, payloads)
+            out = _object(leaf, path, rank, payloads, main_object_paths)
             (problems if isinstance(out, Problem) else objects).append(out)
         else:
             key = getattr(leaf, "key", path)
-            problems.append(_problem(key, rank, f"{type(leaf).__name__} at {path!r} is not supported here"))
+            problems.append(_problem(key, rank, f"{type(leaf).__name__} at {path} is not supported here"))
 
     common = parts.common_state if rank == 0 else {}
     whole_files: dict[str, bytes] = {}
     if rank == 0 and with_common:
+        _warn_large_common_tensors(common)
         try:
             if compat.common_state_as_sharded_object():
                 fqn = f"{compat.COMMON_STATE_KEY}/shard_0_1"
