@@ -23,7 +23,7 @@ import time
 from . import commit, compat, dist, gcfreeze, residence
 from .encoding.layout import lay_out, lay_out_rank
 from .encoding.metadata import METADATA_FILE, build_metadata, metadata_bytes
-from .errors import CheckpointError, RankFailure, failure_from_exception, problems_error
+from .errors import CheckpointError, RankFailure, WriteError, failure_from_exception, problems_error
 from .integrity import MANIFEST_FILE, checksum_of, manifest_bytes
 from .version import __version__
 from .options import SaveOptions
@@ -34,7 +34,7 @@ from .progress import Progress, human_bytes
 from .results import SaveResult, SaveTimings
 from . import kvcommit
 from .sinks.posix import PosixSink
-from .sinks.tensorstore import TensorStoreSink, is_kvstore_url, open_location
+from .sinks.tensorstore import KvTarget, deadlines_for, is_kvstore_url, open_sink
 from .staging.pool import shared_pool
 from .handle import SaveHandle, wait_for_previous
 from .staging.stager import Stager, record_producer_fence
@@ -106,7 +106,8 @@ class _Job:
                                     "the Megatron strategy writes local directories only, not kvstores"))
         elif self.kv:
             try:
-                self.kv_sink = TensorStoreSink(open_location(self.checkpoint_dir, self.options.kvstore_spec))
+                self.kv_sink = open_sink(KvTarget(self.checkpoint_dir, self.options.kvstore_spec),
+                                         deadlines_for(self.options))
             except Exception as exc:
                 problems.append(Problem("WriteError", "<target>", (rank,), f"{type(exc).__name__}: {exc}"))
         if rank == 0:
@@ -118,7 +119,8 @@ class _Job:
                 elif not self.kv:
                     self.area = commit.prepare(self.checkpoint_dir, save_id, replace)
             except Exception as exc:
-                problems.append(Problem("CommitError", "<target>", (0,), f"{type(exc).__name__}: {exc}"))
+                kind = "WriteError" if isinstance(exc, WriteError) else "CommitError"  # e.g. a store not answering
+                problems.append(Problem(kind, "<target>", (0,), f"{type(exc).__name__}: {exc}"))
         message = PlanMessage(
             rank_plan(local, residences, problems), self.area.staging_dir if self.area else None, save_id,
             layout_options(self.options.chunk_bytes, self.options.io_threads),
