@@ -33,12 +33,38 @@ class Bar:
             sys.stderr.flush()
 
 
+def _kv_target(args: argparse.Namespace, path: str, spec_json: str | None = None):
+    """The kvstore target of a tool argument (None: a local directory). The endpoint of an
+    `s3://` URL: --endpoint, else AWS_ENDPOINT_URL_S3, else AWS_ENDPOINT_URL (as boto3 reads them)."""
+    import json
+    import os
+
+    from .tools.kvtools import endpoint_from, kv_target, region_from
+
+    spec = json.loads(spec_json) if spec_json else None
+    return kv_target(path, spec, args.endpoint or endpoint_from(os.environ), region_from(os.environ))
+
+
+def _add_kv_arguments(p: argparse.ArgumentParser, spec: bool = True) -> None:
+    if spec:
+        p.add_argument("--kvstore-spec", default=None,
+                       help="TensorStore kvstore spec (JSON) the path lies in, e.g. an s3 bucket at an endpoint")
+    p.add_argument("--endpoint", default=None, help="S3-compatible endpoint for s3:// URLs (MinIO, Ceph RGW); "
+                                                    "default AWS_ENDPOINT_URL_S3, else AWS_ENDPOINT_URL")
+    p.add_argument("--request-timeout-s", type=float, default=30.0,
+                   help="the most one kvstore request may take, retries included (default 30)")
+
+
 def _verify(args: argparse.Namespace) -> int:
     import json
 
+    from .tools import kvtools
     from .tools.verify import verify
 
-    report = verify(args.directory, deep=args.deep, progress=None if args.json else Bar("verify"))
+    target = _kv_target(args, args.directory, args.kvstore_spec)
+    bar = None if args.json else Bar("verify")
+    report = verify(args.directory, deep=args.deep, progress=bar) if target is None else \
+        kvtools.verify(target, deep=args.deep, progress=bar, request_timeout_s=args.request_timeout_s)
     if args.json:
         print(json.dumps({"directory": report.directory, "ok": report.ok, "items": report.items_checked,
                           "bytes": report.bytes_checked, "checksummed_items": report.checksummed_items,
@@ -54,17 +80,22 @@ def _verify(args: argparse.Namespace) -> int:
 def _inspect(args: argparse.Namespace) -> int:
     import json
 
+    from .tools import kvtools
     from .tools.inspect import inspect, to_text
 
-    info = inspect(args.directory)
+    target = _kv_target(args, args.directory, args.kvstore_spec)
+    info = inspect(args.directory) if target is None else kvtools.inspect(target, args.request_timeout_s)
     print(json.dumps(info, indent=1, default=str) if args.json else to_text(info))
     return 0
 
 
 def _gc(args: argparse.Namespace) -> int:
+    from .tools import kvtools
     from .tools.gc import collect
 
-    found = collect(args.root, dry_run=args.dry_run)
+    target = _kv_target(args, args.root, args.kvstore_spec)
+    found = collect(args.root, dry_run=args.dry_run) if target is None else \
+        kvtools.collect(target, dry_run=args.dry_run, request_timeout_s=args.request_timeout_s)
     for path in found:
         print(("would remove " if args.dry_run else "removed ") + path)
     if not found:
@@ -77,9 +108,11 @@ def _copy(args: argparse.Namespace) -> int:
 
     from .tools.copy import copy
 
-    report = copy(args.src, args.dst, src_spec=json.loads(args.src_spec) if args.src_spec else None,
-                  dst_spec=json.loads(args.dst_spec) if args.dst_spec else None,
-                  replace="any" if args.replace else "checkpoint")
+    src = _kv_target(args, args.src, args.src_spec)
+    dst = _kv_target(args, args.dst, args.dst_spec)
+    report = copy(src.path if src else args.src, dst.path if dst else args.dst,
+                  src_spec=src.spec if src else None, dst_spec=dst.spec if dst else None,
+                  replace="any" if args.replace else "checkpoint", request_timeout_s=args.request_timeout_s)
     print(f"copied {report.files} files, {report.bytes / 1e9:.3f} GB")
     return 0
 
@@ -108,16 +141,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("directory")
     p.add_argument("--deep", action="store_true", help="also torch.load every tensor item (slower)")
     p.add_argument("--json", action="store_true")
+    _add_kv_arguments(p)
     p.set_defaults(func=_verify)
 
     p = sub.add_parser("inspect", help="keys, shapes, dtypes, chunks, bytes per rank and file, iteration")
     p.add_argument("directory")
     p.add_argument("--json", action="store_true")
+    _add_kv_arguments(p)
     p.set_defaults(func=_inspect)
 
     p = sub.add_parser("gc", help="remove what interrupted saves left under ROOT (hidden .safe_ckpt-* dirs)")
     p.add_argument("root")
     p.add_argument("--dry-run", action="store_true")
+    _add_kv_arguments(p)
     p.set_defaults(func=_gc)
 
     p = sub.add_parser("copy", help="copy a checkpoint between a directory and a kvstore (file://, gs://, s3://...)")
@@ -126,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--src-spec", default=None, help="TensorStore kvstore spec (JSON) the SRC path lies in")
     p.add_argument("--dst-spec", default=None, help="TensorStore kvstore spec (JSON) the DST path lies in")
     p.add_argument("--replace", action="store_true", help="overwrite whatever DST holds")
+    _add_kv_arguments(p, spec=False)
     p.set_defaults(func=_copy)
 
     p = sub.add_parser("bench", help="benchmark against stock Megatron and DCP (see safe-ckpt bench -h)",

@@ -168,3 +168,13 @@ def kv_target(path: str, spec: dict | None = None, endpoint: str | None = None,
 
     target = resolve_target(path, spec, endpoint, region)
     return target if target.is_kvstore else None
+
+
+def endpoint_from(environ) -> str | None:
+    """The S3 endpoint boto3 would use: `AWS_ENDPOINT_URL_S3`, else `AWS_ENDPOINT_URL` (the edges
+    pass their environment in)."""
+    return environ.get("AWS_ENDPOINT_URL_S3") or environ.get("AWS_ENDPOINT_URL") or None
+
+
+def region_from(environ) -> str | None:
+    return environ.get("AWS_REGION") or environ.get("AWS_DEFAULT_REGION") or None
