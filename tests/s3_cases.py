@@ -113,6 +113,8 @@ def s3_failing_store(rank, world, bucket_spec, prefix, options_kwargs, kill_pid,
         return gate["sink"]
 
     opts = small_options(kvstore_spec=bucket_spec, sink_factory=factory if kill_pid else None, **options_kwargs)
+    # A warm process, as in training: imports and the gloo group are in place before the clock starts.
+    safe_ckpt.save(_state(rank, world), after_dir + "-warm", options=small_options())
     out = {"error": None}
     t0 = time.monotonic()
     try:
