@@ -65,8 +65,8 @@ class SaveOptions:
         checkpoint directory is then a path inside it. A checkpoint directory written as a
         URL ("file:///...", "gs://...", "memory://...") selects the kvstore sink too. For an
         S3-compatible store at its own endpoint (MinIO, Ceph RGW): {"driver": "s3", "bucket": B,
-        "endpoint": "http://host:port", "aws_region": "us-east-1"} (`safe_ckpt.resolve_target`
-        builds it from an `s3://` URL and an endpoint).
+        "endpoint": "http://host:port", "aws_region": "us-east-1"}
+        (`safe_ckpt.sinks.tensorstore.resolve_target` builds it from an `s3://` URL and an endpoint).
     kvstore_request_timeout_s: the most one kvstore request may take (one value of up to
         chunk_bytes, a listing, a delete), TensorStore's own retries included; past it the
         request is cancelled and the save fails with `WriteError` on every rank. An unreachable

@@ -222,3 +222,58 @@ def test_tracker_and_retention_on_a_bucket_prefix(s3_server, monkeypatch):
     info = kvtools.inspect(KvTarget("run/iter_0000004", opts.kvstore_spec))
     assert info["tracker"] == "4"
     assert kvtools.find(KvTarget("run", opts.kvstore_spec)) == []
+
+
+# ------------------------------------------------------------------ without a server
+
+
+def test_s3_url_with_an_endpoint_becomes_the_s3_spec_and_other_targets_pass_unchanged():
+    from safe_ckpt.sinks.tensorstore import KvTarget, resolve_target
+    from safe_ckpt.tools.kvtools import endpoint_from
+
+    t = resolve_target("s3://bkt/a/b/iter_0000001", endpoint="http://minio:9000")
+    assert t == KvTarget("a/b/iter_0000001", {"driver": "s3", "bucket": "bkt", "endpoint": "http://minio:9000",
+                                               "aws_region": "us-east-1"})
+    assert resolve_target("s3://bkt/x", endpoint="http://e", region="eu-west-1").spec["aws_region"] == "eu-west-1"
+    assert resolve_target("s3://bkt/x") == KvTarget("s3://bkt/x")  # real AWS: TensorStore's own URL form
+    assert resolve_target("gs://b/x", endpoint="http://e") == KvTarget("gs://b/x")
+    assert resolve_target("x/y", spec={"driver": "memory"}, endpoint="http://e") == KvTarget("x/y", {"driver": "memory"})
+    assert not resolve_target("/local/dir", endpoint="http://e").is_kvstore
+    assert endpoint_from({"AWS_ENDPOINT_URL": "http://a", "AWS_ENDPOINT_URL_S3": "http://b"}) == "http://b"
+    assert endpoint_from({"AWS_ENDPOINT_URL": "http://a"}) == "http://a" and endpoint_from({}) is None
+    with pytest.raises(safe_ckpt.WriteError, match="bucket"):
+        resolve_target("s3:///x", endpoint="http://e")
+
+
+def test_what_counts_as_an_interrupted_saves_keys():
+    from safe_ckpt.kvcommit import is_save_leftover
+
+    tagged = ["__0_0-0123456789abcdef.distcp", "__1_3-0123456789abcdef.distcp"]
+    assert is_save_leftover(tagged)
+    assert is_save_leftover(tagged + [".metadata", "common.pt", "safe_ckpt_manifest.json"])  # killed mid-publish
+    assert not is_save_leftover(tagged + ["metadata.json", ".metadata"])  # a checkpoint
+    assert not is_save_leftover(["__0_0.distcp"])  # untagged: not attributable to one save
+    assert not is_save_leftover(tagged + ["notes.txt"]) and not is_save_leftover([])
+
+
+def test_a_request_that_never_completes_is_cancelled_at_its_deadline(monkeypatch):
+    """A kvstore write to a store that never answers (a listening socket nobody serves)."""
+    from safe_ckpt.sinks.tensorstore import KvDeadlines, KvTarget, open_sink
+
+    keep, endpoint = _silent_endpoint()
+    try:
+        spec = {"driver": "s3", "bucket": "silent", "endpoint": endpoint, "aws_region": "us-east-1"}
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+        sink = open_sink(KvTarget("p", spec), KvDeadlines(1.0))
+        t0 = time.monotonic()
+        with pytest.raises(safe_ckpt.WriteError, match="did not answer within 1.0 s"):
+            sink.write_file("x", b"payload")
+        assert time.monotonic() - t0 < 10
+        sink = open_sink(KvTarget("p", spec), KvDeadlines(30.0, save_deadline=time.monotonic() + 1.0))
+        t0 = time.monotonic()
+        with pytest.raises(safe_ckpt.WriteError, match="did not answer"):
+            sink.list()  # the save's deadline comes before the request's
+        assert time.monotonic() - t0 < 10
+    finally:
+        keep.close()
