@@ -71,16 +71,42 @@ def _located(path: str):
     return located
 
 
+def _kv_target(args: argparse.Namespace, path: str, spec_json: str | None = None):
+    """The kvstore target of a tool argument (None: a local directory). The endpoint of an
+    `s3://` URL: --endpoint, else AWS_ENDPOINT_URL_S3, else AWS_ENDPOINT_URL (as boto3 reads them)."""
+    import os
+
+    from .tools.kvtools import endpoint_from, kv_target, region_from
+
+    spec = _json_arg(spec_json, "--kvstore-spec")
+    return kv_target(path, spec, args.endpoint or endpoint_from(os.environ), region_from(os.environ))
+
+
+def _add_kv_arguments(p: argparse.ArgumentParser, spec: bool = True) -> None:
+    if spec:
+        p.add_argument("--kvstore-spec", default=None,
+                       help="TensorStore kvstore spec (JSON) the path lies in, e.g. an s3 bucket at an endpoint")
+    p.add_argument("--endpoint", default=None, help="S3-compatible endpoint for s3:// URLs (MinIO, Ceph RGW); "
+                                                    "default AWS_ENDPOINT_URL_S3, else AWS_ENDPOINT_URL")
+    p.add_argument("--request-timeout-s", type=float, default=30.0,
+                   help="the most one kvstore request may take, retries included (default 30)")
+
+
 def _verify(args: argparse.Namespace) -> int:
     import json
 
+    from .tools import kvtools
     from .tools.verify import verify
 
-    located = _located(args.directory)
+    target = _kv_target(args, args.directory, args.kvstore_spec)
+    located = _located(args.directory) if target is None else None
     quiet_megatron_import()
-    report = verify(located.directory, deep=args.deep, progress=None if args.json else Bar("verify"))
+    bar = None if args.json else Bar("verify")
+    report = verify(located.directory, deep=args.deep, progress=bar) if target is None else \
+        kvtools.verify(target, deep=args.deep, progress=bar, request_timeout_s=args.request_timeout_s)
     if args.json:
-        print(json.dumps({"directory": report.directory, "followed_tracker": located.via_tracker, "ok": report.ok,
+        print(json.dumps({"directory": report.directory, "followed_tracker": bool(located and located.via_tracker),
+                          "ok": report.ok,
                           "items": report.items_checked, "bytes": report.bytes_checked,
                           "checksummed_items": report.checksummed_items, "object_items": report.object_items,
                           "common_state_loaded": report.common_state_loaded, "deep": report.deep,
@@ -104,21 +130,26 @@ def _verify(args: argparse.Namespace) -> int:
 def _inspect(args: argparse.Namespace) -> int:
     import json
 
+    from .tools import kvtools
     from .tools.inspect import inspect, to_text
 
-    located = _located(args.directory)
+    target = _kv_target(args, args.directory, args.kvstore_spec)
+    located = _located(args.directory) if target is None else None
     quiet_megatron_import()
-    info = inspect(located.directory)
-    info["followed_tracker"] = located.via_tracker
+    info = inspect(located.directory) if target is None else kvtools.inspect(target, args.request_timeout_s)
+    info["followed_tracker"] = bool(located and located.via_tracker)
     print(json.dumps(info, indent=1, default=str) if args.json else to_text(info))
     return EXIT_OK
 
 
 def _gc(args: argparse.Namespace) -> int:
+    from .tools import kvtools
     from .tools.gc import collect
     from .tools.locate import require_directory
 
-    found = collect(require_directory(args.root, "save root"), dry_run=args.dry_run)
+    target = _kv_target(args, args.root, args.kvstore_spec)
+    found = collect(require_directory(args.root, "save root"), dry_run=args.dry_run) if target is None else \
+        kvtools.collect(target, dry_run=args.dry_run, request_timeout_s=args.request_timeout_s)
     for path in found:
         print(("would remove " if args.dry_run else "removed ") + path)
     if not found:
@@ -144,14 +175,15 @@ def _copy(args: argparse.Namespace) -> int:
     from .tools.copy import copy
     from .tools.locate import require_directory
 
-    src_spec, dst_spec = _json_arg(args.src_spec, "--src-spec"), _json_arg(args.dst_spec, "--dst-spec")
-    if src_spec is None and not is_kvstore_url(args.src):
+    src = _kv_target(args, args.src, args.src_spec)
+    dst = _kv_target(args, args.dst, args.dst_spec)
+    if src is None and not is_kvstore_url(args.src):
         require_directory(args.src, "source directory")
-    if dst_spec is None and not is_kvstore_url(args.dst) and os.path.exists(args.dst) \
-            and not os.path.isdir(args.dst):
+    if dst is None and not is_kvstore_url(args.dst) and os.path.exists(args.dst) and not os.path.isdir(args.dst):
         raise UsageError(f"{args.dst}: not a directory")
-    report = copy(args.src, args.dst, src_spec=src_spec, dst_spec=dst_spec,
-                  replace="any" if args.replace else "checkpoint")
+    report = copy(src.path if src else args.src, dst.path if dst else args.dst,
+                  src_spec=src.spec if src else None, dst_spec=dst.spec if dst else None,
+                  replace="any" if args.replace else "checkpoint", request_timeout_s=args.request_timeout_s)
     print(f"copied {report.files} files, {report.bytes / 1e9:.3f} GB")
     return EXIT_OK
 
@@ -170,7 +202,8 @@ def _add_verbose(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_demo(sub) -> None:
-    p = sub.add_parser("demo", help="save Megatron-shaped state at N ranks, load it with stock Megatron, print GB/s")
+    p = sub.add_parser("demo", help="save Megatron-shaped state at N ranks, load it back with stock Megatron, "
+                                           "compare with the write ceiling and stock DCP")
     p.add_argument("--ranks", type=int, default=2, help="number of ranks (processes) to save from (default: 2)")
     p.add_argument("--size-mb", type=int, default=384, help="total state size across ranks, in MiB (default: 384)")
     p.add_argument("--out", default=None, help="directory to save into (default: a temporary one)")
@@ -189,6 +222,7 @@ def _add_verify(sub) -> None:
     p.add_argument("--deep", action="store_true",
                    help="also torch.load(weights_only=True) every tensor item and check its dtype and shape (slower)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    _add_kv_arguments(p)
     p.set_defaults(func=_verify)
 
 
@@ -199,6 +233,7 @@ def _add_inspect(sub) -> None:
     p.add_argument("directory", help="a checkpoint directory (iter_NNNNNNN), or a save root holding "
                                      "latest_checkpointed_iteration.txt (the tracker is followed)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    _add_kv_arguments(p)
     p.set_defaults(func=_inspect)
 
 
@@ -206,6 +241,7 @@ def _add_gc(sub) -> None:
     p = sub.add_parser("gc", help="remove what interrupted saves left under ROOT (hidden .safe_ckpt-* dirs)")
     p.add_argument("root", help="the save root (the directory holding the iter_* checkpoints)")
     p.add_argument("--dry-run", action="store_true", help="only list what would be removed")
+    _add_kv_arguments(p)
     p.set_defaults(func=_gc)
 
 
@@ -216,6 +252,7 @@ def _add_copy(sub) -> None:
     p.add_argument("--src-spec", default=None, help="TensorStore kvstore spec (JSON) the SRC path lies in")
     p.add_argument("--dst-spec", default=None, help="TensorStore kvstore spec (JSON) the DST path lies in")
     p.add_argument("--replace", action="store_true", help="overwrite whatever DST holds")
+    _add_kv_arguments(p, spec=False)
     p.set_defaults(func=_copy)
 
 

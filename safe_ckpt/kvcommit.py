@@ -5,20 +5,58 @@ data is durable, with the small files as the commit marker. Data files carry the
 id in their names, so a new save never overwrites the files of a previous checkpoint at
 the same prefix. Commit order (rank 0): remove `metadata.json` (Megatron's "this is a
 checkpoint" marker) if a previous checkpoint is there, then the common state, the
-manifest and `.metadata`, then `metadata.json` last; finally the data files no longer
-referenced. An interrupted save leaves no `metadata.json`, which no loader takes for a
-checkpoint. Re-saving the same prefix is therefore not atomic on a kvstore (the old
-checkpoint is gone once the commit starts): prefer a new prefix per iteration.
+manifest and `.metadata`, then `metadata.json` last; finally the data files of the
+checkpoint it replaced (those its `.metadata` named), and no others: files of another
+save of the same prefix are not this save's to remove. An interrupted save leaves no
+`metadata.json`, which no loader takes for a checkpoint, and only keys this module
+recognises as a save's (`is_save_leftover`): the next save of the prefix replaces them,
+and `safe-ckpt gc` removes them. Re-saving the same prefix is therefore not atomic on a
+kvstore (the old checkpoint is gone once the commit starts): prefer a new prefix per
+iteration.
 
 Must not: rely on rename or directories.
 """
 
 from __future__ import annotations
 
+import logging
+import pickle
+import re
+import time
+
 from .errors import CommitError
+from .sinks.tensorstore import KvDeadlines, TensorStoreSink
+
+log = logging.getLogger("safe_ckpt")
 
 METADATA_FILE = ".metadata"
 CONFIG_FILE = "metadata.json"
+# What a save writes besides its data files (the manifest and the common state are optional).
+SMALL_FILES = (METADATA_FILE, CONFIG_FILE, "common.pt", "safe_ckpt_manifest.json")
+# A data file of one save: `__RANK_INDEX-SAVEID.distcp` (see `new_file_tag`).
+_TAGGED_DATA = re.compile(r"^__\d+_\d+-[0-9a-f]{8,}\.distcp$")
+# Cleanup after a failure must not outlast the failure it cleans up after.
+ABORT_REQUEST_TIMEOUT_S = 5.0
+ABORT_BUDGET_S = 10.0
+
+
+def is_save_leftover(names) -> bool:
+    """Keys only a safe_ckpt save of this prefix writes, and no `metadata.json`: what a killed
+    or failed save leaves behind (a save still running looks the same)."""
+    names = set(names)
+    if not names or CONFIG_FILE in names:
+        return False
+    return all(n in SMALL_FILES or _TAGGED_DATA.match(n) for n in names)
+
+
+def referenced_files(sink) -> set[str]:
+    """The data files the `.metadata` under ``sink`` names (empty if it cannot be read)."""
+    try:
+        meta = pickle.loads(sink.read(METADATA_FILE))
+        return {info.relative_path for info in meta.storage_data.values()}
+    except Exception as exc:
+        log.debug("safe_ckpt: cannot read %s%s: %s", sink.root, METADATA_FILE, exc)
+        return set()
 
 
 def check_target(sink, replace: str) -> None:
@@ -28,6 +66,10 @@ def check_target(sink, replace: str) -> None:
     complete = METADATA_FILE in keys and CONFIG_FILE in keys
     if replace == "never":
         raise CommitError(f"{sink.root} is not empty and SaveOptions(replace='never') forbids replacing it")
+    if is_save_leftover(keys):
+        log.info("safe_ckpt: %s holds %d key(s) an interrupted save left (no metadata.json); this save "
+                 "replaces them (`safe-ckpt gc` removes them)", sink.root, len(keys))
+        return
     if not complete:
         raise CommitError(
             f"{sink.root} holds keys but no complete torch_dist checkpoint (foreign data or a broken save); "
@@ -38,29 +80,33 @@ def check_target(sink, replace: str) -> None:
 def publish(sink, small_files: dict[str, bytes], data_files: set[str]) -> None:
     """Write the small files (``.metadata`` and ``metadata.json`` in ``small_files``) in commit order."""
     existing = set(sink.list())
+    replaced: set[str] = set()
     if CONFIG_FILE in existing:
+        replaced = referenced_files(sink) & existing
         sink.delete(CONFIG_FILE)
     for name, data in small_files.items():
         if name not in (METADATA_FILE, CONFIG_FILE):
             sink.write_file(name, data)
     sink.write_file(METADATA_FILE, small_files[METADATA_FILE])
     sink.write_file(CONFIG_FILE, small_files[CONFIG_FILE])
-    for name in existing:
-        if name.endswith(".distcp") and name not in data_files:
-            try:
-                sink.delete(name)
-            except Exception:  # a leftover data file is harmless: nothing references it
-                pass
+    for name in sorted(replaced - set(data_files)):
+        try:
+            sink.delete(name)
+        except Exception as exc:  # a leftover data file is harmless: nothing references it
+            log.warning("safe_ckpt: could not remove %s%s of the replaced checkpoint: %s", sink.root, name, exc)
 
 
-def abort(sink, tag: str) -> None:
-    """Remove the data files this save wrote (best effort)."""
+def abort(sink: TensorStoreSink, tag: str) -> None:
+    """Remove the data files this save wrote (best effort, within `ABORT_BUDGET_S`: the store
+    may be the reason the save failed)."""
+    quick = TensorStoreSink(sink.location, KvDeadlines(ABORT_REQUEST_TIMEOUT_S, time.monotonic() + ABORT_BUDGET_S))
     try:
-        for name in sink.list():
+        for name in quick.list():
             if name.endswith(f"{tag}.distcp"):
-                sink.delete(name)
-    except Exception:
-        pass
+                quick.delete(name)
+    except Exception as exc:
+        log.warning("safe_ckpt: could not remove the failed save's data files under %s (%s); "
+                    "`safe-ckpt gc` removes them later", sink.root, exc)
 
 
 def new_file_tag(save_id: str) -> str:

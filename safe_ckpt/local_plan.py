@@ -14,11 +14,11 @@ import logging
 from dataclasses import dataclass
 
 from . import commit, kvcommit, residence
-from .errors import failure_from_exception
+from .errors import WriteError, failure_from_exception
 from .options import SaveOptions
 from .plan import LocalState, Problem, collect, rank_plan
 from .plan.message import PlanMessage, layout_options
-from .sinks.tensorstore import TensorStoreSink, open_location
+from .sinks.tensorstore import KvTarget, TensorStoreSink, deadlines_for, open_sink
 
 log = logging.getLogger("safe_ckpt")
 INTERRUPTS = (KeyboardInterrupt, SystemExit)
@@ -76,7 +76,7 @@ def plan_locally(state: dict, rank: int, *, checkpoint_dir: str, options: SaveOp
                                     "the Megatron strategy writes local directories only, not kvstores"))
         elif kv:
             try:
-                kv_sink = TensorStoreSink(open_location(checkpoint_dir, options.kvstore_spec))
+                kv_sink = open_sink(KvTarget(checkpoint_dir, options.kvstore_spec), deadlines_for(options))
             except Exception as exc:
                 problems.append(Problem("WriteError", "<target>", (rank,), f"{type(exc).__name__}: {exc}"))
         if rank == 0:
@@ -88,7 +88,8 @@ def plan_locally(state: dict, rank: int, *, checkpoint_dir: str, options: SaveOp
                 elif not kv:
                     area = commit.prepare(checkpoint_dir, save_id, replace)
             except Exception as exc:
-                problems.append(Problem("CommitError", "<target>", (0,), f"{type(exc).__name__}: {exc}"))
+                kind = "WriteError" if isinstance(exc, WriteError) else "CommitError"  # e.g. a store not answering
+                problems.append(Problem(kind, "<target>", (0,), f"{type(exc).__name__}: {exc}"))
         plan = rank_plan(local, residences, problems)
     except BaseException as exc:
         interrupt = interrupt or (exc if isinstance(exc, INTERRUPTS) else None)

@@ -76,7 +76,18 @@ class SaveOptions:
         (tests inject faults here); None means the POSIX (or kvstore) sink.
     kvstore_spec: a TensorStore kvstore spec (e.g. {"driver": "gcs", "bucket": "b"}); the
         checkpoint directory is then a path inside it. A checkpoint directory written as a
-        URL ("file:///...", "gs://...", "memory://...") selects the kvstore sink too.
+        URL ("file:///...", "gs://...", "memory://...") selects the kvstore sink too. For an
+        S3-compatible store at its own endpoint (MinIO, Ceph RGW): {"driver": "s3", "bucket": B,
+        "endpoint": "http://host:port", "aws_region": "us-east-1"}
+        (`safe_ckpt.sinks.tensorstore.resolve_target` builds it from an `s3://` URL and an endpoint).
+    kvstore_request_timeout_s: the most one kvstore request may take (one value of up to
+        chunk_bytes, a listing, a delete), TensorStore's own retries included; past it the
+        request is cancelled and the save fails with `WriteError` on every rank. An unreachable
+        or dead store therefore fails a save within about this time. Raise it where a value of
+        chunk_bytes takes longer to upload.
+    kvstore_save_timeout_s: the most all of a save's kvstore requests may take together, from
+        planning to publication (None: no bound beyond each request's; a save's time grows
+        with its bytes, so set it from the expected size).
     """
 
     chunk_bytes: int = 64 * MiB
@@ -95,6 +106,8 @@ class SaveOptions:
     writer_nice: Optional[int] = None
     sink_factory: Optional[Callable] = None
     kvstore_spec: Optional[dict] = None
+    kvstore_request_timeout_s: float = 30.0
+    kvstore_save_timeout_s: Optional[float] = None
 
     def __post_init__(self) -> None:
         problems = []
@@ -110,6 +123,10 @@ class SaveOptions:
             problems.append(f"checksum_threads={self.checksum_threads} must be None or within [0, 256]")
         if not self.collective_timeout_s > 0:
             problems.append(f"collective_timeout_s={self.collective_timeout_s} must be positive")
+        if not self.kvstore_request_timeout_s > 0:
+            problems.append(f"kvstore_request_timeout_s={self.kvstore_request_timeout_s} must be positive")
+        if self.kvstore_save_timeout_s is not None and not self.kvstore_save_timeout_s > 0:
+            problems.append(f"kvstore_save_timeout_s={self.kvstore_save_timeout_s} must be None or positive")
         if self.replace not in REPLACE_POLICIES:
             problems.append(f"replace={self.replace!r} must be one of {REPLACE_POLICIES}")
         if self.unmapped_policy not in UNMAPPED_POLICIES:

@@ -14,17 +14,20 @@ moves tensors to the device.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 import os
 import threading
 
 from .. import commit, compat
+from ..tools import kvtools
 from .. import saving as save_mod
 from ..errors import ValidationError, failure_from_exception
 from ..options import GiB, SaveOptions
 from ..results import SaveResult
 from ..retention import Retention, prune
+from ..sinks.tensorstore import KvTarget, deadlines_for, is_kvstore_url, resolve_target
 
 log = logging.getLogger("safe_ckpt")
 
@@ -64,6 +67,16 @@ def options_from_args(args) -> SaveOptions:
         collective_timeout_s=float(getattr(args, "safe_ckpt_timeout_s", None) or 600.0),
         writer_nice=getattr(args, "safe_ckpt_writer_nice", None),
     )
+
+
+def save_target(save: str, options: SaveOptions, environ) -> tuple:
+    """``--save`` as (save root, options): an `s3://bucket/prefix` URL with `AWS_ENDPOINT_URL_S3`
+    (or `AWS_ENDPOINT_URL`) set, as boto3 reads them, goes to that S3-compatible endpoint; the
+    root is then the prefix inside `options.kvstore_spec`. Other URLs and paths pass unchanged."""
+    target = resolve_target(save, options.kvstore_spec, kvtools.endpoint_from(environ), kvtools.region_from(environ))
+    if target.spec is not None and options.kvstore_spec is None:
+        options = dataclasses.replace(options, kvstore_spec=target.spec)
+    return target.path, options
 
 
 def check_sharding_type(args, optimizer, metadata: dict | None) -> None:
@@ -118,18 +131,27 @@ def save_state(state_dict: dict, save_dir: str, checkpoint_dir: str, tracker_val
     background (tracker and retention included); `finalize_async_saves()` waits for it.
     """
     options = options or SaveOptions()
-    resumed = resumed_from(save_dir)  # read before this save moves the tracker
+    # A kvstore save root (a URL, or a path inside options.kvstore_spec): tracker and retention there.
+    kv_root = KvTarget(save_dir, options.kvstore_spec) \
+        if options.kvstore_spec is not None or is_kvstore_url(save_dir) else None
+    resumed = resumed_from(save_dir) if kv_root is None else None  # read before this save moves the tracker
 
     def write_tracker(coord) -> None:
         failure = None
         if coord.rank == 0:
             try:
-                commit.write_tracker(save_dir, tracker_value, fsync=options.fsync)
+                if kv_root is not None:
+                    kvtools.write_tracker(kv_root, tracker_value, deadlines_for(options))
+                else:
+                    commit.write_tracker(save_dir, tracker_value, fsync=options.fsync)
             except Exception as exc:
                 failure = failure_from_exception(0, "tracker", exc)
         coord.vote("tracker", failure)
         if coord.rank == 0 and retention is not None and tracker_value.isdigit():
-            prune(save_dir, int(tracker_value), retention, resumed_from=resumed)  # once the new one is current
+            if kv_root is not None:
+                kvtools.prune(kv_root, int(tracker_value), retention, deadlines_for(options))
+            else:
+                prune(save_dir, int(tracker_value), retention, resumed_from=resumed)  # once the new one is current
 
     job = save_mod.start(state_dict, checkpoint_dir, process_group=process_group, options=options,
                          content_metadata=content_metadata, post_commit=write_tracker, asynchronous=async_save)
@@ -236,11 +258,12 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
         }),
     )
     state_dict["num_floating_point_operations_so_far"] = num_floating_point_operations_so_far
-    checkpoint_name = mck.get_checkpoint_name(args.save, iteration, release=release, return_base_dir=True)
+    save_root, options = save_target(args.save, options_from_args(args), os.environ)
+    checkpoint_name = mck.get_checkpoint_name(save_root, iteration, release=release, return_base_dir=True)
     log.info("safe_ckpt: saving iteration %s to %s (sharding %s)", iteration, checkpoint_name,
              (metadata or {}).get("distrib_optim_sharding_type"))
     return save_state(
-        state_dict, args.save, checkpoint_name, "release" if release else str(iteration),
-        content_metadata=compat.clean_content_metadata(metadata), options=options_from_args(args),
+        state_dict, save_root, checkpoint_name, "release" if release else str(iteration),
+        content_metadata=compat.clean_content_metadata(metadata), options=options,
         async_save=bool(getattr(args, "async_save", False)), retention=retention_from_args(args),
     )

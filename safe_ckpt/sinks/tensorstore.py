@@ -1,20 +1,31 @@
 """TensorStore kvstore sink: the same layout to any kvstore (`file`, `memory`, `gcs`, `s3`, ...).
 
-One job: put whole values under keys through TensorStore's kvstore API. Writes are
-asynchronous futures served by TensorStore's own threads, so they do not hold the GIL.
-A kvstore writes whole values, not byte ranges, so each data file holds exactly one
-item (the layout's one-item-per-file mode) and a value is assembled once in memory:
-peak extra memory is bounded by writer threads x chunk_bytes. Must not: know about
-tensors, or assume a rename exists.
+One job: put whole values under keys through TensorStore's kvstore API, each request
+bounded in time. Writes are asynchronous futures served by TensorStore's own threads, so
+they do not hold the GIL. A kvstore writes whole values, not byte ranges, so each data
+file holds exactly one item (the layout's one-item-per-file mode) and a value is
+assembled once in memory: peak extra memory is bounded by writer threads x chunk_bytes.
+
+TensorStore retries a failed request (refused connection, 5xx) with backoff and no
+overall bound, and a store that accepts a connection but never answers is waited for
+without end; so every wait here has a deadline (`KvDeadlines`), after which the request
+is cancelled and a `WriteError` names the key, the store and the remedy.
+
+Must not: know about tensors, assume a rename exists, or read environment variables
+(`resolve_target` takes the endpoint the edge read).
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 from ..errors import WriteError
 from .base import Buffer
+
+DEFAULT_REQUEST_TIMEOUT_S = 30.0
+DEFAULT_REGION = "us-east-1"
 
 
 def _ts():
@@ -41,6 +52,72 @@ def is_kvstore_url(path: str) -> bool:
 
 
 @dataclass(frozen=True)
+class KvTarget:
+    """Where a checkpoint (or a save root) lives: ``path`` inside the kvstore ``spec``, or,
+    with no spec, ``path`` is a URL ("gs://b/x", "file:///x") or a local directory."""
+
+    path: str
+    spec: Optional[dict] = None
+
+    @property
+    def is_kvstore(self) -> bool:
+        return self.spec is not None or is_kvstore_url(self.path)
+
+    def child(self, name: str) -> "KvTarget":
+        return KvTarget(self.path.rstrip("/") + "/" + name, self.spec)
+
+
+def resolve_target(target: str, spec: Optional[dict] = None, endpoint: Optional[str] = None,
+                   region: Optional[str] = None) -> KvTarget:
+    """``s3://bucket/prefix`` with an ``endpoint`` (an S3-compatible store: MinIO, Ceph RGW)
+    becomes the `s3` driver's spec for that endpoint and the prefix inside it; TensorStore's
+    own URL form carries no endpoint. With ``spec`` the target is already a path inside it."""
+    if spec is not None:
+        return KvTarget(target, dict(spec))
+    if endpoint and isinstance(target, str) and target.startswith("s3://"):
+        bucket, _, prefix = target[len("s3://"):].partition("/")
+        if not bucket:
+            raise WriteError(f"{target!r}: an s3:// URL needs a bucket (s3://BUCKET/PREFIX)")
+        return KvTarget(prefix.strip("/"), {"driver": "s3", "bucket": bucket, "endpoint": endpoint,
+                                            "aws_region": region or DEFAULT_REGION})
+    return KvTarget(target, None)
+
+
+@dataclass(frozen=True)
+class KvDeadlines:
+    """``request_timeout_s`` bounds every request (one value, a listing, a delete), TensorStore's
+    retries included; ``save_deadline`` (a `time.monotonic()` value, or None) bounds them all."""
+
+    request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S
+    save_deadline: Optional[float] = None
+
+    def timeout_s(self) -> float:
+        if self.save_deadline is None:
+            return self.request_timeout_s
+        return max(0.0, min(self.request_timeout_s, self.save_deadline - time.monotonic()))
+
+
+def deadlines_for(options) -> KvDeadlines:
+    """The deadlines of one save, from its `SaveOptions` (the save's clock starts now)."""
+    total = options.kvstore_save_timeout_s
+    return KvDeadlines(options.kvstore_request_timeout_s, None if total is None else time.monotonic() + total)
+
+
+def bounded(future, timeout_s: float, what: str):
+    """``future``'s result within ``timeout_s``, or a `WriteError` (the request is cancelled)."""
+    try:
+        return future.result(timeout=timeout_s)
+    except TimeoutError as exc:
+        future.cancel()
+        raise WriteError(
+            f"{what}: the store did not answer within {timeout_s:.1f} s (unreachable, or too slow); "
+            "check the endpoint and credentials, or raise SaveOptions.kvstore_request_timeout_s"
+        ) from exc
+    except Exception as exc:
+        raise WriteError(f"{what}: {exc}") from exc
+
+
+@dataclass(frozen=True)
 class KvLocation:
     """A kvstore and the key prefix (ending in "/") that plays the checkpoint directory."""
 
@@ -49,21 +126,30 @@ class KvLocation:
     description: str
 
 
-def open_location(checkpoint_dir: str, spec: dict | None = None) -> KvLocation:
+def open_location(checkpoint_dir: str, spec: dict | None = None,
+                  deadlines: KvDeadlines = KvDeadlines()) -> KvLocation:
     """``checkpoint_dir`` as a URL ("file:///ckpt/iter_0000042", "gs://bucket/ckpt/iter_1", "memory://x"),
     or a path inside the kvstore described by ``spec`` (a TensorStore kvstore spec)."""
     ts = _ts()
     try:
         if spec is not None:
-            kv = ts.KvStore.open(spec, context=_shared_context()).result()
-            prefix = checkpoint_dir.strip("/") + "/"
-            return KvLocation(kv, prefix, f"{spec.get('driver', 'kvstore')}:{kv.path}{prefix}")
+            kv = bounded(ts.KvStore.open(spec, context=_shared_context()), deadlines.timeout_s(),
+                         f"opening kvstore {spec.get('driver')}")
+            prefix = checkpoint_dir.strip("/") + "/" if checkpoint_dir.strip("/") else ""
+            where = spec.get("endpoint") or spec.get("bucket") or ""
+            return KvLocation(kv, prefix, f"{spec.get('driver', 'kvstore')}:{where}:{kv.path}{prefix}")
         url = checkpoint_dir.rstrip("/") + "/"
-        return KvLocation(ts.KvStore.open(url, context=_shared_context()).result(), "", url)
-    except WriteError:
-        raise
+        kv = bounded(ts.KvStore.open(url, context=_shared_context()), deadlines.timeout_s(), f"opening {url}")
+        return KvLocation(kv, "", url)
+    except WriteError as exc:
+        raise WriteError(f"cannot open kvstore {checkpoint_dir!r}: {exc}") from exc
     except Exception as exc:
         raise WriteError(f"cannot open kvstore {checkpoint_dir!r}: {exc}") from exc
+
+
+def _successor(prefix: str) -> str:
+    """The smallest key after every key that starts with ``prefix`` (keys here are ASCII)."""
+    return prefix[:-1] + chr(ord(prefix[-1]) + 1)
 
 
 class TensorStoreFile:
@@ -82,6 +168,8 @@ class TensorStoreFile:
             self._sink._wait(self._key, self._future)
 
     def close(self) -> None:
+        if self._future is not None and not self._future.done():
+            self._future.cancel()  # a failed save's unsynced value: do not leave it running
         self._future = None
 
 
@@ -90,8 +178,9 @@ class TensorStoreSink:
 
     one_item_per_file = True  # the layout must give every item its own key
 
-    def __init__(self, location: KvLocation) -> None:
+    def __init__(self, location: KvLocation, deadlines: KvDeadlines = KvDeadlines()) -> None:
         self.location = location
+        self.deadlines = deadlines
         self.root = location.description
 
     def _key(self, relative_path: str) -> str:
@@ -103,11 +192,8 @@ class TensorStoreSink:
         except Exception as exc:
             raise WriteError(f"{self.root}{relative_path}: {exc}") from exc
 
-    def _wait(self, relative_path: str, future) -> None:
-        try:
-            future.result()
-        except Exception as exc:
-            raise WriteError(f"{self.root}{relative_path}: {exc}") from exc
+    def _wait(self, relative_path: str, future):
+        return bounded(future, self.deadlines.timeout_s(), f"{self.root}{relative_path}")
 
     def open(self, relative_path: str, size_bytes: int) -> TensorStoreFile:
         return TensorStoreFile(self, relative_path)
@@ -119,17 +205,46 @@ class TensorStoreSink:
         """Every write was already waited for; a kvstore has no directory to sync."""
 
     # ---- used by the commit protocol and tools -------------------------------------------
+    def list_tree(self) -> list[str]:
+        """Every key under the prefix, relative to it (``sub/name`` for deeper keys)."""
+        ts, prefix = _ts(), self.location.prefix
+        kv_range = ts.KvStore.KeyRange(prefix, _successor(prefix)) if prefix else ts.KvStore.KeyRange()
+        keys = self._wait("<listing>", self.location.kvstore.list(kv_range))
+        keys = [k.decode() if isinstance(k, bytes) else k for k in keys]
+        return sorted(k[len(prefix):] for k in keys if k.startswith(prefix))
+
     def list(self) -> list[str]:
-        kv, prefix = self.location.kvstore, self.location.prefix
-        keys = [k.decode() if isinstance(k, bytes) else k for k in kv.list().result()]
-        return sorted(k[len(prefix):] for k in keys if k.startswith(prefix) and "/" not in k[len(prefix):])
+        """The keys directly under the prefix (the checkpoint directory's files)."""
+        return [k for k in self.list_tree() if "/" not in k]
 
     def read(self, relative_path: str) -> bytes:
-        result = self.location.kvstore.read(self._key(relative_path)).result()
+        result = self._wait(relative_path, self.location.kvstore.read(self._key(relative_path)))
         if result.state != "value":
             raise FileNotFoundError(f"{self.root}{relative_path}")
         return bytes(result.value)
 
     def delete(self, relative_path: str) -> None:
-        self.location.kvstore.delete_range(
-            _ts().KvStore.KeyRange(self._key(relative_path), self._key(relative_path) + "\x00")).result()
+        key = self._key(relative_path)
+        self._wait(relative_path, self.location.kvstore.delete_range(_ts().KvStore.KeyRange(key, key + "\x00")))
+
+    def delete_tree(self, relative_dir: str) -> None:
+        """Every key under ``relative_dir/``."""
+        prefix = self._key(relative_dir.strip("/") + "/")
+        self._wait(relative_dir, self.location.kvstore.delete_range(_ts().KvStore.KeyRange(prefix, _successor(prefix))))
+
+    def child(self, relative_dir: str) -> "TensorStoreSink":
+        """The sink of a directory below this one (same store, same deadlines)."""
+        loc = self.location
+        prefix = loc.prefix + relative_dir.strip("/") + "/"
+        return TensorStoreSink(KvLocation(loc.kvstore, prefix, loc.description + relative_dir.strip("/") + "/"),
+                               self.deadlines)
+
+
+def open_sink(target: KvTarget, deadlines: KvDeadlines = KvDeadlines()) -> TensorStoreSink:
+    """The sink of a kvstore target (a URL, or a path inside a spec); a local path as `file://`."""
+    path = target.path
+    if target.spec is None and not is_kvstore_url(path):
+        import os
+
+        path = "file://" + os.path.abspath(path)
+    return TensorStoreSink(open_location(path, target.spec, deadlines), deadlines)

@@ -4,20 +4,20 @@ One job: copy every file of a complete checkpoint (data files first, `.metadata`
 `metadata.json` last, with the kvstore commit order) so that the destination becomes
 visible as a checkpoint only when it is whole; e.g. a local directory to a bucket, or a
 bucket to a local directory for loading with stock Megatron. Each file travels as one
-value (kvstores take whole values), so memory peaks at the largest file. A source that
-cannot be listed or read is a `CommitError` naming the file; a write that fails is the
-sink's `WriteError`; either way the destination never becomes a checkpoint.
+value (kvstores take whole values), so memory peaks at the largest file, and each
+request is bounded by ``request_timeout_s`` (see `SaveOptions.kvstore_request_timeout_s`).
+A source that cannot be listed or read is a `CommitError` naming the file; a write that
+fails is the sink's `WriteError`; either way the destination never becomes a checkpoint.
 Must not: modify the source.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 from .. import kvcommit
 from ..errors import CommitError
-from ..sinks.tensorstore import TensorStoreSink, is_kvstore_url, open_location
+from ..sinks.tensorstore import DEFAULT_REQUEST_TIMEOUT_S, KvDeadlines, KvTarget, open_sink
 
 
 @dataclass(frozen=True)
@@ -26,13 +26,7 @@ class CopyReport:
     bytes: int
 
 
-def _sink(path: str, spec: dict | None) -> TensorStoreSink:
-    if spec is None and not is_kvstore_url(path):
-        path = "file://" + os.path.abspath(path)
-    return TensorStoreSink(open_location(path, spec))
-
-
-def _read(source: TensorStoreSink, name: str) -> bytes:
+def _read(source, name: str) -> bytes:
     try:
         return source.read(name)
     except Exception as exc:
@@ -40,8 +34,11 @@ def _read(source: TensorStoreSink, name: str) -> bytes:
 
 
 def copy(src: str, dst: str, *, src_spec: dict | None = None, dst_spec: dict | None = None,
-         replace: str = "checkpoint") -> CopyReport:
-    source, target = _sink(src, src_spec), _sink(dst, dst_spec)
+         replace: str = "checkpoint", request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S) -> CopyReport:
+    """``src`` / ``dst``: local directories, kvstore URLs, or paths inside ``src_spec`` /
+    ``dst_spec`` (see `safe_ckpt.sinks.tensorstore.resolve_target` for `s3://` at an endpoint)."""
+    deadlines = KvDeadlines(request_timeout_s)
+    source, target = open_sink(KvTarget(src, src_spec), deadlines), open_sink(KvTarget(dst, dst_spec), deadlines)
     try:
         names = source.list()
     except Exception as exc:  # a kvstore's own error types: one message naming the source
@@ -59,3 +56,17 @@ def copy(src: str, dst: str, *, src_spec: dict | None = None, dst_spec: dict | N
     total += sum(len(b) for b in small.values())
     kvcommit.publish(target, small, set(data))
     return CopyReport(len(names), total)
+
+
+def download(src: KvTarget, local_dir: str, request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S) -> list[str]:
+    """Every file directly under ``src`` into ``local_dir`` as it is (complete or not: for
+    `verify` and `inspect`, which report what is missing); returns the names."""
+    import os
+
+    source = open_sink(src, KvDeadlines(request_timeout_s))
+    os.makedirs(local_dir, exist_ok=True)
+    names = source.list()
+    for name in names:
+        with open(os.path.join(local_dir, name), "wb") as f:
+            f.write(source.read(name))
+    return names

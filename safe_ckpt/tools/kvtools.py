@@ -1,0 +1,180 @@
+"""The tools on kvstore prefixes: verify, inspect, gc, and the Megatron tracker and retention.
+
+One job: give `verify`, `inspect`, `gc` and the Megatron entry point's tracker file and
+retention the same meaning on a kvstore prefix (a bucket path, a TensorStore spec) as on
+a directory. `verify` and `inspect` read every file of the prefix into a temporary local
+directory and run the directory tools there (verify reads every byte anyway; the copy
+costs local disk of the checkpoint's size). `gc` finds what interrupted saves left: keys
+of a prefix without `metadata.json` that only a save writes (`kvcommit.is_save_leftover`),
+and data files a complete checkpoint's `.metadata` does not name. Retention deletes an
+iteration's `metadata.json` first, so a crash mid-delete leaves keys `gc` recognises,
+never a prefix that looks like a checkpoint with files missing.
+
+Must not: read environment variables, or touch a key `gc` cannot attribute to a save
+(no `safe_ckpt`-named data file, or a prefix holding foreign keys). Like `gc` on
+directories, it must not run while a save of the same prefix is running.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import tempfile
+
+from .. import kvcommit
+from ..commit import TRACKER_FILE
+from ..retention import Retention, to_remove
+from ..sinks.tensorstore import DEFAULT_REQUEST_TIMEOUT_S, KvDeadlines, KvTarget, TensorStoreSink, open_sink
+from .copy import download
+
+log = logging.getLogger("safe_ckpt")
+_ITER = re.compile(r"^iter_(\d{7,})$")
+
+
+def verify(target: KvTarget, *, deep: bool = False, progress=None,
+           request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S):
+    from .verify import verify as verify_dir
+
+    sink = open_sink(target, KvDeadlines(request_timeout_s))
+    with tempfile.TemporaryDirectory(prefix="safe_ckpt-verify-") as local:
+        download(target, local, request_timeout_s)
+        report = verify_dir(local, deep=deep, progress=progress)
+    report.directory = sink.root
+    return report
+
+
+def inspect(target: KvTarget, request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S) -> dict:
+    from .inspect import inspect as inspect_dir
+
+    sink = open_sink(target, KvDeadlines(request_timeout_s))
+    with tempfile.TemporaryDirectory(prefix="safe_ckpt-inspect-") as local:
+        download(target, local, request_timeout_s)
+        info = inspect_dir(local)
+    info["directory"] = sink.root
+    info.pop("tracker", None)  # the temporary directory's parent is not the save root
+    parent = _parent(target)
+    if parent is not None:
+        try:
+            info["tracker"] = open_sink(parent, KvDeadlines(request_timeout_s)).read(TRACKER_FILE).decode().strip()
+        except FileNotFoundError:
+            pass
+    return info
+
+
+def _parent(target: KvTarget) -> KvTarget | None:
+    head, _, tail = target.path.rstrip("/").rpartition("/")
+    if not tail or (target.spec is None and head.endswith(":/")):
+        return None  # a bucket's (or a spec's) root has no parent prefix here
+    return KvTarget(head, target.spec)
+
+
+# ------------------------------------------------------------------------------- gc
+
+
+def _by_directory(keys: list[str]) -> dict[str, list[str]]:
+    """Keys grouped by their directory ("" for the root), names relative to it."""
+    out: dict[str, list[str]] = {}
+    for key in keys:
+        head, _, name = key.rpartition("/")
+        out.setdefault(head, []).append(name)
+    return out
+
+
+def leftovers_in(sink: TensorStoreSink, names: list[str]) -> list[str]:
+    """The keys of one prefix (its ``names``) that an interrupted save left there."""
+    if kvcommit.is_save_leftover(names):
+        return sorted(names)
+    if kvcommit.CONFIG_FILE not in names:
+        return []  # foreign keys, or nothing of ours
+    referenced = kvcommit.referenced_files(sink)
+    if not referenced:
+        return []  # an index we cannot read: keep everything
+    return sorted(n for n in names if kvcommit._TAGGED_DATA.match(n) and n not in referenced)
+
+
+def find(target: KvTarget, request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S) -> list[str]:
+    """Leftover keys under ``target`` and one level below (as `gc` does for directories),
+    relative to ``target``."""
+    root = open_sink(target, KvDeadlines(request_timeout_s))
+    found = []
+    for directory, names in sorted(_by_directory(root.list_tree()).items()):
+        if directory.count("/") > 0:
+            continue  # deeper than one level below the root
+        sink = root.child(directory) if directory else root
+        found += [f"{directory}/{n}" if directory else n for n in leftovers_in(sink, names)]
+    return found
+
+
+def collect(target: KvTarget, dry_run: bool = False, request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S) -> list[str]:
+    found = find(target, request_timeout_s)
+    if not dry_run:
+        root = open_sink(target, KvDeadlines(request_timeout_s))
+        for key in found:
+            root.delete(key)
+    return found
+
+
+# ---------------------------------------------------------------- tracker, retention
+
+
+def write_tracker(save_root: KvTarget, iteration, deadlines: KvDeadlines = KvDeadlines()) -> None:
+    """`latest_checkpointed_iteration.txt` under the save root: one whole value, so a reader
+    sees the old or the new iteration, never a torn one."""
+    open_sink(save_root, deadlines).write_file(TRACKER_FILE, str(iteration).encode())
+
+
+def iterations(save_root: KvTarget, deadlines: KvDeadlines = KvDeadlines()) -> dict[int, str]:
+    """Iteration prefixes under the save root that hold a complete checkpoint."""
+    keys = open_sink(save_root, deadlines).list_tree()
+    out = {}
+    for directory, names in _by_directory(keys).items():
+        m = _ITER.match(directory)
+        if m and kvcommit.CONFIG_FILE in names:
+            out[int(m.group(1))] = directory
+    return out
+
+
+def remove_checkpoint(root: TensorStoreSink, directory: str) -> None:
+    """`metadata.json` first (the prefix stops being a checkpoint), then everything else."""
+    sink = root.child(directory)
+    sink.delete(kvcommit.CONFIG_FILE)
+    root.delete_tree(directory)
+
+
+def prune(save_root: KvTarget, current: int, policy: Retention, deadlines: KvDeadlines = KvDeadlines()) -> list[int]:
+    """`retention.prune` for a kvstore save root; failures are logged, not raised."""
+    try:
+        root = open_sink(save_root, deadlines)
+        found = iterations(save_root, deadlines)
+    except Exception as exc:
+        log.warning("safe_ckpt: retention could not list %s: %s", save_root.path, exc)
+        return []
+    removed = []
+    for it in to_remove(list(found), current, policy):
+        try:
+            remove_checkpoint(root, found[it])
+            removed.append(it)
+        except Exception as exc:
+            log.warning("safe_ckpt: could not remove old checkpoint %s%s: %s", root.root, found[it], exc)
+    if removed:
+        log.info("safe_ckpt: retention removed iterations %s", removed)
+    return removed
+
+
+def kv_target(path: str, spec: dict | None = None, endpoint: str | None = None,
+              region: str | None = None) -> KvTarget | None:
+    """The kvstore target a tool argument names, or None for a plain local directory."""
+    from ..sinks.tensorstore import resolve_target
+
+    target = resolve_target(path, spec, endpoint, region)
+    return target if target.is_kvstore else None
+
+
+def endpoint_from(environ) -> str | None:
+    """The S3 endpoint boto3 would use: `AWS_ENDPOINT_URL_S3`, else `AWS_ENDPOINT_URL` (the edges
+    pass their environment in)."""
+    return environ.get("AWS_ENDPOINT_URL_S3") or environ.get("AWS_ENDPOINT_URL") or None
+
+
+def region_from(environ) -> str | None:
+    return environ.get("AWS_REGION") or environ.get("AWS_DEFAULT_REGION") or None
