@@ -105,7 +105,7 @@ def _verify(args: argparse.Namespace) -> int:
     report = verify(located.directory, deep=args.deep, progress=bar) if target is None else \
         kvtools.verify(target, deep=args.deep, progress=bar, request_timeout_s=args.request_timeout_s)
     if args.json:
-        print(json.dumps({"directory": report.directory, "followed_tracker": bool(located and located.via_tracker),
+        print(json.dumps({"directory": report.directory, "followed_tracker": located.via_tracker if located else None,
                           "ok": report.ok,
                           "items": report.items_checked, "bytes": report.bytes_checked,
                           "checksummed_items": report.checksummed_items, "object_items": report.object_items,
@@ -137,7 +137,7 @@ def _inspect(args: argparse.Namespace) -> int:
     located = _located(args.directory) if target is None else None
     quiet_megatron_import()
     info = inspect(located.directory) if target is None else kvtools.inspect(target, args.request_timeout_s)
-    info["followed_tracker"] = bool(located and located.via_tracker)
+    info["followed_tracker"] = located.via_tracker if located else None
     print(json.dumps(info, indent=1, default=str) if args.json else to_text(info))
     return EXIT_OK
 

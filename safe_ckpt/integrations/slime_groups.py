@@ -51,8 +51,9 @@ class DetachedGloo:
     world_size: int
     store: object  # held so the rendezvous store (rank 0's server) outlives any WORLD
 
-    def coordinator(self) -> safe_dist.Coordinator:
-        return safe_dist.Coordinator(self.backend, self.rank, self.world_size)
+    def coordinator(self, target: str = "") -> safe_dist.Coordinator:
+        return safe_dist.Coordinator(self.backend, self.rank, self.world_size,
+                                     safe_dist.save_name(target, self.backend))
 
 
 def create_detached_gloo(timeout_s: float) -> DetachedGloo:
@@ -72,10 +73,10 @@ def coordinator_with_detached(original):
     if getattr(original, "_detached_aware", False):
         return original
 
-    def coordinator(process_group=None, timeout_s: float = 600.0):
+    def coordinator(process_group=None, timeout_s: float = 600.0, target: str = ""):
         if isinstance(process_group, DetachedGloo):
-            return process_group.coordinator()
-        return original(process_group, timeout_s)
+            return process_group.coordinator(target)
+        return original(process_group, timeout_s, target)
 
     coordinator._detached_aware = True
     coordinator.__wrapped__ = original
