@@ -76,6 +76,11 @@ def _step(rank, world, root, variant, step) -> dict:
     from tests import gpu_megatron_cases as g
     from tests.gpu_slime_asleep_cases import _memory_saver, profile_counts
 
+    # megatron.core's inference code sets torch_memory_saver's hook mode when it is first
+    # imported, which fails once a region has been used: import it before the first region
+    import megatron.core  # noqa: F401
+    import megatron.training  # noqa: F401
+
     tms = _memory_saver()
     with tms.region(tag="train", enable_cpu_backup=True):
         model, optimizer, scheduler = g._setup(os.path.join(root, step), variant, world)

@@ -60,6 +60,11 @@ def run(rank, world, root, variant) -> dict:
     from safe_ckpt.integrations import slime_asleep, slime_groups
     from tests import gpu_megatron_cases as g
 
+    # megatron.core's inference code sets torch_memory_saver's hook mode when it is first
+    # imported, which fails once a region has been used: import it before the first region
+    import megatron.core  # noqa: F401
+    import megatron.training  # noqa: F401
+
     tms = _memory_saver()
     save_dir = os.path.join(root, "safe")
     with tms.region(tag=TAG, enable_cpu_backup=True):  # as slime's preload mode: the whole state pauseable
