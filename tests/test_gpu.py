@@ -47,7 +47,7 @@ def test_no_host_to_device_copies(tmp_path):
 
 def _gpu_world() -> int:
     """Ranks of the multi-rank GPU tests, one per GPU: 2 unless SAFE_CKPT_GPU_WORLD says more
-    (gpu_suite.sh's resume part sets every GPU of the host: issue 9's DP=8 on 8 GPUs)."""
+    (gpu_suite.sh's resume part sets every GPU of the host, e.g. DP=8 on 8 GPUs)."""
     import torch
 
     return max(1, min(int(os.environ.get("SAFE_CKPT_GPU_WORLD", "2")), torch.cuda.device_count()))

@@ -1,4 +1,4 @@
-"""slime with `--offload-train` on the GPU (issue #5's GPU acceptance item): the train actor's
+"""slime with `--offload-train` on the GPU: the train actor's
 state lives in a real torch_memory_saver region with a CPU backup (torch hook mode), slime's
 `sleep()` pauses it, and `save_model` through `install()` and slime's save path either
 refuses it with the documented ResidenceError (`--safe-ckpt-unmapped-policy error`) or

@@ -10,7 +10,7 @@ the host); ``megatron_sync``,
 ``dcp_sync`` (FileSystemWriter, same thread count); ``dcp_async_pinned``
 (`dcp.async_save` with a pinned `DefaultStager`, where the installed torch has it).
 Any of them but Megatron's as ``NAME@T`` is that saver with T writer threads whatever ``--threads`` says
-(`resolve`), so one run can set, say, DCP at the 8 threads benchmark issue 6 names beside DCP
+(`resolve`), so one run can set, say, DCP at 8 threads beside DCP
 at the thread count every other saver gets.
 Must not: time anything outside the saver's own calls.
 """
