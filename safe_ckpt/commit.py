@@ -230,20 +230,40 @@ def publish_into(area: StagingArea, last: str, fsync: bool = True) -> None:
     """Move the staged files into the (existing) target directory, ``last`` at the very end.
 
     For writers that own only part of a directory another component is filling (Megatron's
-    save calls a sharded strategy after writing `common.pt` itself): the loader keys on
-    ``last`` (`.metadata`), so until it lands nothing of this save is visible as complete.
+    save calls a sharded strategy after writing `common.pt` itself). This path is not atomic:
+    a crash part-way leaves the directory holding a mix of old and new files. It never shows
+    such a mix as a complete checkpoint: the loader keys on ``last`` (`.metadata`), so an
+    existing one is removed (and the removal made durable) before any file moves, data files
+    (`__*.distcp`) of an earlier save that this save did not write are removed, and the new
+    ``last`` lands only after every other file.
     """
     _check_still_ours(area)
     os.makedirs(area.final_dir, exist_ok=True)
-    names = sorted(n for n in os.listdir(area.staging_dir) if n != OWNER_FILE)
-    for name in [n for n in names if n != last] + ([last] if last in names else []):
-        if name == last and fsync:
+    old_index = os.path.join(area.final_dir, last)
+    if os.path.lexists(old_index):
+        # Until the new index lands, the directory must not read as a (mixed) checkpoint.
+        os.unlink(old_index)
+        if fsync:
             fsync_path(area.final_dir, directory=True)
-        os.replace(os.path.join(area.staging_dir, name), os.path.join(area.final_dir, name))
+    names = sorted(n for n in os.listdir(area.staging_dir) if n != OWNER_FILE)
+    for name in names:
+        if name != last:
+            os.replace(os.path.join(area.staging_dir, name), os.path.join(area.final_dir, name))
+    for name in sorted(os.listdir(area.final_dir)):  # an earlier save's shards would confuse readers
+        if _is_data_file(name) and name not in names:
+            os.unlink(os.path.join(area.final_dir, name))
+    if last in names:
+        if fsync:
+            fsync_path(area.final_dir, directory=True)
+        os.replace(os.path.join(area.staging_dir, last), os.path.join(area.final_dir, last))
     if fsync:
         fsync_path(area.final_dir, directory=True)
     _release(area)
     os.rmdir(area.staging_dir)
+
+
+def _is_data_file(name: str) -> bool:
+    return name.startswith("__") and name.endswith(".distcp")
 
 
 def abort(area: StagingArea) -> None:
