@@ -131,3 +131,38 @@ def test_prepare_proceeds_where_the_filesystem_has_no_locks(tmp_path, monkeypatc
     area = commit.prepare(str(tmp_path / "ck"), commit.new_save_id())
     assert os.path.isdir(area.staging_dir)
     area.claim.release()
+
+
+def test_gc_leaves_a_running_saves_tracker_temporary_alone(tmp_path, monkeypatch):
+    root = str(tmp_path)
+    commit.write_tracker(root, 100)
+    stale = os.path.join(root, commit.TRACKER_FILE + leftovers.STAGING_MARK + "0123456789abcdef")
+    with open(stale, "w") as f:
+        f.write("90")
+    os.utime(stale, (1, 1))  # a crashed save's, long ago
+    real_replace, removed = os.replace, []
+
+    def gc_first(src, dst):
+        if os.path.basename(dst) == commit.TRACKER_FILE:
+            removed.extend(gc_tool.collect(root))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(commit.os, "replace", gc_first)
+    commit.write_tracker(root, 200)
+    monkeypatch.setattr(commit.os, "replace", real_replace)
+    assert open(os.path.join(root, commit.TRACKER_FILE)).read() == "200"
+    assert removed == [stale] and not os.path.lexists(stale)
+    assert [n for n in os.listdir(root) if leftovers.STAGING_MARK in n] == []
+
+
+def test_gc_does_not_follow_a_symbolic_link_out_of_root(tmp_path):
+    root, elsewhere = tmp_path / "root", tmp_path / "elsewhere"
+    root.mkdir()
+    precious = elsewhere / ".precious.safe_ckpt-deleting-abc"
+    precious.mkdir(parents=True)
+    (precious / "data").write_bytes(_data(5))
+    (root / "link").symlink_to(elsewhere, target_is_directory=True)
+    own = root / "sub" / ".x.safe_ckpt-deleting-def"
+    own.mkdir(parents=True)
+    assert gc_tool.collect(str(root)) == [str(own)]
+    assert (precious / "data").read_bytes() == _data(5) and not own.exists()
