@@ -166,3 +166,25 @@ def test_gc_does_not_follow_a_symbolic_link_out_of_root(tmp_path):
     own.mkdir(parents=True)
     assert gc_tool.collect(str(root)) == [str(own)]
     assert (precious / "data").read_bytes() == _data(5) and not own.exists()
+
+
+def test_a_stale_leftover_removal_cut_short_leaves_no_half_deleted_directory_under_its_name(tmp_path, monkeypatch):
+    target = tmp_path / "ck"
+    staging = tmp_path / ".ck.safe_ckpt-staging-0123456789abcdef"  # no owner record: a dead save's
+    staging.mkdir()
+    for i in range(3):
+        (staging / f"__{i}_0.distcp").write_bytes(_data(40 + i))
+    cut = []
+
+    def cut_short(path, ignore_errors=False):  # the remover dies after deleting one file
+        cut.append(path)
+        os.unlink(os.path.join(path, sorted(os.listdir(path))[0]))
+
+    monkeypatch.setattr(leftovers.shutil, "rmtree", cut_short)
+    swept = leftovers.sweep(leftovers.leftovers_of(str(target)))
+    assert swept.removed == [str(staging)] and not os.path.lexists(staging)
+    [doomed] = cut
+    assert leftovers.DELETING_MARK in os.path.basename(doomed) and len(os.listdir(doomed)) == 2
+    monkeypatch.undo()
+    assert leftovers.sweep(leftovers.leftovers_of(str(target))).removed == [doomed]
+    assert os.listdir(tmp_path) == []
