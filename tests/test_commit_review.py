@@ -188,3 +188,26 @@ def test_a_stale_leftover_removal_cut_short_leaves_no_half_deleted_directory_und
     monkeypatch.undo()
     assert leftovers.sweep(leftovers.leftovers_of(str(target))).removed == [doomed]
     assert os.listdir(tmp_path) == []
+
+
+def test_heartbeat_survives_a_failed_refresh(tmp_path, monkeypatch):
+    staging = tmp_path / ".ck.safe_ckpt-staging-0123456789abcdef"
+    staging.mkdir()
+    real_utime, refreshed = os.utime, threading.Event()
+    calls = []
+
+    def flaky(path, *args, **kwargs):
+        if os.path.basename(path) != claim.OWNER_FILE:
+            return real_utime(path, *args, **kwargs)
+        calls.append(path)
+        if len(calls) == 1:
+            raise OSError(116, "Stale file handle")
+        real_utime(path, *args, **kwargs)
+        refreshed.set()
+
+    monkeypatch.setattr(claim.os, "utime", flaky)
+    held = claim.Claim(str(staging), claim.Owner.here("0123456789abcdef", str(tmp_path / "ck")), heartbeat_s=0.01)
+    try:
+        assert refreshed.wait(30), "the heartbeat stopped after one failed refresh"
+    finally:
+        held.release()
