@@ -115,7 +115,7 @@ def prepare(final_dir: str, save_id: str, replace: str = "checkpoint") -> Stagin
     os.makedirs(parent, exist_ok=True)
     # From the sweep until the new staging directory is claimed, no other save of a target in
     # this directory may look: otherwise two saves could both find none running and both go on.
-    with _parent_lock(parent):
+    with parent_lock(parent):
         swept = sweep(leftovers_of(final_dir))
         check_target(final_dir, replace)
         if swept.live:
@@ -135,7 +135,7 @@ def prepare(final_dir: str, save_id: str, replace: str = "checkpoint") -> Stagin
 
 
 @contextlib.contextmanager
-def _parent_lock(parent: str, timeout_s: float = LOCK_WAIT_S):
+def parent_lock(parent: str, timeout_s: float = LOCK_WAIT_S):
     """An exclusive `flock` on the parent directory, waited for at most ``timeout_s``; where the
     filesystem has no advisory locks, nothing (logged once per process)."""
     global _warned_no_locks

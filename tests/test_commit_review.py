@@ -75,7 +75,7 @@ def test_in_place_publish_removes_the_earlier_saves_extra_shards(tmp_path):
 
 def test_two_saves_starting_together_cannot_both_prepare(tmp_path, monkeypatch):
     target = str(tmp_path / "ck")
-    real_check, real_lock = commit.check_target, getattr(commit, "_parent_lock", None)
+    real_check, real_lock = commit.check_target, getattr(commit, "parent_lock", None)
     first_in, second_arrived = threading.Event(), threading.Event()
     entered = []
 
@@ -95,7 +95,7 @@ def test_two_saves_starting_together_cannot_both_prepare(tmp_path, monkeypatch):
         return real_lock(parent, *args, **kwargs)
 
     monkeypatch.setattr(commit, "check_target", gated_check)
-    monkeypatch.setattr(commit, "_parent_lock", noted_lock, raising=False)
+    monkeypatch.setattr(commit, "parent_lock", noted_lock, raising=False)
     outcome = {}
 
     def save(name):
@@ -211,3 +211,47 @@ def test_heartbeat_survives_a_failed_refresh(tmp_path, monkeypatch):
         assert refreshed.wait(30), "the heartbeat stopped after one failed refresh"
     finally:
         held.release()
+
+
+def test_gc_waits_for_a_save_between_creating_and_claiming_its_staging_directory(tmp_path, monkeypatch):
+    target = str(tmp_path / "ck")
+    real_claim, real_sweep, real_lock = commit.Claim, gc_tool.sweep, getattr(gc_tool, "parent_lock", None)
+    in_window, gc_started = threading.Event(), threading.Event()
+
+    def slow_claim(*args, **kwargs):  # the staging directory exists and has no owner record yet
+        in_window.set()
+        assert gc_started.wait(30)
+        return real_claim(*args, **kwargs)
+
+    def noted_sweep(*args, **kwargs):
+        try:
+            return real_sweep(*args, **kwargs)
+        finally:
+            gc_started.set()
+
+    def noted_lock(parent, *args, **kwargs):
+        gc_started.set()
+        return real_lock(parent, *args, **kwargs)
+
+    monkeypatch.setattr(commit, "Claim", slow_claim)
+    monkeypatch.setattr(gc_tool, "sweep", noted_sweep)
+    monkeypatch.setattr(gc_tool, "parent_lock", noted_lock, raising=False)
+    outcome = {}
+
+    def save():
+        try:
+            outcome["save"] = commit.prepare(target, commit.new_save_id())
+        except Exception as exc:  # noqa: BLE001 (the test reports it)
+            outcome["save"] = exc
+
+    a = threading.Thread(target=save)
+    a.start()
+    assert in_window.wait(30)
+    b = threading.Thread(target=lambda: outcome.setdefault("gc", gc_tool.collect(str(tmp_path))))
+    b.start()
+    a.join(30)
+    b.join(30)
+    area = outcome["save"]
+    assert isinstance(area, commit.StagingArea), area
+    assert outcome["gc"] == [] and os.path.isdir(area.staging_dir)
+    area.claim.release()

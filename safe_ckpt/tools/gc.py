@@ -16,8 +16,8 @@ import os
 import time
 
 from ..claim import OWNER_FILE, STALE_AFTER_S, liveness
-from ..commit import TRACKER_FILE
-from ..leftovers import LEFTOVER_MARKS, STAGING_MARK, sweep
+from ..commit import TRACKER_FILE, parent_lock
+from ..leftovers import LEFTOVER_MARKS, STAGING_MARK, Sweep, sweep
 
 log = logging.getLogger("safe_ckpt")
 
@@ -47,7 +47,17 @@ def collect(root: str, dry_run: bool = False, stale_after_s: float = STALE_AFTER
     root = os.path.abspath(root)
     found = find(root)
     tracker_tmps = [p for p in found if os.path.basename(p).startswith(TRACKER_FILE + STAGING_MARK)]
-    swept = sweep([p for p in found if p not in tracker_tmps], dry_run=dry_run, stale_after_s=stale_after_s)
+    dirs = [p for p in found if p not in tracker_tmps]
+    swept = Sweep()
+    for parent in sorted({os.path.dirname(p) for p in dirs}):
+        # A save there may be between creating its staging directory and claiming it: its
+        # `prepare` holds this lock over that window.
+        with parent_lock(parent):
+            part = sweep([p for p in dirs if os.path.dirname(p) == parent], dry_run=dry_run,
+                         stale_after_s=stale_after_s)
+        for mine, theirs in ((swept.removed, part.removed), (swept.restored, part.restored),
+                             (swept.live, part.live), (swept.kept, part.kept)):
+            mine.extend(theirs)
     removed = list(swept.removed)
     now = time.time()
     for path in tracker_tmps:
