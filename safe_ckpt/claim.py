@@ -196,9 +196,17 @@ class Claim:
 
 
 def _beat(claim_ref, stop: threading.Event, record: str, heartbeat_s: float) -> None:
+    failing = False
     while not stop.wait(heartbeat_s) and claim_ref() is not None:
         try:
             os.utime(record)
-        except OSError as exc:  # the directory was taken away: the pre-publish check says so
-            log.warning("safe_ckpt: cannot refresh %s (%s)", record, exc)
-            return
+        except OSError as exc:
+            # A passing fault (a stale NFS handle, a full quota) must not make the save look dead
+            # for good; if the directory was taken away, the pre-publish check says so.
+            if not failing:
+                log.warning("safe_ckpt: cannot refresh %s (%s); retrying every %.0f s", record, exc, heartbeat_s)
+            failing = True
+            continue
+        if failing:
+            log.info("safe_ckpt: refreshed %s again", record)
+        failing = False

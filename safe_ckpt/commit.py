@@ -20,7 +20,9 @@ heartbeat refreshed every 5 s, and an exclusive `flock` on the directory. `prepa
     heartbeat is older than `claim.STALE_AFTER_S` (60 s; the clocks of the hosts that
     share the filesystem must agree to well within that).
 A new save of a target whose staging directory is live is refused (one save per target
-at a time). A staging directory removed anyway (by hand, or by a host that judged it
+at a time); `prepare` holds an exclusive `flock` on the parent directory from its sweep
+until its own staging directory is claimed, so two saves starting together cannot both
+find none running. A staging directory removed anyway (by hand, or by a host that judged it
 stale) fails its save at the pre-publish check: nothing is published.
 
 Replacing an existing checkpoint (`safe_ckpt.leftovers` applies the rules below): with
@@ -44,15 +46,18 @@ directory other than the target and hidden directories named after it.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
+import fcntl
 import logging
 import os
 import shutil
+import time
 import uuid
 from dataclasses import dataclass, field
 
-from .claim import OWNER_FILE, STALE_AFTER_S, Claim, Owner, read_owner
+from .claim import _NO_LOCKS, OWNER_FILE, STALE_AFTER_S, Claim, Owner, read_owner
 from .errors import CommitError
 from .leftovers import (  # noqa: F401 (the names callers know from here)
     DELETING_MARK, ID_CHARS, LEFTOVER_MARKS, REPLACED_MARK, STAGING_MARK, Sweep, hidden_base, hidden_path,
@@ -65,6 +70,8 @@ log = logging.getLogger(__name__)
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
+LOCK_WAIT_S = STALE_AFTER_S  # bound on waiting for another save's `prepare` in the same directory
+_warned_no_locks = False
 
 
 @dataclass(frozen=True)
@@ -106,22 +113,56 @@ def prepare(final_dir: str, save_id: str, replace: str = "checkpoint") -> Stagin
     final_dir = os.path.abspath(final_dir)
     parent = os.path.dirname(final_dir)
     os.makedirs(parent, exist_ok=True)
-    swept = sweep(leftovers_of(final_dir))
-    check_target(final_dir, replace)
-    if swept.live:
-        raise CommitError(
-            f"another save of {final_dir} is running ({'; '.join(swept.live)}); one save per target at a time. "
-            f"If that save is dead, its directory is removed once its heartbeat is {STALE_AFTER_S:.0f} s old "
-            "(at once where its process ran on this machine and has exited)"
-        )
-    staging = staging_dir_for(final_dir, save_id)
-    os.mkdir(staging)
-    try:
-        claim = Claim(staging, Owner.here(save_id, final_dir))
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+    # From the sweep until the new staging directory is claimed, no other save of a target in
+    # this directory may look: otherwise two saves could both find none running and both go on.
+    with parent_lock(parent):
+        swept = sweep(leftovers_of(final_dir))
+        check_target(final_dir, replace)
+        if swept.live:
+            raise CommitError(
+                f"another save of {final_dir} is running ({'; '.join(swept.live)}); one save per target at a time. "
+                f"If that save is dead, its directory is removed once its heartbeat is {STALE_AFTER_S:.0f} s old "
+                "(at once where its process ran on this machine and has exited)"
+            )
+        staging = staging_dir_for(final_dir, save_id)
+        os.mkdir(staging)
+        try:
+            claim = Claim(staging, Owner.here(save_id, final_dir))
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
     return StagingArea(final_dir, staging, save_id, claim)
+
+
+@contextlib.contextmanager
+def parent_lock(parent: str, timeout_s: float = LOCK_WAIT_S):
+    """An exclusive `flock` on the parent directory, waited for at most ``timeout_s``; where the
+    filesystem has no advisory locks, nothing (logged once per process)."""
+    global _warned_no_locks
+    fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise CommitError(
+                        f"another process has held the lock on {parent} for over {timeout_s:.0f} s while "
+                        "preparing a save there; retry, or find that process (lsof)") from None
+                time.sleep(0.05)  # the holder is sweeping and creating one directory
+            except OSError as exc:
+                if exc.errno not in _NO_LOCKS:
+                    raise
+                if not _warned_no_locks:
+                    _warned_no_locks = True
+                    log.warning("safe_ckpt: %s has no advisory locks (%s); two saves of one target started at "
+                                "the same moment are not told apart", parent, exc)
+                break
+        yield
+    finally:
+        os.close(fd)  # drops the lock
 
 
 def check_staged(staging_dir: str, save_id: str, planned: dict[str, int]) -> None:
@@ -230,20 +271,40 @@ def publish_into(area: StagingArea, last: str, fsync: bool = True) -> None:
     """Move the staged files into the (existing) target directory, ``last`` at the very end.
 
     For writers that own only part of a directory another component is filling (Megatron's
-    save calls a sharded strategy after writing `common.pt` itself): the loader keys on
-    ``last`` (`.metadata`), so until it lands nothing of this save is visible as complete.
+    save calls a sharded strategy after writing `common.pt` itself). This path is not atomic:
+    a crash part-way leaves the directory holding a mix of old and new files. It never shows
+    such a mix as a complete checkpoint: the loader keys on ``last`` (`.metadata`), so an
+    existing one is removed (and the removal made durable) before any file moves, data files
+    (`__*.distcp`) of an earlier save that this save did not write are removed, and the new
+    ``last`` lands only after every other file.
     """
     _check_still_ours(area)
     os.makedirs(area.final_dir, exist_ok=True)
-    names = sorted(n for n in os.listdir(area.staging_dir) if n != OWNER_FILE)
-    for name in [n for n in names if n != last] + ([last] if last in names else []):
-        if name == last and fsync:
+    old_index = os.path.join(area.final_dir, last)
+    if os.path.lexists(old_index):
+        # Until the new index lands, the directory must not read as a (mixed) checkpoint.
+        os.unlink(old_index)
+        if fsync:
             fsync_path(area.final_dir, directory=True)
-        os.replace(os.path.join(area.staging_dir, name), os.path.join(area.final_dir, name))
+    names = sorted(n for n in os.listdir(area.staging_dir) if n != OWNER_FILE)
+    for name in names:
+        if name != last:
+            os.replace(os.path.join(area.staging_dir, name), os.path.join(area.final_dir, name))
+    for name in sorted(os.listdir(area.final_dir)):  # an earlier save's shards would confuse readers
+        if _is_data_file(name) and name not in names:
+            os.unlink(os.path.join(area.final_dir, name))
+    if last in names:
+        if fsync:
+            fsync_path(area.final_dir, directory=True)
+        os.replace(os.path.join(area.staging_dir, last), os.path.join(area.final_dir, last))
     if fsync:
         fsync_path(area.final_dir, directory=True)
     _release(area)
     os.rmdir(area.staging_dir)
+
+
+def _is_data_file(name: str) -> bool:
+    return name.startswith("__") and name.endswith(".distcp")
 
 
 def abort(area: StagingArea) -> None:

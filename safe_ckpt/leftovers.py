@@ -15,6 +15,7 @@ import logging
 import os
 import re
 import shutil
+import uuid
 from dataclasses import dataclass, field
 
 from .claim import STALE_AFTER_S, liveness, read_owner
@@ -152,7 +153,9 @@ def _remove(path: str, dry_run: bool, out: Sweep) -> None:
     if not dry_run:
         log.info("safe_ckpt: removing %s left by an interrupted save", path)
         if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path, ignore_errors=True)
+            doomed = _doomed(path)
+            if doomed is not None:
+                shutil.rmtree(doomed, ignore_errors=True)
         else:
             try:
                 os.unlink(path)
@@ -162,3 +165,20 @@ def _remove(path: str, dry_run: bool, out: Sweep) -> None:
             log.warning("safe_ckpt: could not remove %s", path)
             return
     out.removed.append(path)
+
+
+def _doomed(path: str) -> str | None:
+    """Rename a directory about to be removed to a `-deleting-` name first: a removal cut short
+    then never leaves a half-deleted directory under a name a save could publish or restore."""
+    parent, name = os.path.split(path)
+    if DELETING_MARK in name:
+        return path
+    item = parse_leftover(path)
+    base = name[1:name.rfind(item.mark)] if item is not None else name.lstrip(".")
+    doomed = os.path.join(parent, f".{base}{DELETING_MARK}{uuid.uuid4().hex[:ID_CHARS]}")
+    try:
+        os.rename(path, doomed)
+    except OSError as exc:
+        log.warning("safe_ckpt: cannot rename %s to %s before removing it (%s); leaving it", path, doomed, exc)
+        return None
+    return doomed

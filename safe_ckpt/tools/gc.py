@@ -1,7 +1,7 @@
 """`safe-ckpt gc ROOT`: clear up after interrupted saves.
 
 One job: find the hidden staging, replaced and deleting directories (and tracker
-temporaries) that safe_ckpt names recognisably, under ROOT and one level below, and
+temporaries older than the stale bound) that safe_ckpt names recognisably, under ROOT and one level below, and
 deal with them by `commit.sweep`'s rules: a running save's staging directory is left
 alone, a checkpoint an interrupted replace left aside is put back under its name, the
 rest is removed (or listed, with ``dry_run``). A new save of a target does the same for
@@ -13,17 +13,20 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 from ..claim import OWNER_FILE, STALE_AFTER_S, liveness
-from ..commit import TRACKER_FILE
-from ..leftovers import LEFTOVER_MARKS, STAGING_MARK, sweep
+from ..commit import TRACKER_FILE, parent_lock
+from ..leftovers import LEFTOVER_MARKS, STAGING_MARK, Sweep, sweep
 
 log = logging.getLogger("safe_ckpt")
 
 
 def _parents(root: str) -> list[str]:
+    # A symbolic link leads out of ROOT: what it points to is not gc's to clear.
     return [root] + [os.path.join(root, d) for d in sorted(os.listdir(root))
-                     if os.path.isdir(os.path.join(root, d)) and not d.startswith(".")]
+                     if not d.startswith(".") and not os.path.islink(os.path.join(root, d))
+                     and os.path.isdir(os.path.join(root, d))]
 
 
 def find(root: str) -> list[str]:
@@ -44,11 +47,29 @@ def collect(root: str, dry_run: bool = False, stale_after_s: float = STALE_AFTER
     root = os.path.abspath(root)
     found = find(root)
     tracker_tmps = [p for p in found if os.path.basename(p).startswith(TRACKER_FILE + STAGING_MARK)]
-    swept = sweep([p for p in found if p not in tracker_tmps], dry_run=dry_run, stale_after_s=stale_after_s)
+    dirs = [p for p in found if p not in tracker_tmps]
+    swept = Sweep()
+    for parent in sorted({os.path.dirname(p) for p in dirs}):
+        # A save there may be between creating its staging directory and claiming it: its
+        # `prepare` holds this lock over that window.
+        with parent_lock(parent):
+            part = sweep([p for p in dirs if os.path.dirname(p) == parent], dry_run=dry_run,
+                         stale_after_s=stale_after_s)
+        for mine, theirs in ((swept.removed, part.removed), (swept.restored, part.restored),
+                             (swept.live, part.live), (swept.kept, part.kept)):
+            mine.extend(theirs)
     removed = list(swept.removed)
+    now = time.time()
     for path in tracker_tmps:
-        if not dry_run:
-            os.unlink(path)
+        # A fresh one may be a running save's, between writing it and renaming it into place.
+        try:
+            if now - os.lstat(path).st_mtime < stale_after_s:
+                log.info("safe_ckpt: gc left %s alone: written less than %.0f s ago", path, stale_after_s)
+                continue
+            if not dry_run:
+                os.unlink(path)
+        except FileNotFoundError:
+            continue
         removed.append(path)
     for parent in _parents(root):  # an owner record a crash left in a checkpoint it had just published
         record = os.path.join(parent, OWNER_FILE)

@@ -14,6 +14,7 @@ import os
 import re
 from collections import defaultdict
 
+from ..commit import TRACKER_FILE
 from .safe_load import METADATA_FILE, UnreadableCheckpointError, load_common_state, read_metadata
 
 _DATA_FILE = re.compile(r"^__(\d+)_(\d+)(?:-[0-9a-f]+)?\.distcp$")
@@ -65,7 +66,7 @@ def inspect(directory: str) -> dict:
     out["common_keys"] = sorted(map(str, common))
     sharding, source = optimizer_sharding(common, list(tensors), list(objects))
     out["distrib_optim_sharding_type"], out["distrib_optim_sharding_source"] = sharding, source
-    tracker = os.path.join(os.path.dirname(directory), "latest_checkpointed_iteration.txt")
+    tracker = os.path.join(os.path.dirname(directory), TRACKER_FILE)
     if os.path.isfile(tracker):
         with open(tracker, errors="replace") as f:
             out["tracker"] = f.read(64).strip()
