@@ -2,12 +2,13 @@
 
 One job: give `verify` and `inspect` the `.metadata` index and the common state of a
 checkpoint someone may have sent them, where a pickle can name any callable. `.metadata`
-goes through an unpickler that resolves only the classes a DCP metadata file holds in
-torch 2.6-2.14 (found by disassembling files written by stock DCP, stock Megatron and
-this library, and from torch's sources for moved classes); the common state goes
-through torch's weights-only unpickler with megatron-core's own safe globals, as
-stock Megatron loads it. A refused or unreadable file is an `UnreadableCheckpointError`
-naming the file and, when one was refused, the global.
+(up to MAX_METADATA_BYTES) goes through Python's own unpickler, which lets BUILD set fields
+only on DCP's records, bounds what calls copy and how tuples nest, and resolves only the
+classes a DCP metadata file holds in torch 2.6-2.14 (found by disassembling files
+written by stock DCP, stock Megatron and this library, and from torch's sources for moved
+classes); the common state goes through torch's weights-only unpickler with megatron-core's
+own safe globals, as stock Megatron loads it. A refused or unreadable file is an
+`UnreadableCheckpointError` naming the file and, when one was refused, the global.
 Must not: call `pickle.load`, `torch.load(weights_only=False)` or DCP's
 `read_metadata` (a plain `pickle.load`) on anything from the checkpoint.
 """
@@ -259,7 +260,7 @@ def read_metadata(directory: str):
         raise UnreadableCheckpointError(path, "is not a DCP metadata file (nested too deep to read)") from None
     except Exception as exc:  # truncated or garbage bytes: UnpicklingError, EOFError, ValueError, ...
         raise UnreadableCheckpointError(path, f"is not a DCP metadata file (not a valid pickle: "
-                                              f"{type(exc).__name__}: {reprlib.repr(str(exc))[1:-1]})") from None
+                                              f"{type(exc).__name__}: {_SHOW.repr(str(exc))[1:-1]})") from None
     if not isinstance(meta, Metadata):
         raise UnreadableCheckpointError(path, f"holds a {type(meta).__name__}, not a DCP Metadata")
     try:
