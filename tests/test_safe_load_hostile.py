@@ -124,8 +124,28 @@ def test_calls_copying_one_shared_list_over_and_over_are_refused(tmp_path):
     items = b"(" + b"K\x01" * 10000 + b"l" + b"q\x00"  # a list of 10000 ones, memo 0
     copies = (_global(b"builtins", b"frozenset") + b"h\x00\x85R") * 2000
     directory = _write(tmp_path / "ck", b"\x80\x02" + items + b"0(" + copies + b"l.")
-    with pytest.raises(safe_load.UnreadableCheckpointError, match="refused: its calls copy more elements"):
+    with pytest.raises(safe_load.UnreadableCheckpointError, match="refused: building it copies or hashes more"):
         safe_load.read_metadata(directory)
+
+
+def test_hashing_one_wide_key_over_and_over_is_refused(tmp_path):
+    wide = b"(" + b"K\x01" * 4000 + b"tq\x00"  # a tuple of 4000 ones, memo 0
+    sets = b"}" + b"h\x00K\x01s" * 2000  # the same key set 2000 times: 8 million elements hashed
+    directory = _write(tmp_path / "ck", b"\x80\x02" + wide + b"0" + sets + b".")
+    with pytest.raises(safe_load.UnreadableCheckpointError, match="refused: building it copies or hashes more"):
+        safe_load.read_metadata(directory)
+
+
+def test_a_doubling_chain_of_records_is_refused_at_once(tmp_path):
+    """MetadataIndex hashes its fields: fqn=(previous, previous) sixty times walks 2**60 records."""
+    record = _global(DCP, b"MetadataIndex") + b")\x81}" + _unicode("fqn")
+    ops = record + _unicode("a") + b"sbq\x00"
+    for i in range(60):
+        ops += b"0" + record + b"h" + bytes([i]) + b"h" + bytes([i]) + b"\x86sbq" + bytes([i + 1])
+    directory = _write(tmp_path / "ck", _metadata_with_sdm_key(ops))
+    out = _fresh(f"read({directory!r})\n", timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "ERROR" in out.stdout and "refused: it holds a tuple or record" in out.stdout, out.stdout
 
 
 @pytest.fixture

@@ -114,12 +114,6 @@ def _show(value) -> str:
     return f"<{type(value).__name__}>"
 
 
-def _sized_lengths(value) -> int:
-    """How many elements a call given ``value`` (an args tuple or kwargs dict) may copy."""
-    items = value.values() if isinstance(value, dict) else value if isinstance(value, tuple) else ()
-    return sum(len(v) for v in items if isinstance(v, (str, bytes, tuple, list, dict, set, frozenset)))
-
-
 def _then_track_tuple(base):
     def handler(unpickler):
         base(unpickler)
@@ -135,10 +129,11 @@ class _MetadataUnpickler(pickle._Unpickler):
     def __init__(self, file, path: str, budget_elements: int = 1 << 24) -> None:
         super().__init__(file)
         self._path = path
-        # REDUCE / NEWOBJ of an admitted class (set, frozenset, torch.Size, ...) copies its argument:
-        # repeated on one shared list, a small file would cost quadratic memory.
+        # REDUCE / NEWOBJ of an admitted class (set, frozenset, torch.Size, ...) copies its argument and
+        # a dict or set hashes each key: repeated on one shared list or tuple, a small file would cost
+        # quadratic memory or time. Both are charged to one budget in proportion to the file.
         self._copy_budget = budget_elements
-        self._tuples: dict[int, tuple[tuple, int, int]] = {}  # id -> (the tuple, depth, leaves)
+        self._tuples: dict[int, tuple[tuple, int, int]] = {}  # id -> (the tuple or record, depth, leaves)
         self._build_targets = None
 
     def _refuse(self, message: str, refused_global: str | None = None):
@@ -188,12 +183,54 @@ class _MetadataUnpickler(pickle._Unpickler):
                     if not isinstance(key, str) or key.startswith("_"):
                         self._refuse(f"refused: it sets the attribute {_show(key)} of a "
                                      f"{type(target).__qualname__}, which is not a field; not unpickled")
+        state = self.stack[-1] if self.stack else None
         pickle._Unpickler.load_build(self)
+        parts = state if isinstance(state, tuple) else (state,)
+        self._track(self.stack[-1], [v for part in parts for v in (part.values() if isinstance(part, dict) else
+                                                                   () if part is None else (part,))])
+
+    def _weight(self, value) -> int:
+        """What hashing ``value`` walks: a tracked tuple's or record's leaves, else 1."""
+        return self._tuples.get(id(value), (None, 1, 1))[2]
 
     def _charge_copy(self, *values) -> None:
-        self._copy_budget -= sum(_sized_lengths(v) for v in values)
+        """Charge a call's arguments (an args tuple, a kwargs dict): what it copies and hashes."""
+        for value in values:
+            for arg in value.values() if isinstance(value, dict) else value if isinstance(value, tuple) else ():
+                if isinstance(arg, (str, bytes, dict)):
+                    self._charge(len(arg))
+                elif isinstance(arg, (tuple, list, set, frozenset)):
+                    self._charge(len(arg) + sum(self._weight(item) for item in arg))
+
+    def _charge(self, elements: int) -> None:
+        self._copy_budget -= elements
         if self._copy_budget < 0:
-            self._refuse("refused: its calls copy more elements than a DCP metadata file of its size holds")
+            self._refuse("refused: building it copies or hashes more elements than a DCP metadata file "
+                         "of its size holds")
+
+    def _charge_keys(self, keys) -> None:
+        self._charge(sum(self._weight(key) for key in keys))
+
+    def _load_setitem(self):
+        if len(self.stack) >= 2:
+            self._charge_keys((self.stack[-2],))
+        pickle._Unpickler.load_setitem(self)
+
+    def _load_setitems(self):  # the items since the last MARK are the whole current stack
+        self._charge_keys(self.stack[0::2])
+        pickle._Unpickler.load_setitems(self)
+
+    def _load_dict(self):
+        self._charge_keys(self.stack[0::2])
+        pickle._Unpickler.load_dict(self)
+
+    def _load_additems(self):
+        self._charge_keys(self.stack)
+        pickle._Unpickler.load_additems(self)
+
+    def _load_frozenset(self):
+        self._charge_keys(self.stack)
+        pickle._Unpickler.load_frozenset(self)
 
     def _load_reduce(self):
         if self.stack:
@@ -211,17 +248,21 @@ class _MetadataUnpickler(pickle._Unpickler):
         pickle._Unpickler.load_newobj_ex(self)
 
     def _track_tuple(self):
-        made = self.stack[-1]
+        self._track(self.stack[-1], self.stack[-1])
+
+    def _track(self, made, parts) -> None:
+        """Record how deep and wide hashing ``made`` goes: a tuple, or a record (MetadataIndex is
+        hashed by its fields) whose state ``parts`` holds; refuse past the bounds."""
         depth, leaves = 1, 1
-        for item in made:
-            if isinstance(item, tuple):
-                _, d, n = self._tuples.get(id(item), (None, 1, len(item) + 1))
+        for item in parts:
+            if isinstance(item, tuple) or type(item) in self._targets():
+                _, d, n = self._tuples.get(id(item), (None, 1, len(item) + 1 if isinstance(item, tuple) else 1))
                 depth, leaves = max(depth, d + 1), leaves + n
             else:
                 leaves += 1
         if depth > _MAX_TUPLE_DEPTH or leaves > _MAX_TUPLE_LEAVES:
-            self._refuse(f"refused: it holds a tuple nested {depth} deep with {leaves} elements in all, "
-                         f"which a DCP metadata file never does")
+            self._refuse(f"refused: it holds a tuple or record nested {depth} deep with {leaves} elements in "
+                         f"all, which a DCP metadata file never does")
         self._tuples[id(made)] = (made, depth, leaves)
 
     dispatch = types.MappingProxyType({
@@ -230,6 +271,11 @@ class _MetadataUnpickler(pickle._Unpickler):
         pickle.REDUCE[0]: _load_reduce,
         pickle.NEWOBJ[0]: _load_newobj,
         pickle.NEWOBJ_EX[0]: _load_newobj_ex,
+        pickle.SETITEM[0]: _load_setitem,
+        pickle.SETITEMS[0]: _load_setitems,
+        pickle.DICT[0]: _load_dict,
+        pickle.ADDITEMS[0]: _load_additems,
+        pickle.FROZENSET[0]: _load_frozenset,
         **{op[0]: _then_track_tuple(pickle._Unpickler.dispatch[op[0]])
            for op in (pickle.TUPLE, pickle.TUPLE1, pickle.TUPLE2, pickle.TUPLE3)},
     })
