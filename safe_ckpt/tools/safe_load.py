@@ -2,12 +2,13 @@
 
 One job: give `verify` and `inspect` the `.metadata` index and the common state of a
 checkpoint someone may have sent them, where a pickle can name any callable. `.metadata`
-goes through an unpickler that resolves only the classes a DCP metadata file holds in
-torch 2.6-2.14 (found by disassembling files written by stock DCP, stock Megatron and
-this library, and from torch's sources for moved classes); the common state goes
-through torch's weights-only unpickler with megatron-core's own safe globals, as
-stock Megatron loads it. A refused or unreadable file is an `UnreadableCheckpointError`
-naming the file and, when one was refused, the global.
+(up to MAX_METADATA_BYTES) goes through Python's own unpickler, which lets BUILD set fields
+only on DCP's records, bounds what calls copy and how tuples nest, and resolves only the
+classes a DCP metadata file holds in torch 2.6-2.14 (found by disassembling files
+written by stock DCP, stock Megatron and this library, and from torch's sources for moved
+classes); the common state goes through torch's weights-only unpickler with megatron-core's
+own safe globals, as stock Megatron loads it. A refused or unreadable file is an
+`UnreadableCheckpointError` naming the file and, when one was refused, the global.
 Must not: call `pickle.load`, `torch.load(weights_only=False)` or DCP's
 `read_metadata` (a plain `pickle.load`) on anything from the checkpoint.
 """
@@ -19,6 +20,8 @@ import io
 import os
 import pickle
 import re
+import reprlib
+import types
 
 import torch
 
@@ -82,29 +85,200 @@ def _torch_constant(module: str, name: str):
     return value if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)) else None
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    def __init__(self, file, path: str) -> None:
+# A `.metadata` larger than this is refused unread: the biggest index a real run writes is far smaller,
+# and unpickling costs memory in proportion to the file.
+MAX_METADATA_BYTES = 1 << 30
+# The DCP records a legitimate file sets the state of (BUILD); nothing else, and no class, ever is.
+_BUILD_TARGETS = (
+    (_DCP_METADATA, "Metadata"), (_DCP_METADATA, "TensorStorageMetadata"),
+    (_DCP_METADATA, "BytesStorageMetadata"), (_DCP_METADATA, "ChunkStorageMetadata"),
+    (_DCP_METADATA, "TensorProperties"), (_DCP_METADATA, "MetadataIndex"), (_DCP_METADATA, "StorageMeta"),
+    (_SHARD_METADATA, "TensorProperties"), ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+)
+# Hashing a tuple recurses in C without a depth check (a deep one crashes the interpreter) and walks
+# shared sub-tuples once per reference (a doubling chain takes forever): tuples are refused past these.
+_MAX_TUPLE_DEPTH = 64
+_MAX_TUPLE_LEAVES = 1 << 20
+
+_SHOW = reprlib.Repr()
+_SHOW.maxstring = _SHOW.maxother = 80
+
+
+def _show(value) -> str:
+    """A bounded repr of a value from an untrusted file: builtin values truncated, anything else by type."""
+    if isinstance(value, (str, bytes, int, float, bool, tuple, list, dict, set, frozenset, type(None))):
+        try:
+            return _SHOW.repr(value)
+        except RecursionError:
+            pass
+    return f"<{type(value).__name__}>"
+
+
+def _then_track_tuple(base):
+    def handler(unpickler):
+        base(unpickler)
+        unpickler._track_tuple()
+    return handler
+
+
+class _MetadataUnpickler(pickle._Unpickler):
+    """Python's own unpickler (its memo is a dict: a huge memo index costs nothing) with globals
+    restricted to ADMITTED_GLOBALS, BUILD restricted to DCP records, and bounds on what calls copy
+    and on tuples."""
+
+    def __init__(self, file, path: str, budget_elements: int = 1 << 24) -> None:
         super().__init__(file)
         self._path = path
+        # REDUCE / NEWOBJ of an admitted class (set, frozenset, torch.Size, ...) copies its argument and
+        # a dict or set hashes each key: repeated on one shared list or tuple, a small file would cost
+        # quadratic memory or time. Both are charged to one budget in proportion to the file.
+        self._copy_budget = budget_elements
+        self._tuples: dict[int, tuple[tuple, int, int]] = {}  # id -> (the tuple or record, depth, leaves)
+        self._build_targets = None
+
+    def _refuse(self, message: str, refused_global: str | None = None):
+        raise UnreadableCheckpointError(self._path, message, refused_global)
 
     def find_class(self, module: str, name: str):
         constant = _torch_constant(module, name)
         if constant is not None:
             return constant
         if (module, name) not in ADMITTED_GLOBALS:
-            raise UnreadableCheckpointError(
-                self._path, f"refused: it references the global {module}.{name}, which a DCP metadata file "
-                            f"never holds; not unpickled (nothing from it was run)", f"{module}.{name}")
+            self._refuse(f"refused: it references the global {module}.{name}, which a DCP metadata file "
+                         f"never holds; not unpickled (nothing from it was run)", f"{module}.{name}")
         try:
             return getattr(importlib.import_module(module), name)
         except (ImportError, AttributeError) as exc:
-            raise UnreadableCheckpointError(
-                self._path, f"references {module}.{name}, which the installed torch does not have "
-                            f"(written by another torch version?): {exc}") from None
+            self._refuse(f"references {module}.{name}, which the installed torch does not have "
+                         f"(written by another torch version?): {exc}")
 
     def persistent_load(self, pid):
-        raise UnreadableCheckpointError(self._path, "refused: holds a persistent id, which a DCP metadata "
-                                                    "file never does")
+        self._refuse("refused: holds a persistent id, which a DCP metadata file never does")
+
+    def _targets(self) -> tuple:
+        if self._build_targets is None:
+            found = []
+            for module, name in _BUILD_TARGETS:
+                try:
+                    found.append(getattr(importlib.import_module(module), name))
+                except (ImportError, AttributeError):
+                    pass
+            self._build_targets = tuple(found)
+        return self._build_targets
+
+    def _load_build(self):
+        # BUILD's state goes into the object below it by __dict__ update or setattr: on a class that
+        # find_class returned it would rewrite the class for the whole process.
+        if len(self.stack) >= 2:
+            state, target = self.stack[-1], self.stack[-2]
+            if isinstance(target, type):
+                self._refuse(f"refused: it sets attributes of the class {target.__module__}."
+                             f"{target.__qualname__}, which a DCP metadata file never does; not unpickled")
+            if type(target) not in self._targets():
+                self._refuse(f"refused: it sets the state of a {type(target).__qualname__}, which a DCP "
+                             f"metadata file only does to its own records; not unpickled")
+            parts = state if isinstance(state, tuple) and len(state) == 2 else (state,)
+            for part in parts:
+                for key in part if isinstance(part, dict) else ():
+                    if not isinstance(key, str) or key.startswith("_"):
+                        self._refuse(f"refused: it sets the attribute {_show(key)} of a "
+                                     f"{type(target).__qualname__}, which is not a field; not unpickled")
+        state = self.stack[-1] if self.stack else None
+        pickle._Unpickler.load_build(self)
+        parts = state if isinstance(state, tuple) else (state,)
+        self._track(self.stack[-1], [v for part in parts for v in (part.values() if isinstance(part, dict) else
+                                                                   () if part is None else (part,))])
+
+    def _weight(self, value) -> int:
+        """What hashing ``value`` walks: a tracked tuple's or record's leaves, else 1."""
+        return self._tuples.get(id(value), (None, 1, 1))[2]
+
+    def _charge_copy(self, *values) -> None:
+        """Charge a call's arguments (an args tuple, a kwargs dict): what it copies and hashes."""
+        for value in values:
+            for arg in value.values() if isinstance(value, dict) else value if isinstance(value, tuple) else ():
+                if isinstance(arg, (str, bytes, dict)):
+                    self._charge(len(arg))
+                elif isinstance(arg, (tuple, list, set, frozenset)):
+                    self._charge(len(arg) + sum(self._weight(item) for item in arg))
+
+    def _charge(self, elements: int) -> None:
+        self._copy_budget -= elements
+        if self._copy_budget < 0:
+            self._refuse("refused: building it copies or hashes more elements than a DCP metadata file "
+                         "of its size holds")
+
+    def _charge_keys(self, keys) -> None:
+        self._charge(sum(self._weight(key) for key in keys))
+
+    def _load_setitem(self):
+        if len(self.stack) >= 2:
+            self._charge_keys((self.stack[-2],))
+        pickle._Unpickler.load_setitem(self)
+
+    def _load_setitems(self):  # the items since the last MARK are the whole current stack
+        self._charge_keys(self.stack[0::2])
+        pickle._Unpickler.load_setitems(self)
+
+    def _load_dict(self):
+        self._charge_keys(self.stack[0::2])
+        pickle._Unpickler.load_dict(self)
+
+    def _load_additems(self):
+        self._charge_keys(self.stack)
+        pickle._Unpickler.load_additems(self)
+
+    def _load_frozenset(self):
+        self._charge_keys(self.stack)
+        pickle._Unpickler.load_frozenset(self)
+
+    def _load_reduce(self):
+        if self.stack:
+            self._charge_copy(self.stack[-1])
+        pickle._Unpickler.load_reduce(self)
+
+    def _load_newobj(self):
+        if self.stack:
+            self._charge_copy(self.stack[-1])
+        pickle._Unpickler.load_newobj(self)
+
+    def _load_newobj_ex(self):
+        if len(self.stack) >= 2:
+            self._charge_copy(self.stack[-1], self.stack[-2])
+        pickle._Unpickler.load_newobj_ex(self)
+
+    def _track_tuple(self):
+        self._track(self.stack[-1], self.stack[-1])
+
+    def _track(self, made, parts) -> None:
+        """Record how deep and wide hashing ``made`` goes: a tuple, or a record (MetadataIndex is
+        hashed by its fields) whose state ``parts`` holds; refuse past the bounds."""
+        depth, leaves = 1, 1
+        for item in parts:
+            if isinstance(item, tuple) or type(item) in self._targets():
+                _, d, n = self._tuples.get(id(item), (None, 1, len(item) + 1 if isinstance(item, tuple) else 1))
+                depth, leaves = max(depth, d + 1), leaves + n
+            else:
+                leaves += 1
+        if depth > _MAX_TUPLE_DEPTH or leaves > _MAX_TUPLE_LEAVES:
+            self._refuse(f"refused: it holds a tuple or record nested {depth} deep with {leaves} elements in "
+                         f"all, which a DCP metadata file never does")
+        self._tuples[id(made)] = (made, depth, leaves)
+
+    dispatch = types.MappingProxyType({
+        **pickle._Unpickler.dispatch,
+        pickle.BUILD[0]: _load_build,
+        pickle.REDUCE[0]: _load_reduce,
+        pickle.NEWOBJ[0]: _load_newobj,
+        pickle.NEWOBJ_EX[0]: _load_newobj_ex,
+        pickle.SETITEM[0]: _load_setitem,
+        pickle.SETITEMS[0]: _load_setitems,
+        pickle.DICT[0]: _load_dict,
+        pickle.ADDITEMS[0]: _load_additems,
+        pickle.FROZENSET[0]: _load_frozenset,
+        **{op[0]: _then_track_tuple(pickle._Unpickler.dispatch[op[0]])
+           for op in (pickle.TUPLE, pickle.TUPLE1, pickle.TUPLE2, pickle.TUPLE3)},
+    })
 
 
 def read_metadata(directory: str):
@@ -114,24 +288,44 @@ def read_metadata(directory: str):
     path = os.path.join(directory, METADATA_FILE)
     try:
         with open(path, "rb") as f:
-            meta = _MetadataUnpickler(f, path).load()
+            size_bytes = os.fstat(f.fileno()).st_size
+            if size_bytes > MAX_METADATA_BYTES:
+                raise UnreadableCheckpointError(
+                    path, f"refused: {size_bytes} bytes, more than the {MAX_METADATA_BYTES} a DCP metadata "
+                          f"file is read up to; not unpickled")
+            data = f.read(MAX_METADATA_BYTES + 1)
+        if len(data) > MAX_METADATA_BYTES:
+            raise UnreadableCheckpointError(path, f"refused: more than the {MAX_METADATA_BYTES} bytes a DCP "
+                                                  f"metadata file is read up to; not unpickled")
+        meta = _MetadataUnpickler(io.BytesIO(data), path, budget_elements=4 * len(data) + (1 << 20)).load()
     except UnreadableCheckpointError:
         raise
     except OSError as exc:
         raise UnreadableCheckpointError(path, f"cannot be read: {exc.strerror or exc}") from None
+    except RecursionError:
+        raise UnreadableCheckpointError(path, "is not a DCP metadata file (nested too deep to read)") from None
     except Exception as exc:  # truncated or garbage bytes: UnpicklingError, EOFError, ValueError, ...
         raise UnreadableCheckpointError(path, f"is not a DCP metadata file (not a valid pickle: "
-                                              f"{type(exc).__name__}: {exc})") from None
+                                              f"{type(exc).__name__}: {_SHOW.repr(str(exc))[1:-1]})") from None
     if not isinstance(meta, Metadata):
         raise UnreadableCheckpointError(path, f"holds a {type(meta).__name__}, not a DCP Metadata")
-    _check_shape(meta, path)
+    try:
+        _check_shape(meta, path)
+    except RecursionError:
+        raise UnreadableCheckpointError(path, "malformed: nested too deep to check") from None
     return meta
+
+
+def _non_negative_ints(value, rank: int | None = None) -> bool:
+    return (isinstance(value, (tuple, list)) and (rank is None or len(value) == rank)
+            and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value))
 
 
 def _check_shape(meta, path: str) -> None:
     """Refuse a Metadata whose fields are not the types verify and inspect walk."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
+    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, MetadataIndex,
+                                                       TensorStorageMetadata)
 
     sdm = getattr(meta, "state_dict_metadata", None)
     storage = getattr(meta, "storage_data", None)
@@ -143,16 +337,37 @@ def _check_shape(meta, path: str) -> None:
             and isinstance(getattr(getattr(md, "properties", None), "dtype", None), torch.dtype)
             and isinstance(getattr(md, "chunks", None), list))
         if not isinstance(fqn, str) or not ok:
-            raise UnreadableCheckpointError(path, f"malformed: entry {fqn!r} is a {type(md).__name__}")
+            raise UnreadableCheckpointError(path, f"malformed: entry {_show(fqn)} is a {type(md).__name__}")
+        if isinstance(md, TensorStorageMetadata):
+            size = getattr(md, "size", None)
+            if not _non_negative_ints(size):
+                raise UnreadableCheckpointError(path, f"malformed: entry {_show(fqn)} has the size {_show(size)}, "
+                                                      f"not a sequence of non-negative ints")
+            for i, chunk in enumerate(md.chunks):
+                if not isinstance(chunk, ChunkStorageMetadata) \
+                        or not _non_negative_ints(getattr(chunk, "offsets", None), len(size)) \
+                        or not _non_negative_ints(getattr(chunk, "sizes", None), len(size)):
+                    shown = (f"offsets {_show(getattr(chunk, 'offsets', None))}, sizes "
+                             f"{_show(getattr(chunk, 'sizes', None))}" if isinstance(chunk, ChunkStorageMetadata)
+                             else f"a {type(chunk).__name__}")
+                    raise UnreadableCheckpointError(
+                        path, f"malformed: entry {_show(fqn)} chunk {i} is {shown}, not offsets and sizes of "
+                              f"{len(size)} non-negative ints each")
     for index, info in storage.items():
-        if not isinstance(index, MetadataIndex) or not isinstance(info, _StorageInfo) \
+        if not isinstance(index, MetadataIndex) or not isinstance(getattr(index, "fqn", None), str) \
+                or not isinstance(info, _StorageInfo) \
                 or not isinstance(getattr(info, "relative_path", None), str) \
-                or not all(isinstance(getattr(info, a, None), int) for a in ("offset", "length")):
-            raise UnreadableCheckpointError(path, f"malformed: storage entry {index!r} -> {info!r}")
+                or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                           for v in (getattr(info, "offset", None), getattr(info, "length", None))):
+            fqn = getattr(index, "fqn", None) if isinstance(index, MetadataIndex) else index
+            shown = (f"{_show(info.relative_path)} offset {_show(info.offset)} length {_show(info.length)}"
+                     if isinstance(info, _StorageInfo) else f"a {type(info).__name__}")
+            raise UnreadableCheckpointError(path, f"malformed: storage entry {_show(fqn)} -> {shown} (needs a "
+                                                  f"file name and a non-negative int offset and length)")
         parts = info.relative_path.split("/")
         if os.path.isabs(info.relative_path) or not info.relative_path or ".." in parts or "" in parts:
-            raise UnreadableCheckpointError(path, f"malformed: storage entry {index.fqn!r} points outside the "
-                                                  f"checkpoint ({info.relative_path!r})")
+            raise UnreadableCheckpointError(path, f"malformed: storage entry {_show(index.fqn)} points outside "
+                                                  f"the checkpoint ({_show(info.relative_path)})")
 
 
 _GLOBAL_IN_MESSAGE = re.compile(r"GLOBAL ([\w.]+)")
