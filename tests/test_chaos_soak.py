@@ -109,6 +109,7 @@ def _leftovers(root: str) -> set[str]:
 
 
 @pytest.mark.soak
+@pytest.mark.timeout(2400)  # 200 steps take ~10 minutes on an idle 2-core machine; longer under load
 def test_chaos_soak(tmp_path):
     from safe_ckpt.tools import gc as gc_tool
 
