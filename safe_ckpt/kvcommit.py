@@ -20,7 +20,6 @@ Must not: rely on rename or directories.
 from __future__ import annotations
 
 import logging
-import pickle
 import re
 import time
 
@@ -49,14 +48,29 @@ def is_save_leftover(names) -> bool:
     return all(n in SMALL_FILES or _TAGGED_DATA.match(n) for n in names)
 
 
+class ForeignMetadataError(CommitError):
+    """A prefix whose `.metadata` the restricted unpickler refuses: not a checkpoint this library
+    may interpret or replace (its contents were not run)."""
+
+
 def referenced_files(sink) -> set[str]:
-    """The data files the `.metadata` under ``sink`` names (empty if it cannot be read)."""
+    """The data files the `.metadata` under ``sink`` names (empty if it cannot be fetched).
+    A `.metadata` that is not a plain DCP index (a pickle naming other callables, garbage) is a
+    `ForeignMetadataError`: it is read with the unpickler of `tools.safe_load`, never `pickle`."""
+    from .tools.safe_load import UnreadableCheckpointError, metadata_from_bytes
+
     try:
-        meta = pickle.loads(sink.read(METADATA_FILE))
-        return {info.relative_path for info in meta.storage_data.values()}
+        data = sink.read(METADATA_FILE)
     except Exception as exc:
         log.debug("safe_ckpt: cannot read %s%s: %s", sink.root, METADATA_FILE, exc)
         return set()
+    try:
+        meta = metadata_from_bytes(data, f"{sink.root}{METADATA_FILE}")
+    except UnreadableCheckpointError as exc:
+        raise ForeignMetadataError(
+            f"{exc}; {sink.root} is not a checkpoint safe_ckpt can interpret: remove its keys yourself, "
+            "or use another prefix") from None
+    return {info.relative_path for info in meta.storage_data.values()}
 
 
 def check_target(sink, replace: str) -> None:
@@ -75,14 +89,23 @@ def check_target(sink, replace: str) -> None:
             f"{sink.root} holds keys but no complete torch_dist checkpoint (foreign data or a broken save); "
             "refusing to replace it. Remove them, or pass SaveOptions(replace='any')"
         )
+    referenced_files(sink)  # a `.metadata` it may not read: refused now, not after the data is written
 
 
 def publish(sink, small_files: dict[str, bytes], data_files: set[str]) -> None:
     """Write the small files (``.metadata`` and ``metadata.json`` in ``small_files``) in commit order."""
     existing = set(sink.list())
+    missing = sorted(set(data_files) - existing)
+    if missing:
+        # Something removed this save's data before its commit (e.g. `safe-ckpt gc` on the prefix
+        # while the save ran): publishing would make an index of missing files.
+        raise CommitError(
+            f"{sink.root}{missing[0]}: {len(missing)} data file(s) of this save are missing at commit "
+            f"(removed while the save ran, e.g. by `safe-ckpt gc` on the prefix); nothing was published. "
+            "Do not run gc on a prefix a save is writing, and save again")
     replaced: set[str] = set()
     if CONFIG_FILE in existing:
-        replaced = referenced_files(sink) & existing
+        replaced = referenced_files(sink) & existing  # ForeignMetadataError: refused before anything changes
         sink.delete(CONFIG_FILE)
     for name, data in small_files.items():
         if name not in (METADATA_FILE, CONFIG_FILE):

@@ -86,7 +86,12 @@ def leftovers_in(sink: TensorStoreSink, names: list[str]) -> list[str]:
         return sorted(names)
     if kvcommit.CONFIG_FILE not in names:
         return []  # foreign keys, or nothing of ours
-    referenced = kvcommit.referenced_files(sink)
+    try:
+        referenced = kvcommit.referenced_files(sink)
+    except kvcommit.ForeignMetadataError as exc:
+        log.warning("safe_ckpt: gc skips %s: its .metadata is not a checkpoint index it may read (%s)",
+                    sink.root, exc)
+        return []
     if not referenced:
         return []  # an index we cannot read: keep everything
     return sorted(n for n in names if kvcommit._TAGGED_DATA.match(n) and n not in referenced)

@@ -128,6 +128,23 @@ def read_metadata(directory: str):
     return meta
 
 
+def metadata_from_bytes(data: bytes, where: str):
+    """`read_metadata` for the bytes of a `.metadata` read from elsewhere (a kvstore key named ``where``)."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    try:
+        meta = _MetadataUnpickler(io.BytesIO(data), where).load()
+    except UnreadableCheckpointError:
+        raise
+    except Exception as exc:  # truncated or garbage bytes
+        raise UnreadableCheckpointError(where, f"is not a DCP metadata file (not a valid pickle: "
+                                               f"{type(exc).__name__}: {exc})") from None
+    if not isinstance(meta, Metadata):
+        raise UnreadableCheckpointError(where, f"holds a {type(meta).__name__}, not a DCP Metadata")
+    _check_shape(meta, where)
+    return meta
+
+
 def _check_shape(meta, path: str) -> None:
     """Refuse a Metadata whose fields are not the types verify and inspect walk."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
