@@ -1,0 +1,117 @@
+"""Object-store targets against hostile or concurrent neighbours: a `.metadata` that names a
+callable, `gc` during a save, retention keeping the resumed-from checkpoint, and the CLI's
+usage errors for kvstore arguments."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("tensorstore")
+
+import safe_ckpt  # noqa: E402
+from tests.test_integrity_tools import _state  # noqa: E402
+
+
+def _opts(**kw):
+    return safe_ckpt.SaveOptions(**{"chunk_bytes": 32 * 1024, "io_threads": 2, "progress_interval_s": 0, **kw})
+
+
+class _RunsACommand:
+    def __init__(self, command: str) -> None:
+        self.command = command
+
+    def __reduce__(self):
+        return (os.system, (self.command,))
+
+
+def _plant_hostile_metadata(prefix_dir, marker) -> None:
+    (prefix_dir / ".metadata").write_bytes(pickle.dumps(_RunsACommand(f"touch {marker}")))
+
+
+def test_gc_and_a_resave_never_unpickle_a_hostile_metadata(tmp_path, caplog):
+    from safe_ckpt.sinks.tensorstore import KvTarget
+    from safe_ckpt.tools import kvtools
+
+    root = tmp_path / "ck"
+    url = f"file://{root}/iter_0000001"
+    safe_ckpt.save(_state(1), url, options=_opts())
+    marker = tmp_path / "MARKER"
+    _plant_hostile_metadata(root / "iter_0000001", marker)
+    # A stray tagged data file: what gc would remove if it trusted the index.
+    stray = root / "iter_0000001" / "__9_0-0123456789abcdef.distcp"
+    stray.write_bytes(b"x")
+
+    proc = subprocess.run([sys.executable, "-m", "safe_ckpt", "gc", f"file://{root}"],
+                          capture_output=True, text=True, timeout=120, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "iter_0000001" in proc.stderr and "skips" in proc.stderr, proc.stderr[-2000:]
+    assert not marker.exists()
+    with caplog.at_level("WARNING", logger="safe_ckpt"):
+        assert kvtools.collect(KvTarget(f"file://{root}")) == []
+    assert "iter_0000001" in caplog.text and stray.exists() and not marker.exists()
+
+    with pytest.raises(safe_ckpt.CommitError, match=r"\.metadata.*os\.system|posix\.system"):
+        safe_ckpt.save(_state(2), url, options=_opts())
+    assert not marker.exists()
+    # Even past the target check (replace="any"), the commit refuses before changing anything.
+    with pytest.raises(safe_ckpt.CommitError, match="not a checkpoint safe_ckpt can interpret"):
+        safe_ckpt.save(_state(2), url, options=_opts(replace="any"))
+    assert not marker.exists()
+    assert (root / "iter_0000001" / "metadata.json").exists()
+
+
+class _GcBeforeCommit:
+    """Wraps the kvstore sink: the commit's first listing runs `safe-ckpt gc` on the save root first."""
+
+    def __init__(self, sink, gc) -> None:
+        self._sink = sink
+        self._gc = gc
+        self.collected = None
+
+    def __getattr__(self, name):
+        return getattr(self._sink, name)
+
+    def list(self):
+        if self.collected is None:
+            self.collected = self._gc()
+        return self._sink.list()
+
+
+def test_gc_during_a_save_never_yields_an_ok_checkpoint_without_its_data(tmp_path):
+    from safe_ckpt.sinks.tensorstore import KvTarget
+    from safe_ckpt.tools import kvtools
+
+    root = tmp_path / "ck"
+    wrapped = []
+
+    def factory(sink):
+        wrapped.append(_GcBeforeCommit(sink, lambda: kvtools.collect(KvTarget(f"file://{root}"))))
+        return wrapped[0]
+
+    try:
+        safe_ckpt.save(_state(3), f"file://{root}/iter_0000001", options=_opts(sink_factory=factory))
+    except safe_ckpt.CommitError as exc:
+        assert "missing" in str(exc) and ".distcp" in str(exc)
+        assert not (root / "iter_0000001" / "metadata.json").exists()
+        assert not (root / "iter_0000001" / ".metadata").exists()
+        return
+    # The save reported OK: gc must have left its files alone, and they load.
+    assert wrapped and wrapped[0].collected is not None
+    from safe_ckpt.tools.verify import verify
+
+    assert verify(str(root / "iter_0000001"), deep=True).ok
+
+
+def test_the_timeout_remedy_names_the_command_line_flag_too():
+    from concurrent.futures import Future
+
+    from safe_ckpt.errors import WriteError
+    from safe_ckpt.sinks.tensorstore import bounded
+
+    with pytest.raises(WriteError, match=r"SaveOptions\.kvstore_request_timeout_s.*--request-timeout-s"):
+        bounded(Future(), 0.01, "file:///x/key")
