@@ -115,3 +115,31 @@ def test_the_timeout_remedy_names_the_command_line_flag_too():
 
     with pytest.raises(WriteError, match=r"SaveOptions\.kvstore_request_timeout_s.*--request-timeout-s"):
         bounded(Future(), 0.01, "file:///x/key")
+
+
+def _main_rc(argv, capsys) -> tuple[int, str]:
+    from safe_ckpt.cli import main
+
+    try:
+        rc = main(argv)
+    except SystemExit as exc:  # argparse refusing an argument
+        rc = exc.code
+    return rc, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["gc", "x", "--kvstore-spec", '"x"'], "--kvstore-spec must be a JSON object"),
+    (["gc", "x", "--kvstore-spec", '{"driver": "nope"}'], "--kvstore-spec is not a TensorStore kvstore spec"),
+    (["copy", "x", "y", "--dst-spec", '["x"]'], "--dst-spec must be a JSON object"),
+    (["copy", "x", "y", "--src-spec", '{"driver": "nope"}'], "--src-spec is not a TensorStore kvstore spec"),
+    (["copy", "x", "y", "--src-spec", "{"], "--src-spec is not valid JSON"),
+    (["gc", "x", "--request-timeout-s", "-1"], "--request-timeout-s: must be positive"),
+    (["verify", "x", "--request-timeout-s", "0"], "--request-timeout-s: must be positive"),
+    (["demo", "--ranks", "0"], "--ranks: must be positive"),
+    (["demo", "--size-mb", "0"], "--size-mb: must be positive"),
+])
+def test_bad_kvstore_and_number_arguments_are_usage_errors(argv, message, capsys, tmp_path):
+    rc, err = _main_rc(argv, capsys)
+    assert rc == 2, (rc, err)
+    assert message in err and "Traceback" not in err, err
+    assert not os.path.exists("y")
