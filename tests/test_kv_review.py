@@ -143,3 +143,22 @@ def test_bad_kvstore_and_number_arguments_are_usage_errors(argv, message, capsys
     assert rc == 2, (rc, err)
     assert message in err and "Traceback" not in err, err
     assert not os.path.exists("y")
+
+
+def test_retention_on_a_kvstore_root_keeps_the_checkpoint_the_run_resumed_from(tmp_path):
+    from safe_ckpt.megatron.training import save_state
+    from safe_ckpt.retention import Retention
+    from safe_ckpt.sinks.tensorstore import KvTarget
+    from safe_ckpt.tools import kvtools
+
+    root = f"file://{tmp_path}/run"
+    for it in (1, 2, 3):  # an earlier run's checkpoints; it resumed from 2
+        safe_ckpt.save(_state(it), f"{root}/iter_{it:07d}", options=_opts())
+    kvtools.write_tracker(KvTarget(root), 2)
+    for it in (4, 5):
+        save_state(_state(it), root, f"{root}/iter_{it:07d}", str(it), options=_opts(), retention=Retention(keep_last=1))
+    assert sorted(kvtools.iterations(KvTarget(root))) == [2, 5]
+    assert (tmp_path / "run" / "latest_checkpointed_iteration.txt").read_text() == "5"
+    from safe_ckpt.tools.verify import verify
+
+    assert verify(str(tmp_path / "run" / "iter_0000002"), deep=True).ok

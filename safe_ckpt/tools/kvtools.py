@@ -146,8 +146,10 @@ def remove_checkpoint(root: TensorStoreSink, directory: str) -> None:
     root.delete_tree(directory)
 
 
-def prune(save_root: KvTarget, current: int, policy: Retention, deadlines: KvDeadlines = KvDeadlines()) -> list[int]:
-    """`retention.prune` for a kvstore save root; failures are logged, not raised."""
+def prune(save_root: KvTarget, current: int, policy: Retention, deadlines: KvDeadlines = KvDeadlines(),
+          resumed_from: int | None = None) -> list[int]:
+    """`retention.prune` for a kvstore save root (``resumed_from``, the checkpoint the run
+    resumed from, is never removed); failures are logged, not raised."""
     try:
         root = open_sink(save_root, deadlines)
         found = iterations(save_root, deadlines)
@@ -155,7 +157,7 @@ def prune(save_root: KvTarget, current: int, policy: Retention, deadlines: KvDea
         log.warning("safe_ckpt: retention could not list %s: %s", save_root.path, exc)
         return []
     removed = []
-    for it in to_remove(list(found), current, policy):
+    for it in to_remove(list(found), current, policy, resumed_from=resumed_from):
         try:
             remove_checkpoint(root, found[it])
             removed.append(it)
