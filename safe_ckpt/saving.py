@@ -327,7 +327,8 @@ class _Job:
                                                    world_size=self.coord.world_size, version=__version__),
                      **small}
         if self.kv:
-            kvcommit.publish(self.sink, small, {f.relative_path for lay in layouts for f in lay.files})
+            kvcommit.publish(self.sink, small, {f.relative_path for lay in layouts for f in lay.files},
+                             owner=kvcommit.owner_key(self.save_id))
             return
         for name, data in small.items():  # `.metadata` last: without it nothing here is a checkpoint
             if name != METADATA_FILE:

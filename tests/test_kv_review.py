@@ -100,11 +100,59 @@ def test_gc_during_a_save_never_yields_an_ok_checkpoint_without_its_data(tmp_pat
         assert not (root / "iter_0000001" / "metadata.json").exists()
         assert not (root / "iter_0000001" / ".metadata").exists()
         return
-    # The save reported OK: gc must have left its files alone, and they load.
-    assert wrapped and wrapped[0].collected is not None
+    # The save reported OK: gc must have left its files alone (its owner object is fresh), and they load.
+    assert wrapped and wrapped[0].collected == []
     from safe_ckpt.tools.verify import verify
 
     assert verify(str(root / "iter_0000001"), deep=True).ok
+    assert not [n for n in os.listdir(root / "iter_0000001") if n.startswith(".safe_ckpt-owner-")]
+
+
+class _DeletesBeforeCommit(_GcBeforeCommit):
+    """What a gc that does not know owner objects (or a person) does: removes one data file."""
+
+    def __init__(self, sink) -> None:
+        def remove_one():
+            name = sorted(n for n in sink.list() if n.endswith(".distcp"))[0]
+            sink.delete(name)
+            return [name]
+
+        super().__init__(sink, remove_one)
+
+
+def test_a_commit_with_a_data_file_missing_publishes_nothing(tmp_path):
+    root = tmp_path / "ck"
+    wrapped = []
+
+    def factory(sink):
+        wrapped.append(_DeletesBeforeCommit(sink))
+        return wrapped[0]
+
+    with pytest.raises(safe_ckpt.CommitError, match=r"\.distcp: 1 data file\(s\) of this save are missing") as err:
+        safe_ckpt.save(_state(4), f"file://{root}/iter_0000001", options=_opts(sink_factory=factory))
+    assert wrapped[0].collected and f"iter_0000001/{wrapped[0].collected[0]}" in str(err.value)
+    left = os.listdir(root / "iter_0000001") if (root / "iter_0000001").exists() else []
+    assert "metadata.json" not in left and ".metadata" not in left, left
+
+
+def test_gc_removes_a_dead_saves_keys_once_its_owner_object_is_stale(tmp_path):
+    import json
+
+    from safe_ckpt import kvcommit
+    from safe_ckpt.sinks.tensorstore import KvTarget
+    from safe_ckpt.tools import kvtools
+
+    prefix = tmp_path / "ck" / "iter_0000002"
+    prefix.mkdir(parents=True)
+    fresh, dead = "aaaaaaaa11112222", "bbbbbbbb33334444"
+    for save_id, age_s in ((fresh, 10.0), (dead, 2 * kvcommit.OWNER_STALE_S)):
+        (prefix / f"__0_0-{save_id}.distcp").write_bytes(os.urandom(64))
+        (prefix / f".safe_ckpt-owner-{save_id}").write_text(json.dumps(
+            {"save_id": save_id, "written_at_unix_s": __import__("time").time() - age_s,
+             "stale_after_s": kvcommit.OWNER_STALE_S}))
+    removed = kvtools.collect(KvTarget(f"file://{tmp_path}/ck"))
+    assert removed == sorted([f"iter_0000002/__0_0-{dead}.distcp", f"iter_0000002/.safe_ckpt-owner-{dead}"])
+    assert sorted(os.listdir(prefix)) == sorted([f"__0_0-{fresh}.distcp", f".safe_ckpt-owner-{fresh}"])
 
 
 def test_the_timeout_remedy_names_the_command_line_flag_too():

@@ -81,9 +81,15 @@ def _by_directory(keys: list[str]) -> dict[str, list[str]]:
 
 
 def leftovers_in(sink: TensorStoreSink, names: list[str]) -> list[str]:
-    """The keys of one prefix (its ``names``) that an interrupted save left there."""
+    """The keys of one prefix (its ``names``) that an interrupted save left there. A save whose
+    owner object is fresh is running: its keys, and the prefix's small files, are not leftovers."""
+    running = kvcommit.running_saves(sink, names)
+    if running:
+        log.info("safe_ckpt: gc leaves the keys of running save(s) %s under %s alone", sorted(running), sink.root)
     if kvcommit.is_save_leftover(names):
-        return sorted(names)
+        if not running:
+            return sorted(names)
+        return sorted(n for n in names if kvcommit.save_id_of(n) not in (None, *running))
     if kvcommit.CONFIG_FILE not in names:
         return []  # foreign keys, or nothing of ours
     try:
@@ -94,7 +100,8 @@ def leftovers_in(sink: TensorStoreSink, names: list[str]) -> list[str]:
         return []
     if not referenced:
         return []  # an index we cannot read: keep everything
-    return sorted(n for n in names if kvcommit._TAGGED_DATA.match(n) and n not in referenced)
+    return sorted(n for n in names if n not in referenced and kvcommit.save_id_of(n) is not None
+                  and kvcommit.save_id_of(n) not in running)
 
 
 def find(target: KvTarget, request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S) -> list[str]:
