@@ -111,6 +111,7 @@ class _Job:
                             content_metadata=self.content_metadata, sharded_only=self.sharded_only, kv=self.kv)
         self.state = None  # the job keeps only the sources it needs
         self.area, self.kv_sink = mine.area, mine.kv_sink
+        self.save_id = mine.message.save_id  # rank 0's: a failed plan's abort removes its kvstore owner object
         self.ballot.keep_interrupt(mine.interrupt)
         try:
             messages = self.coord.exchange("planning", mine.message)

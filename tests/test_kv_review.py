@@ -210,3 +210,18 @@ def test_retention_on_a_kvstore_root_keeps_the_checkpoint_the_run_resumed_from(t
     from safe_ckpt.tools.verify import verify
 
     assert verify(str(tmp_path / "run" / "iter_0000002"), deep=True).ok
+
+
+def test_a_save_refused_at_planning_leaves_no_owner_object(tmp_path):
+    root = tmp_path / "ck"
+    url = f"file://{root}/iter_0000001"
+    safe_ckpt.save(_state(5), url, options=_opts())
+    with pytest.raises(safe_ckpt.CheckpointError):
+        # the same prefix, but a plan that does not cover the tensor: half of "w" has no writer
+        import torch
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+        half = ShardedTensor.from_rank_offsets("w", torch.randn(4, 3, generator=torch.Generator().manual_seed(5)),
+                                               (0, 0, 2))
+        safe_ckpt.save({"w": half}, url, options=_opts(replace="any"))
+    assert not [n for n in os.listdir(root / "iter_0000001") if n.startswith(".safe_ckpt-owner-")]
