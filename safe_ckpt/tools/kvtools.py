@@ -11,8 +11,9 @@ iteration's `metadata.json` first, so a crash mid-delete leaves keys `gc` recogn
 never a prefix that looks like a checkpoint with files missing.
 
 Must not: read environment variables, or touch a key `gc` cannot attribute to a save
-(no `safe_ckpt`-named data file, or a prefix holding foreign keys). Like `gc` on
-directories, it must not run while a save of the same prefix is running.
+(no `safe_ckpt`-named data file, a prefix holding foreign keys, or one whose `.metadata`
+the restricted unpickler refuses), or the keys of a save whose owner object is fresh
+(`kvcommit.running_saves`: a save still running).
 """
 
 from __future__ import annotations
