@@ -71,14 +71,17 @@ def _located(path: str):
     return located
 
 
-def _kv_target(args: argparse.Namespace, path: str, spec_json: str | None = None):
-    """The kvstore target of a tool argument (None: a local directory). The endpoint of an
-    `s3://` URL: --endpoint, else AWS_ENDPOINT_URL_S3, else AWS_ENDPOINT_URL (as boto3 reads them)."""
+def _kv_target(args: argparse.Namespace, path: str, spec_json: str | None = None, flag: str = "--kvstore-spec"):
+    """The kvstore target of a tool argument (None: a local directory); ``flag`` names the
+    argument ``spec_json`` came from. The endpoint of an `s3://` URL: --endpoint, else
+    AWS_ENDPOINT_URL_S3, else AWS_ENDPOINT_URL (as boto3 reads them)."""
     import os
 
     from .tools.kvtools import endpoint_from, kv_target, region_from
 
-    spec = _json_arg(spec_json, "--kvstore-spec")
+    spec = _json_arg(spec_json, flag)
+    if spec is not None:
+        _check_kv_spec(spec, flag)
     return kv_target(path, spec, args.endpoint or endpoint_from(os.environ), region_from(os.environ))
 
 
@@ -88,7 +91,7 @@ def _add_kv_arguments(p: argparse.ArgumentParser, spec: bool = True) -> None:
                        help="TensorStore kvstore spec (JSON) the path lies in, e.g. an s3 bucket at an endpoint")
     p.add_argument("--endpoint", default=None, help="S3-compatible endpoint for s3:// URLs (MinIO, Ceph RGW); "
                                                     "default AWS_ENDPOINT_URL_S3, else AWS_ENDPOINT_URL")
-    p.add_argument("--request-timeout-s", type=float, default=30.0,
+    p.add_argument("--request-timeout-s", type=_positive(float), default=30.0,
                    help="the most one kvstore request may take, retries included (default 30)")
 
 
@@ -157,6 +160,32 @@ def _gc(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _check_kv_spec(spec, flag: str) -> None:
+    """A spec TensorStore cannot parse is the caller's mistake (exit 2), not a failed command."""
+    if not isinstance(spec, dict):
+        raise UsageError(f"{flag} must be a JSON object (a TensorStore kvstore spec), got {type(spec).__name__}")
+    import tensorstore as ts
+
+    try:
+        ts.KvStore.Spec(spec)
+    except Exception as exc:
+        raise UsageError(f"{flag} is not a TensorStore kvstore spec: {exc}") from None
+
+
+def _positive(kind):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid {kind.__name__} value: {text!r}") from None
+        if not value > 0:  # also refuses nan
+            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        return value
+
+    parse.__name__ = f"positive {kind.__name__}"
+    return parse
+
+
 def _json_arg(text: str | None, name: str):
     import json
 
@@ -175,8 +204,8 @@ def _copy(args: argparse.Namespace) -> int:
     from .tools.copy import copy
     from .tools.locate import require_directory
 
-    src = _kv_target(args, args.src, args.src_spec)
-    dst = _kv_target(args, args.dst, args.dst_spec)
+    src = _kv_target(args, args.src, args.src_spec, "--src-spec")
+    dst = _kv_target(args, args.dst, args.dst_spec, "--dst-spec")
     if src is None and not is_kvstore_url(args.src):
         require_directory(args.src, "source directory")
     if dst is None and not is_kvstore_url(args.dst) and os.path.exists(args.dst) and not os.path.isdir(args.dst):
@@ -204,8 +233,8 @@ def _add_verbose(parser: argparse.ArgumentParser) -> None:
 def _add_demo(sub) -> None:
     p = sub.add_parser("demo", help="save Megatron-shaped state at N ranks, load it back with stock Megatron, "
                                            "compare with the write ceiling and stock DCP")
-    p.add_argument("--ranks", type=int, default=2, help="number of ranks (processes) to save from (default: 2)")
-    p.add_argument("--size-mb", type=int, default=384, help="total state size across ranks, in MiB (default: 384)")
+    p.add_argument("--ranks", type=_positive(int), default=2, help="number of ranks (processes) to save from (default: 2)")
+    p.add_argument("--size-mb", type=_positive(int), default=384, help="total state size across ranks, in MiB (default: 384)")
     p.add_argument("--out", default=None, help="directory to save into (default: a temporary one)")
     p.add_argument("--keep", action="store_true", help="keep the checkpoint after the demo")
     p.add_argument("--io-threads", type=int, default=4, help="writer threads per rank (default: 4)")

@@ -89,7 +89,8 @@ _KINDS = {
 def kind_of(exc: BaseException) -> str:
     """The failure kind recorded for an exception raised on this rank."""
     if isinstance(exc, CheckpointError):
-        return type(exc).__name__ if type(exc).__name__ in _KINDS else "CheckpointError"
+        # the nearest kind the other ranks can rebuild (a module's own subclass keeps its family)
+        return next(c.__name__ for c in type(exc).__mro__ if c.__name__ in _KINDS)
     if isinstance(exc, OSError):
         return "WriteError"
     return "CheckpointError"

@@ -85,6 +85,7 @@ def plan_locally(state: dict, rank: int, *, checkpoint_dir: str, options: SaveOp
                 replace = "any" if sharded_only else options.replace
                 if kv_sink is not None:
                     kvcommit.check_target(kv_sink, replace)
+                    kvcommit.claim(kv_sink, save_id, options.kvstore_save_timeout_s)  # gc: a save is running
                 elif not kv:
                     area = commit.prepare(checkpoint_dir, save_id, replace)
             except Exception as exc:

@@ -111,6 +111,7 @@ class _Job:
                             content_metadata=self.content_metadata, sharded_only=self.sharded_only, kv=self.kv)
         self.state = None  # the job keeps only the sources it needs
         self.area, self.kv_sink = mine.area, mine.kv_sink
+        self.save_id = mine.message.save_id  # rank 0's: a failed plan's abort removes its kvstore owner object
         self.ballot.keep_interrupt(mine.interrupt)
         try:
             messages = self.coord.exchange("planning", mine.message)
@@ -327,7 +328,8 @@ class _Job:
                                                    world_size=self.coord.world_size, version=__version__),
                      **small}
         if self.kv:
-            kvcommit.publish(self.sink, small, {f.relative_path for lay in layouts for f in lay.files})
+            kvcommit.publish(self.sink, small, {f.relative_path for lay in layouts for f in lay.files},
+                             owner=kvcommit.owner_key(self.save_id))
             return
         for name, data in small.items():  # `.metadata` last: without it nothing here is a checkpoint
             if name != METADATA_FILE:

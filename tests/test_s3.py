@@ -162,6 +162,7 @@ def test_store_killed_after_the_first_object_landed(s3_server, tmp_path):
 
 
 def test_killed_save_leftovers_next_save_gc_and_publish_keeps_other_saves_files(s3_server, tmp_path):
+    from safe_ckpt import kvcommit
     from safe_ckpt.sinks.tensorstore import KvTarget
     from safe_ckpt.tools import kvtools
 
@@ -172,7 +173,15 @@ def test_killed_save_leftovers_next_save_gc_and_publish_keeps_other_saves_files(
     assert results[1][0] == "ok" and "CoordinationError" in results[1][1]["error"]["mro"], results[1]
     left = [k.rsplit("/", 1)[1] for k in s3_server.keys("leftover", prefix + "/")]
     assert left and "metadata.json" not in left
-    assert len({n.rsplit("-", 1)[1] for n in left}) == 1  # one save's tag
+    assert len({kvcommit.save_id_of(n) for n in left}) == 1  # one save's tag
+    owners = [n for n in left if n.startswith(kvcommit.OWNER_PREFIX)]
+    assert len(owners) == 1
+    # While its owner object is fresh the killed save may still be running: gc leaves it alone.
+    assert kvtools.find(KvTarget("ck", spec)) == []
+    # Time passes beyond the owner object's own staleness bound.
+    record = json.loads(s3_server.client().get_object(Bucket="leftover", Key=f"{prefix}/{owners[0]}")["Body"].read())
+    record["written_at_unix_s"] -= record["stale_after_s"] + 1
+    s3_server.client().put_object(Bucket="leftover", Key=f"{prefix}/{owners[0]}", Body=json.dumps(record).encode())
     assert kvtools.find(KvTarget("ck", spec)) == sorted(f"iter_0000003/{n}" for n in left)
 
     # The next save of the prefix is not refused as foreign data, and its publish keeps the
@@ -253,6 +262,8 @@ def test_what_counts_as_an_interrupted_saves_keys():
     assert is_save_leftover(tagged + [".metadata", "common.pt", "safe_ckpt_manifest.json"])  # killed mid-publish
     assert not is_save_leftover(tagged + ["metadata.json", ".metadata"])  # a checkpoint
     assert not is_save_leftover(["__0_0.distcp"])  # untagged: not attributable to one save
+    assert is_save_leftover(tagged + [".safe_ckpt-owner-0123456789abcdef"])  # a save's owner object
+    assert not is_save_leftover(tagged + [".safe_ckpt-owner-x"])
     assert not is_save_leftover(tagged + ["notes.txt"]) and not is_save_leftover([])
 
 

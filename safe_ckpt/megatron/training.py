@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import json
 import logging
 import os
 import threading
@@ -27,7 +28,7 @@ from ..errors import ValidationError, failure_from_exception
 from ..options import GiB, SaveOptions
 from ..results import SaveResult
 from ..retention import Retention, prune
-from ..sinks.tensorstore import KvTarget, deadlines_for, is_kvstore_url, resolve_target
+from ..sinks.tensorstore import KvDeadlines, KvTarget, deadlines_for, is_kvstore_url, open_sink, resolve_target
 
 log = logging.getLogger("safe_ckpt")
 
@@ -106,18 +107,38 @@ def retention_from_args(args) -> Retention:
     return Retention(keep_last=keep_last, keep_every=keep_every)
 
 
-def resumed_from(save_dir: str) -> int | None:
-    """The iteration the tracker in ``save_dir`` named before this process first saved there."""
-    key = os.path.abspath(save_dir)
+def resumed_from(save_dir: str, kv_root: KvTarget | None = None, options: SaveOptions | None = None) -> int | None:
+    """The iteration the tracker in ``save_dir`` (or under the kvstore prefix ``kv_root``) named
+    before this process first saved there."""
+    if kv_root is None:
+        key = os.path.abspath(save_dir)
+    else:
+        key = ("kvstore", kv_root.path, json.dumps(kv_root.spec, sort_keys=True, default=str))
     with _pending_lock:
         if key not in _resumed_from:
-            try:
-                with open(os.path.join(key, commit.TRACKER_FILE)) as f:
-                    value = f.read().strip()
-            except OSError:
-                value = ""
+            value = _read_tracker(key) if kv_root is None else _read_kv_tracker(kv_root, options or SaveOptions())
             _resumed_from[key] = int(value) if value.isdigit() else None
         return _resumed_from[key]
+
+
+def _read_tracker(directory: str) -> str:
+    try:
+        with open(os.path.join(directory, commit.TRACKER_FILE)) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _read_kv_tracker(kv_root: KvTarget, options: SaveOptions) -> str:
+    try:
+        return open_sink(kv_root, KvDeadlines(options.kvstore_request_timeout_s)).read(commit.TRACKER_FILE) \
+            .decode(errors="replace").strip()
+    except FileNotFoundError:
+        return ""
+    except Exception as exc:  # retention then keeps only what its policy keeps
+        log.warning("safe_ckpt: cannot read the tracker under %s (%s); retention cannot protect the "
+                    "checkpoint this run resumed from", kv_root.path, exc)
+        return ""
 
 
 def save_state(state_dict: dict, save_dir: str, checkpoint_dir: str, tracker_value: str, *,
@@ -134,7 +155,7 @@ def save_state(state_dict: dict, save_dir: str, checkpoint_dir: str, tracker_val
     # A kvstore save root (a URL, or a path inside options.kvstore_spec): tracker and retention there.
     kv_root = KvTarget(save_dir, options.kvstore_spec) \
         if options.kvstore_spec is not None or is_kvstore_url(save_dir) else None
-    resumed = resumed_from(save_dir) if kv_root is None else None  # read before this save moves the tracker
+    resumed = resumed_from(save_dir, kv_root, options)  # read before this save moves the tracker
 
     def write_tracker(coord) -> None:
         failure = None
@@ -149,7 +170,8 @@ def save_state(state_dict: dict, save_dir: str, checkpoint_dir: str, tracker_val
         coord.vote("tracker", failure)
         if coord.rank == 0 and retention is not None and tracker_value.isdigit():
             if kv_root is not None:
-                kvtools.prune(kv_root, int(tracker_value), retention, deadlines_for(options))
+                kvtools.prune(kv_root, int(tracker_value), retention, deadlines_for(options),
+                              resumed_from=resumed)
             else:
                 prune(save_dir, int(tracker_value), retention, resumed_from=resumed)  # once the new one is current
 

@@ -111,7 +111,8 @@ def bounded(future, timeout_s: float, what: str):
         future.cancel()
         raise WriteError(
             f"{what}: the store did not answer within {timeout_s:.1f} s (unreachable, or too slow); "
-            "check the endpoint and credentials, or raise SaveOptions.kvstore_request_timeout_s"
+            "check the endpoint and credentials, or raise SaveOptions.kvstore_request_timeout_s "
+            "(--request-timeout-s on the command line)"
         ) from exc
     except Exception as exc:
         raise WriteError(f"{what}: {exc}") from exc

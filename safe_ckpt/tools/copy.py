@@ -52,7 +52,7 @@ def copy(src: str, dst: str, *, src_spec: dict | None = None, dst_spec: dict | N
         blob = _read(source, name)
         target.write_file(name, blob)
         total += len(blob)
-    small = {n: _read(source, n) for n in names if n not in data}
+    small = {n: _read(source, n) for n in names if n not in data and not n.startswith(kvcommit.OWNER_PREFIX)}
     total += sum(len(b) for b in small.values())
     kvcommit.publish(target, small, set(data))
     return CopyReport(len(names), total)

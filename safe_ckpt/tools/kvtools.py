@@ -11,8 +11,9 @@ iteration's `metadata.json` first, so a crash mid-delete leaves keys `gc` recogn
 never a prefix that looks like a checkpoint with files missing.
 
 Must not: read environment variables, or touch a key `gc` cannot attribute to a save
-(no `safe_ckpt`-named data file, or a prefix holding foreign keys). Like `gc` on
-directories, it must not run while a save of the same prefix is running.
+(no `safe_ckpt`-named data file, a prefix holding foreign keys, or one whose `.metadata`
+the restricted unpickler refuses), or the keys of a save whose owner object is fresh
+(`kvcommit.running_saves`: a save still running).
 """
 
 from __future__ import annotations
@@ -81,15 +82,27 @@ def _by_directory(keys: list[str]) -> dict[str, list[str]]:
 
 
 def leftovers_in(sink: TensorStoreSink, names: list[str]) -> list[str]:
-    """The keys of one prefix (its ``names``) that an interrupted save left there."""
+    """The keys of one prefix (its ``names``) that an interrupted save left there. A save whose
+    owner object is fresh is running: its keys, and the prefix's small files, are not leftovers."""
+    running = kvcommit.running_saves(sink, names)
+    if running:
+        log.info("safe_ckpt: gc leaves the keys of running save(s) %s under %s alone", sorted(running), sink.root)
     if kvcommit.is_save_leftover(names):
-        return sorted(names)
+        if not running:
+            return sorted(names)
+        return sorted(n for n in names if kvcommit.save_id_of(n) not in (None, *running))
     if kvcommit.CONFIG_FILE not in names:
         return []  # foreign keys, or nothing of ours
-    referenced = kvcommit.referenced_files(sink)
+    try:
+        referenced = kvcommit.referenced_files(sink)
+    except kvcommit.ForeignMetadataError as exc:
+        log.warning("safe_ckpt: gc skips %s: its .metadata is not a checkpoint index it may read (%s)",
+                    sink.root, exc)
+        return []
     if not referenced:
         return []  # an index we cannot read: keep everything
-    return sorted(n for n in names if kvcommit._TAGGED_DATA.match(n) and n not in referenced)
+    return sorted(n for n in names if n not in referenced and kvcommit.save_id_of(n) is not None
+                  and kvcommit.save_id_of(n) not in running)
 
 
 def find(target: KvTarget, request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S) -> list[str]:
@@ -141,8 +154,10 @@ def remove_checkpoint(root: TensorStoreSink, directory: str) -> None:
     root.delete_tree(directory)
 
 
-def prune(save_root: KvTarget, current: int, policy: Retention, deadlines: KvDeadlines = KvDeadlines()) -> list[int]:
-    """`retention.prune` for a kvstore save root; failures are logged, not raised."""
+def prune(save_root: KvTarget, current: int, policy: Retention, deadlines: KvDeadlines = KvDeadlines(),
+          resumed_from: int | None = None) -> list[int]:
+    """`retention.prune` for a kvstore save root (``resumed_from``, the checkpoint the run
+    resumed from, is never removed); failures are logged, not raised."""
     try:
         root = open_sink(save_root, deadlines)
         found = iterations(save_root, deadlines)
@@ -150,7 +165,7 @@ def prune(save_root: KvTarget, current: int, policy: Retention, deadlines: KvDea
         log.warning("safe_ckpt: retention could not list %s: %s", save_root.path, exc)
         return []
     removed = []
-    for it in to_remove(list(found), current, policy):
+    for it in to_remove(list(found), current, policy, resumed_from=resumed_from):
         try:
             remove_checkpoint(root, found[it])
             removed.append(it)

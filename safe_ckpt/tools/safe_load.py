@@ -283,8 +283,6 @@ class _MetadataUnpickler(pickle._Unpickler):
 
 def read_metadata(directory: str):
     """The DCP `Metadata` of ``directory``, unpickled with only the classes such a file holds."""
-    from torch.distributed.checkpoint.metadata import Metadata
-
     path = os.path.join(directory, METADATA_FILE)
     try:
         with open(path, "rb") as f:
@@ -294,25 +292,34 @@ def read_metadata(directory: str):
                     path, f"refused: {size_bytes} bytes, more than the {MAX_METADATA_BYTES} a DCP metadata "
                           f"file is read up to; not unpickled")
             data = f.read(MAX_METADATA_BYTES + 1)
-        if len(data) > MAX_METADATA_BYTES:
-            raise UnreadableCheckpointError(path, f"refused: more than the {MAX_METADATA_BYTES} bytes a DCP "
-                                                  f"metadata file is read up to; not unpickled")
-        meta = _MetadataUnpickler(io.BytesIO(data), path, budget_elements=4 * len(data) + (1 << 20)).load()
-    except UnreadableCheckpointError:
-        raise
     except OSError as exc:
         raise UnreadableCheckpointError(path, f"cannot be read: {exc.strerror or exc}") from None
-    except RecursionError:
-        raise UnreadableCheckpointError(path, "is not a DCP metadata file (nested too deep to read)") from None
-    except Exception as exc:  # truncated or garbage bytes: UnpicklingError, EOFError, ValueError, ...
-        raise UnreadableCheckpointError(path, f"is not a DCP metadata file (not a valid pickle: "
-                                              f"{type(exc).__name__}: {_SHOW.repr(str(exc))[1:-1]})") from None
-    if not isinstance(meta, Metadata):
-        raise UnreadableCheckpointError(path, f"holds a {type(meta).__name__}, not a DCP Metadata")
+    return metadata_from_bytes(data, path)
+
+
+def metadata_from_bytes(data: bytes, where: str):
+    """The DCP `Metadata` held in ``data`` (the bytes of the `.metadata` named ``where``: a file,
+    or a kvstore key), with the same refusals as `read_metadata`."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    if len(data) > MAX_METADATA_BYTES:
+        raise UnreadableCheckpointError(where, f"refused: more than the {MAX_METADATA_BYTES} bytes a DCP "
+                                               f"metadata file is read up to; not unpickled")
     try:
-        _check_shape(meta, path)
+        meta = _MetadataUnpickler(io.BytesIO(data), where, budget_elements=4 * len(data) + (1 << 20)).load()
+    except UnreadableCheckpointError:
+        raise
     except RecursionError:
-        raise UnreadableCheckpointError(path, "malformed: nested too deep to check") from None
+        raise UnreadableCheckpointError(where, "is not a DCP metadata file (nested too deep to read)") from None
+    except Exception as exc:  # truncated or garbage bytes: UnpicklingError, EOFError, ValueError, ...
+        raise UnreadableCheckpointError(where, f"is not a DCP metadata file (not a valid pickle: "
+                                               f"{type(exc).__name__}: {_SHOW.repr(str(exc))[1:-1]})") from None
+    if not isinstance(meta, Metadata):
+        raise UnreadableCheckpointError(where, f"holds a {type(meta).__name__}, not a DCP Metadata")
+    try:
+        _check_shape(meta, where)
+    except RecursionError:
+        raise UnreadableCheckpointError(where, "malformed: nested too deep to check") from None
     return meta
 
 
