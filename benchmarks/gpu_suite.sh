@@ -76,7 +76,7 @@ BENCH="$PY -m safe_ckpt.bench --preset ${PRESET:-anchor} $GIB_ARG"
 } > "$RES/machine.txt" 2>&1
 
 part_cpu() {
-  $PYTEST -m "not gpu" tests --timeout 600 > "$RES/cpu_suite_on_gpu_box.log" 2>&1
+  $PYTEST -m "not gpu" tests --slow --timeout 600 > "$RES/cpu_suite_on_gpu_box.log" 2>&1
   tail -3 "$RES/cpu_suite_on_gpu_box.log"
 }
 

@@ -8,10 +8,13 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device (run on the GPU machine)")
     config.addinivalue_line("markers", "soak: long randomized fault soak (off by default; --soak)")
+    config.addinivalue_line("markers", "slow: the benchmark harness launched through torchrun or Ray actors "
+                                       "(off by default, to keep the suite within CI's time; --slow)")
 
 
 def pytest_addoption(parser):
     parser.addoption("--soak", action="store_true", default=False, help="run the soak tests")
+    parser.addoption("--slow", action="store_true", default=False, help="run the slow launcher tests")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -23,3 +26,5 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="needs CUDA"))
         if "soak" in item.keywords and not config.getoption("--soak"):
             item.add_marker(pytest.mark.skip(reason="soak test: pass --soak"))
+        if "slow" in item.keywords and not config.getoption("--slow"):
+            item.add_marker(pytest.mark.skip(reason="slow launcher test: pass --slow"))

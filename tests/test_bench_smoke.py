@@ -93,12 +93,14 @@ def _multi_rank(tmp_path, launcher_cmd):
     return report
 
 
+@pytest.mark.slow
 def test_bench_two_ranks_with_torchrun(tmp_path):
     report = _multi_rank(tmp_path, [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                                     "-m", "safe_ckpt.bench"])
     assert report["meta"]["launcher"] == "torchrun"
 
 
+@pytest.mark.slow
 def test_bench_two_ray_actors(tmp_path):
     pytest.importorskip("ray")
     report = _multi_rank(tmp_path, [sys.executable, "-m", "safe_ckpt.bench", "--ray-actors", "2"])
