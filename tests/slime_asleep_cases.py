@@ -139,3 +139,83 @@ def ranks_of_destroyed_wrappers(rank, world, save_dir):
                   "ranks": dist.get_process_group_ranks(both), "world": dist.get_rank()}
     restored = ReloadableProcessGroup.rank is not None and "answer" not in ReloadableProcessGroup.rank.__qualname__
     return {"awake": awake, "unpinned": unpinned, "pinned": pinned, "restored": restored}
+
+
+def save_model_returns_while_the_build_is_held(rank, world, save_dir):
+    """The state dict is built in a thread: with Megatron's `generate_state_dict` held at a gate,
+    `save_model` still returns; a `wake_up` then waits for the build and the writes; once the
+    gate opens the checkpoint commits and loads back."""
+    import torch.distributed as dist
+
+    from safe_ckpt.integrations.slime_asleep import installed
+
+    actor = _actor(rank, world, save_dir)
+    from megatron.training import checkpointing as mck  # the stand-in, on the path once the actor is made
+
+    saves = installed(type(actor))
+    reached, release = threading.Event(), threading.Event()
+    original = mck.generate_state_dict
+
+    def held(*args, **kwargs):
+        reached.set()
+        assert release.wait(BOUND_S), "the gate was never opened"
+        return original(*args, **kwargs)
+
+    mck.generate_state_dict = held
+    try:
+        actor.sleep()
+        actor.save_model(7)
+        assert reached.wait(BOUND_S), "the build never started"
+        returned = {"build_held": not release.is_set(), "hold_s_bounded": saves.last_hold_s < BOUND_S,
+                    "tracker": _tracker(save_dir)}
+        woke = threading.Thread(target=actor.wake_up, name="wake_up")
+        woke.start()
+        assert saves.waiting.wait(BOUND_S), "wake_up did not wait for the asleep save"
+        during = {"wake_up_calls": actor.calls["wake_up"], "thread_alive": woke.is_alive()}
+        release.set()
+        woke.join(BOUND_S)
+    finally:
+        mck.generate_state_dict = original
+        release.set()
+    dist.barrier()
+    mismatches, iteration = actor.check_load(7)
+    return {"returned": returned, "during": during, "woke": not woke.is_alive(),
+            "wake_up_calls": actor.calls["wake_up"], "tracker": _tracker(save_dir),
+            "mismatches": mismatches[:5], "iteration": iteration}
+
+
+def failed_build_raises_at_wake_up(rank, world, save_dir):
+    """A build that fails (here: Megatron's `generate_state_dict` raises on every rank) publishes
+    nothing; the next `wake_up` raises a `CheckpointError` naming the iteration and the cause, and
+    the next save, awake, succeeds."""
+    import torch.distributed as dist
+
+    from safe_ckpt.errors import CheckpointError
+
+    actor = _actor(rank, world, save_dir)
+    from megatron.training import checkpointing as mck  # the stand-in, on the path once the actor is made
+
+    original = mck.generate_state_dict
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("state dict construction broke")
+
+    mck.generate_state_dict = broken
+    try:
+        actor.sleep()
+        actor.save_model(5)
+        try:
+            actor.wake_up()
+            raised = None
+        except CheckpointError as exc:
+            raised = str(exc)
+    finally:
+        mck.generate_state_dict = original
+    dist.barrier()
+    after_failure = {"tracker": _tracker(save_dir), "entries": sorted(os.listdir(save_dir))}
+    if raised is not None:  # the failed wake_up left the actor asleep: wake it as slime would retry
+        actor.wake_up()
+    actor.save_model(6, force_sync=True)
+    dist.barrier()
+    mismatches, iteration = actor.check_load(6)
+    return {"raised": raised, "after_failure": after_failure, "mismatches": mismatches[:5], "iteration": iteration}

@@ -54,3 +54,21 @@ def test_pinned_ranks_answer_for_slimes_destroyed_wrappers(tmp_path):
         assert out["pinned"] == {"single": (0, 1), "both": (rank, 2, rank), "ranks": [0, 1], "world": rank}, out
         assert out["awake"] == {"single": (0, 1), "both": (rank, 2, rank)}, out
         assert out["restored"], out
+
+
+def test_save_model_returns_while_the_state_dict_is_still_being_built(tmp_path):
+    for out in values(run_world(2, cases.save_model_returns_while_the_build_is_held, (str(tmp_path),),
+                                timeout_s=300)):
+        assert out["returned"] == {"build_held": True, "hold_s_bounded": True, "tracker": None}, out
+        assert out["during"] == {"wake_up_calls": 0, "thread_alive": True}, out  # waits, slime's not called
+        assert out["woke"] and out["wake_up_calls"] == 1 and out["tracker"] == "7", out
+        assert out["mismatches"] == [] and out["iteration"] == 7, out
+
+
+def test_a_failed_build_raises_at_wake_up_and_publishes_nothing(tmp_path):
+    for out in values(run_world(2, cases.failed_build_raises_at_wake_up, (str(tmp_path),), timeout_s=300)):
+        assert out["raised"] is not None and "iteration 5" in out["raised"], out
+        assert "state dict construction broke" in out["raised"], out
+        assert out["after_failure"]["tracker"] is None, out
+        assert not any("0000005" in e for e in out["after_failure"]["entries"]), out
+        assert out["mismatches"] == [] and out["iteration"] == 6, out

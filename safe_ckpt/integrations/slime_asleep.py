@@ -11,8 +11,9 @@ asleep save instead reads paused regions from torch_memory_saver's CPU backup
 (`unmapped_policy="cpu_backup"`) and host-resident optimizer state where it lives, coordinates over
 a gloo backend that slime's group cycle cannot reach (`slime_groups.DetachedGloo`), answers
 Megatron's rank queries from the groups as they were before sleep (`slime_groups.pinned_ranks`),
-and returns as soon as the state dict is planned: the writes run in the background, at the
-writers' nice level, while the rollout proceeds.
+and returns at once: the state dict is built and planned in a thread (`StartingSave`; the RNG
+state is taken first, in the caller) and the writes run in the background, at the writers' nice
+level, while the rollout proceeds.
 
 Which path a save takes (`awake_reason`): the asleep one when `--offload-train` is on, the actor is
 asleep (its last `sleep()` has not been followed by `wake_up()`), and none of these holds, each of
@@ -56,7 +57,7 @@ import time
 from dataclasses import dataclass
 
 from .. import compat
-from ..errors import ValidationError
+from ..errors import CheckpointError, ValidationError
 from . import slime_groups
 
 log = logging.getLogger("safe_ckpt")
@@ -82,9 +83,21 @@ def awake_reason(args, asleep: bool, role: str | None) -> str | None:
     return None
 
 
-def start_asleep_save(args, model, optimizer, opt_param_scheduler, iteration, group, snapshot):
+def capture_rng_state(args, snapshot):
+    """The RNG state the checkpoint records, taken now: a state dict built later, in the
+    background, would otherwise record whatever the process's generators hold by then."""
+    from megatron.training import checkpointing as mck
+
+    from ..megatron import training
+
+    with slime_groups.pinned_ranks(snapshot):
+        return training._rng_state(mck, args, {})
+
+
+def start_asleep_save(args, model, optimizer, opt_param_scheduler, iteration, group, snapshot, rng_state=None):
     """Build Megatron's state dict for ``iteration`` with the ranks pinned to ``snapshot``, plan it
-    over ``group`` and return the `SaveHandle` writing it in the background (tracker, retention)."""
+    over ``group`` and return the `SaveHandle` writing it in the background (tracker, retention).
+    ``rng_state``: from `capture_rng_state` when the call runs later than the save was asked for."""
     from megatron.training import checkpointing as mck
 
     from ..megatron import training
@@ -96,7 +109,8 @@ def start_asleep_save(args, model, optimizer, opt_param_scheduler, iteration, gr
         model = mck.unwrap_model(model)
         metadata = training._sharding_metadata(mck, args, None)
         training.check_sharding_type(args, optimizer, metadata)
-        rng_state = training._rng_state(mck, args, {})
+        if rng_state is None:
+            rng_state = training._rng_state(mck, args, {})
         state_dict = mck.generate_state_dict(
             args, model, optimizer, opt_param_scheduler, rng_state,
             **training._accepted(mck.generate_state_dict, {
@@ -114,6 +128,56 @@ def start_asleep_save(args, model, optimizer, opt_param_scheduler, iteration, gr
             state_dict, args.save, checkpoint_name, str(iteration),
             content_metadata=compat.clean_content_metadata(metadata), options=options, async_save=True,
             process_group=group, retention=training.retention_from_args(args))
+
+
+class StartingSave:
+    """An asleep save whose state dict is built and planned in a thread, so that `save_model`
+    returns at once; `done`/`wait` cover the build and then the `SaveHandle`'s writes.
+
+    The build reads only the model's and optimizer's structure (no bytes, no device work: the
+    paused memory is not touched until the writes read the CPU backup), and nothing the build
+    reads changes before the next `wake_up()`, which waits for this save first.
+    """
+
+    def __init__(self, build, iteration) -> None:
+        self.iteration = iteration
+        self.handle = None
+        self.error: BaseException | None = None
+        self._built = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(build,), daemon=True,
+                                        name=f"safe_ckpt-asleep-build-{iteration}")
+        self._thread.start()
+
+    def _run(self, build) -> None:
+        try:
+            self.handle = build()
+        except BaseException as exc:  # raised to whoever waits for this save
+            self.error = exc
+        finally:
+            self._built.set()
+
+    def done(self) -> bool:
+        return self._built.is_set() and (self.handle is None or self.handle.done())
+
+    def wait(self, timeout: float | None = None):
+        start = time.monotonic()
+        if not self._built.wait(timeout):
+            raise TimeoutError(f"the asleep save of iteration {self.iteration} is still building its state dict")
+        if self.error is not None:
+            raise self.error
+        left = None if timeout is None else max(0.0, timeout - (time.monotonic() - start))
+        return self.handle.wait(timeout=left)
+
+
+def _build_failure(starting: StartingSave) -> CheckpointError | None:
+    """The error of a build that failed before its writes started, as a `CheckpointError`."""
+    error = starting.error if isinstance(starting, StartingSave) else None
+    if error is None or isinstance(error, CheckpointError):
+        return error
+    failure = CheckpointError(f"the asleep save of iteration {starting.iteration} failed while building its "
+                              f"state dict: {type(error).__name__}: {error}; nothing was written for it")
+    failure.__cause__ = error
+    return failure
 
 
 @dataclass(frozen=True)
@@ -183,6 +247,10 @@ class AsleepSaves:
         if self.last_wake_wait_s > 0.001:
             log.info("safe_ckpt: %s held %.3f s by the asleep save of iteration %s", why,
                      self.last_wake_wait_s, self.inflight_iteration)
+        failure = _build_failure(handle)
+        if failure is not None:
+            log.error("safe_ckpt: %s", failure)
+            raise failure
         training.finalize_async_saves(blocking=True)
 
     def wake_up(self, actor, original, caller, *args, **kwargs):
@@ -223,8 +291,11 @@ class AsleepSaves:
                 return awake_save_checkpoint(iteration, model, optimizer, opt_param_scheduler, *args, **kwargs)
             from megatron.training.global_vars import get_args
 
-            self.inflight = start_asleep_save(get_args(), model, optimizer, opt_param_scheduler, iteration,
-                                              self.group, self.snapshot)
+            args, snapshot, group = get_args(), self.snapshot, self.group
+            rng_state = capture_rng_state(args, snapshot)
+            self.inflight = StartingSave(lambda: start_asleep_save(
+                args, model, optimizer, opt_param_scheduler, iteration, group, snapshot, rng_state=rng_state),
+                iteration)
             self.inflight_iteration = iteration
             return self.inflight
 
