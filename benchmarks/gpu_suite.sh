@@ -3,6 +3,7 @@
 #   tests    gputests, then smoke;
 #   gputests every GPU test (tests/test_gpu*.py: round trips per residence, profiler counts, unmapped
 #            memory, torch_memory_saver, pool reuse, real GPTModel resume, slime actors);
+#   asleep   the asleep-save GPU tests (GPU_K), then benchmarks/slime_loop_bench.py on tmpfs and disk;
 #   smoke    a 1 GiB benchmark of every peer with memcpy counts, and the same as one Ray actor;
 #   bench    the 8+ GB benchmark, all on the GPU, tmpfs and disk, beside stock Megatron, DCP and ceilings
 #            (the TensorStore sink is in smoke: 9 GB through it takes 15 s a run on tmpfs);
@@ -101,6 +102,16 @@ part_smoke() {
 
 part_tests() { part_gputests; part_smoke; }
 
+# slime's colocated loop: the asleep GPU tests (GPU_K narrows them), then the three ways to save
+# the same 9 GB state side by side (benchmarks/slime_loop_bench.py), on tmpfs and disk.
+part_asleep() {
+  $PYTEST -m gpu tests/test_gpu_slime.py -k "${GPU_K:-asleep}" -rA -s --timeout 400 > "$RES/gpu_asleep_tests.log" 2>&1
+  grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed|asleep save" "$RES/gpu_asleep_tests.log" | cut -c1-400 | tail -12
+  $PY benchmarks/slime_loop_bench.py --targets "$SHM/slime_loop,$DISK/slime_loop" --rounds ${REPS:-2} \
+    --out "$RES/slime_loop" > "$RES/slime_loop.log" 2>&1
+  echo "slime_loop_bench rc $?"; grep -v "^ \|^\[" "$RES/slime_loop.log" | tail -40 | cut -c1-600
+}
+
 part_gil() {
   local t
   for t in "$SHM" "$DISK"; do
@@ -189,7 +200,7 @@ part_resume() {
 [ $# -eq 0 ] && set -- tests
 for part in "$@"; do
   case "$part" in
-    cpu|gputests|smoke|tests|gil|bench|mixes|bench2|resume|diag|diagvs) echo "== $part $(date +%T)"; "part_$part" ;;
+    cpu|gputests|smoke|tests|asleep|gil|bench|mixes|bench2|resume|diag|diagvs) echo "== $part $(date +%T)"; "part_$part" ;;
     all) part_tests; part_bench; part_mixes ;;
     *) echo "unknown part: $part" >&2; exit 2 ;;
   esac

@@ -1,0 +1,390 @@
+"""Saving in slime's colocated loop, three ways, side by side for the same training state.
+
+One process, one GPU: a real GPTModel with Megatron's DistributedOptimizer whose whole training
+state lives in a torch_memory_saver region with a CPU backup (as slime's `--offload-train`), put
+to sleep after training. Each round checkpoints that same asleep state three ways:
+
+- ``stock``: slime's own path: wake up (`resume()`, clear memory), Megatron's `save_checkpoint`
+  (torch_dist, synchronous, as slime saves without `--async-save`), sleep (clear, `pause()`);
+- ``awake``: the same bracket with safe_ckpt's `save_checkpoint`, asynchronous, its pool as
+  large as the state (so the loop is held for the copy out of the device only);
+- ``asleep``: safe_ckpt's asleep save as slime's actor runs it with `--ckpt-backend safe`
+  (`slime_asleep.capture_rng_state` + `StartingSave`), then a rollout stand-in that takes most
+  of the freed GPU memory and keeps the GPU busy for ``--rollout-s``, then the next `wake_up()`'s
+  wait for the save.
+
+Per variant: the time the loop is held (save_model's call until the next step may start: for
+``asleep``, save_model's own time plus what `wake_up()` waited after the rollout), peak extra GPU
+memory during the save (NVML's used bytes above the asleep baseline, less the rollout
+stand-in's own allocation), pinned host bytes the save allocated (torch's pinned allocator and
+safe_ckpt's pool), and time until durable; beside them, the write ceiling of the same bytes to
+the same target, measured before every round. The first ``asleep`` save of a run is profiled
+(no rollout beside it): host-to-device copies, kernels and NCCL calls. The three checkpoints of
+the first round are compared byte for byte through torch.distributed.checkpoint.
+
+Needs CUDA, torch_memory_saver and Megatron's `megatron.training` (megatron-core 0.19 ships it).
+Run from the repository root (it reuses the GPU tests' model setup, tests/gpu_megatron_cases.py):
+  python benchmarks/slime_loop_bench.py --targets /dev/shm/slime_loop,/tmp/slime_loop --out RESULTS_PREFIX
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import shutil
+import statistics
+import sys
+import threading
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+TAG = "train"
+VARIANTS = ("asleep", "awake", "stock")
+
+
+class GpuPeak:
+    """Device memory in use, sampled every millisecond by NVML in a thread (ctypes drops the
+    GIL, so the sampler barely competes with the save's Python threads)."""
+
+    def __init__(self) -> None:
+        import pynvml
+
+        pynvml.nvmlInit()
+        self._nvml = pynvml
+        self._handle = pynvml.nvmlDeviceGetHandleByIndex(0)  # the one GPU of the machine
+        self.discount_bytes = 0  # the rollout stand-in's own allocation, not the save's
+        self._stop = threading.Event()
+        self._thread = None
+        self.baseline_bytes = self.peak_bytes = 0
+
+    def used(self) -> int:
+        return int(self._nvml.nvmlDeviceGetMemoryInfo(self._handle).used)
+
+    def start(self) -> "GpuPeak":
+        self.baseline_bytes = self.peak_bytes = self.used()
+        self.discount_bytes = 0
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._sample, daemon=True, name="gpu-peak")
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self.peak_bytes = max(self.peak_bytes, self.used() - self.discount_bytes)
+            self._stop.wait(0.001)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return max(0, self.peak_bytes - self.baseline_bytes)
+
+
+def host_pinned_bytes() -> int:
+    """Bytes torch's pinned host allocator holds now (pin_memory(), non_blocking copies to CPU)."""
+    import torch
+
+    stats = torch.cuda.host_memory_stats() if hasattr(torch.cuda, "host_memory_stats") else {}
+    for key in ("allocated_bytes.current", "reserved_bytes.current", "allocated_bytes.all.current"):
+        if key in stats:
+            return int(stats[key])
+    return 0
+
+
+def safe_pool_bytes() -> int:
+    """Bytes safe_ckpt's process-wide pinned staging pool holds now (0 when there is none)."""
+    from safe_ckpt.staging import pool
+
+    shared = pool._shared.get("pool")
+    return int(shared.stats().allocated_bytes) if shared is not None else 0
+
+
+def clear_memory() -> None:
+    """slime's clear_memory(): what its wake_up and sleep do around the save."""
+    import torch
+
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
+
+def tree_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+
+
+def write_ceiling_s(target: str, nbytes: int, source, threads: list[int]) -> dict:
+    """Seconds to write ``nbytes`` of ``source`` into ``target`` with fsync: best thread count."""
+    from safe_ckpt.bench import ceilings
+
+    by_threads = {t: ceilings.write_seconds(target, nbytes, t, reps=1, source=source) for t in threads}
+    best = min(by_threads, key=by_threads.get)
+    return {"seconds": by_threads[best], "threads": best, "by_threads": by_threads}
+
+
+def rollout_stand_in(seconds: float, peak: GpuPeak | None) -> dict:
+    """Takes 80 % of the free GPU memory (as SGLang's KV cache would) and keeps the GPU busy."""
+    import torch
+
+    free = torch.cuda.mem_get_info()[0]
+    reserved = torch.cuda.memory_reserved()
+    filler = torch.empty(int(free * 0.8), dtype=torch.uint8, device="cuda")
+    if peak is not None:
+        peak.discount_bytes = torch.cuda.memory_reserved() - reserved
+    filler.fill_(0xA5)
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    end = time.monotonic() + seconds
+    steps = 0
+    while time.monotonic() < end:
+        a = torch.tanh(a @ a)
+        steps += 1
+        if steps % 16 == 0:
+            torch.cuda.synchronize()
+    torch.cuda.synchronize()
+    held = filler.numel()
+    del filler, a
+    torch.cuda.empty_cache()
+    if peak is not None:
+        peak.discount_bytes = 0
+    return {"rollout_bytes": held, "matmuls": steps}
+
+
+def body(rank, world, opts) -> dict:
+    import torch
+
+    import megatron.core  # noqa: F401  (before the first region: it sets the saver's hook mode)
+    import megatron.training  # noqa: F401
+
+    from safe_ckpt.integrations import slime_asleep, slime_groups
+    import safe_ckpt.megatron as safe_megatron
+    from tests import gpu_megatron_cases as g
+    from tests.gpu_slime_asleep_cases import _memory_saver, profile_counts
+
+    g.MODEL_ARGS = g.MODEL_ARGS + ["--num-layers", str(opts["layers"]), "--hidden-size", str(opts["hidden"]),
+                                   "--num-attention-heads", str(opts["heads"]), "--train-iters", "1000"]
+    tms = _memory_saver()
+    work = opts["targets"][0]
+    t0 = time.monotonic()
+    with tms.region(tag=TAG, enable_cpu_backup=True):
+        model, optimizer, scheduler = g._setup(os.path.join(work, "unused"), "gpu", world)
+        from megatron.training import get_args
+
+        args = get_args()
+        iteration = 2
+        losses = g._train(model, optimizer, scheduler, 0, iteration)
+    torch.cuda.synchronize()
+    out = {"setup_s": time.monotonic() - t0, "losses": losses, "params": sum(p.numel() for m in model for p in m.parameters()),
+           "rounds": [], "torch": torch.__version__, "megatron_core": megatron.core.__version__,
+           "gpu": torch.cuda.get_device_name(0)}
+    slime_groups.install_detached_support()
+    group = slime_groups.create_detached_gloo(600.0)  # at install, awake
+    snapshot = slime_groups.snapshot_groups()  # what the actor's sleep() records first
+    args.async_save = False
+    clear_memory()
+    tms.pause(TAG)
+    peak = GpuPeak()
+    state_bytes = None
+    source = None
+    first_compare = None
+
+    def asleep(save_dir, profiled):
+        from safe_ckpt.staging import pool
+
+        pool.release()  # whatever an awake save left: the asleep save must need none
+        args.save = save_dir
+        host0 = host_pinned_bytes()
+        peak.start()
+        done_at = {}
+        start = time.monotonic()
+        rng_state = slime_asleep.capture_rng_state(args, snapshot)
+        starting = slime_asleep.StartingSave(lambda: slime_asleep.start_asleep_save(
+            args, model, optimizer, scheduler, iteration, group, snapshot, rng_state=rng_state), iteration)
+        held = time.monotonic() - start
+        watcher = threading.Thread(target=lambda: (starting.wait(), done_at.setdefault("t", time.monotonic())),
+                                   daemon=True)
+        watcher.start()
+        row = {"save_model_s": held}
+        if profiled:
+            watcher.join()
+        else:
+            row.update(rollout_stand_in(opts["rollout_s"], peak))
+        wake = time.monotonic()
+        result = starting.wait()
+        safe_megatron.finalize_async_saves(blocking=True)
+        row["wake_wait_s"] = time.monotonic() - wake
+        watcher.join()
+        row["durable_s"] = done_at["t"] - start
+        row["held_s"] = row["save_model_s"] + row["wake_wait_s"]
+        row["gpu_extra_bytes"] = peak.stop()
+        row["pinned_bytes"] = (host_pinned_bytes() - host0) + safe_pool_bytes()
+        row["bytes"] = result.total_file_bytes
+        row["bytes_by_residence"] = dict(result.bytes_by_residence)
+        return row
+
+    def awake(save_dir, stock):
+        from safe_ckpt.staging import pool
+
+        args.save = save_dir
+        if stock:
+            pool.release()
+        else:  # a pool the size of the state, allocated at startup as a training job would
+            budget_gib = state_bytes / 2**30 * 1.05
+            args.safe_ckpt_staging_budget_gib = budget_gib
+            pool.prepare(int(budget_gib * 2**30))
+        host0 = host_pinned_bytes()
+        peak.start()
+        start = time.monotonic()
+        tms.resume(TAG)  # slime's wake_up: the CPU backup copied back
+        clear_memory()
+        if stock:
+            from megatron.training.checkpointing import save_checkpoint
+
+            save_checkpoint(iteration, model, optimizer, scheduler, num_floating_point_operations_so_far=0)
+        else:
+            args.async_save = True
+            safe_megatron.save_checkpoint(iteration, model, optimizer, scheduler, num_floating_point_operations_so_far=0)
+            args.async_save = False
+        clear_memory()  # slime's sleep
+        tms.pause(TAG)
+        held = time.monotonic() - start
+        if not stock:
+            safe_megatron.finalize_async_saves(blocking=True)
+        row = {"held_s": held, "durable_s": time.monotonic() - start, "gpu_extra_bytes": peak.stop(),
+               "pinned_bytes": (host_pinned_bytes() - host0) + (0 if stock else safe_pool_bytes())}
+        row["bytes"] = tree_bytes(os.path.join(save_dir, "iter_%07d" % iteration))
+        return row
+
+    for target in opts["targets"]:
+        for r in range(opts["rounds"] + 1):
+            profiled = r == 0
+            if profiled and target != opts["targets"][0]:
+                continue
+            dirs = {v: os.path.join(target, f"{v}_r{r}") for v in VARIANTS}
+            row = {"target": target, "round": r, "profiled": profiled}
+            if profiled:
+                from torch.profiler import ProfilerActivity, profile
+
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                    row["asleep"] = asleep(dirs["asleep"], True)
+                row["asleep_profile"] = profile_counts(prof)
+                state_bytes = row["asleep"]["bytes"]
+                shutil.rmtree(dirs["asleep"], ignore_errors=True)
+                out["rounds"].append(row)
+                print("profiled asleep save:", json.dumps(row), flush=True)
+                continue
+            if source is None:
+                from safe_ckpt.bench import ceilings
+
+                source = ceilings.source_buffer(state_bytes)
+            os.sync()
+            row["ceiling"] = write_ceiling_s(target, state_bytes, source, opts["threads"])
+            for variant in VARIANTS:
+                os.sync()
+                row[variant] = asleep(dirs[variant], False) if variant == "asleep" else \
+                    awake(dirs[variant], variant == "stock")
+                row[variant]["ttd_over_ceiling"] = row["ceiling"]["seconds"] / row[variant]["durable_s"]
+            if first_compare is None:
+                from tests.megatron_evidence import compare_contents
+
+                first_compare = {
+                    "asleep_vs_stock": compare_contents(os.path.join(dirs["asleep"], "iter_%07d" % iteration),
+                                                        os.path.join(dirs["stock"], "iter_%07d" % iteration)),
+                    "awake_vs_stock": compare_contents(os.path.join(dirs["awake"], "iter_%07d" % iteration),
+                                                       os.path.join(dirs["stock"], "iter_%07d" % iteration)),
+                }
+                row["compare"] = first_compare
+            for d in dirs.values():
+                shutil.rmtree(d, ignore_errors=True)
+            out["rounds"].append(row)
+            print(summary_line(row), flush=True)
+            # the next round saves the next state: wake, one step, sleep (as slime's train does)
+            tms.resume(TAG)
+            with tms.region(tag=TAG, enable_cpu_backup=True):
+                out["losses"] += g._train(model, optimizer, scheduler, iteration, iteration + 1)
+            iteration += 1
+            clear_memory()
+            tms.pause(TAG)
+    out["state_bytes"] = state_bytes
+    return out
+
+
+def summary_line(row) -> str:
+    parts = [f"{row['target']} r{row['round']} ceiling {row['ceiling']['seconds']:.2f}s"]
+    for v in VARIANTS:
+        x = row[v]
+        parts.append(f"{v}: held {x['held_s']:.3f}s durable {x['durable_s']:.2f}s ({x['ttd_over_ceiling']:.2f} of "
+                     f"ceiling) gpu+{x['gpu_extra_bytes'] / 2**30:.2f}GiB pinned {x['pinned_bytes'] / 2**30:.2f}GiB")
+    return " | ".join(parts)
+
+
+def report(out: dict, label: str) -> str:
+    lines = [f"# {label}", "",
+             f"{out['gpu']}, torch {out['torch']}, megatron-core {out['megatron_core']}; GPTModel of "
+             f"{out['params'] / 1e6:.0f} M parameters with the distributed optimizer (bf16, fp32 main "
+             f"parameters and Adam moments): {out['state_bytes'] / 1e9:.2f} GB per checkpoint, the whole "
+             "training state in one torch_memory_saver region with a CPU backup.", ""]
+    prof = next((r for r in out["rounds"] if r["profiled"]), None)
+    if prof:
+        p = prof["asleep_profile"]
+        lines += [f"Profiled asleep save (no rollout beside it): {p['HtoD']} host-to-device copies, {p['kernels']} "
+                  f"kernels, {p['nccl']} NCCL calls, {p['DtoH']} device-to-host copies; bytes by residence "
+                  f"{prof['asleep']['bytes_by_residence']}.", ""]
+    for target in dict.fromkeys(r["target"] for r in out["rounds"] if not r["profiled"]):
+        rows = [r for r in out["rounds"] if r["target"] == target and not r["profiled"]]
+        med = lambda v, k: statistics.median(r[v][k] for r in rows)  # noqa: E731
+        ceiling = statistics.median(r["ceiling"]["seconds"] for r in rows)
+        lines += [f"## {target} ({len(rows)} rounds, medians; write ceiling {ceiling:.2f} s = "
+                  f"{out['state_bytes'] / ceiling / 1e9:.2f} GB/s)", "",
+                  "| variant | loop held (s) | save_model (s) | wake_up waited (s) | peak extra GPU (GiB) "
+                  "| pinned allocated (GiB) | time to durable (s) | ceiling / durable |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for v in VARIANTS:
+            sm = f"{med(v, 'save_model_s'):.3f}" if v == "asleep" else "-"
+            ww = f"{med(v, 'wake_wait_s'):.3f}" if v == "asleep" else "-"
+            lines.append(f"| {v} | {med(v, 'held_s'):.3f} | {sm} | {ww} | {med(v, 'gpu_extra_bytes') / 2**30:.2f} | "
+                         f"{med(v, 'pinned_bytes') / 2**30:.2f} | {med(v, 'durable_s'):.2f} | "
+                         f"{statistics.median(r[v]['ttd_over_ceiling'] for r in rows):.2f} |")
+        a = rows[0]["asleep"]
+        lines += ["", f"Rollout stand-in beside the asleep save: {a.get('rollout_bytes', 0) / 2**30:.1f} GiB of the "
+                  "freed GPU memory, matmuls for the rollout time.", ""]
+    compare = next((r["compare"] for r in out["rounds"] if "compare" in r), None)
+    if compare:
+        for name, c in compare.items():
+            lines.append(f"- {name}: {c.get('tensors')} tensors and {c.get('objects')} objects compared, "
+                         f"differ {c.get('differ')}, only in one {c.get('only_ours')} {c.get('only_stock')}")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--targets", required=True, help="comma-separated directories (e.g. tmpfs, disk)")
+    parser.add_argument("--rounds", type=int, default=2, help="timed rounds per target (after one profiled save)")
+    parser.add_argument("--layers", type=int, default=13)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--rollout-s", type=float, default=6.0)
+    parser.add_argument("--threads", default="8,16", help="write-ceiling thread counts (best is the ceiling)")
+    parser.add_argument("--label", default="slime's colocated loop on one GPU: three ways to save")
+    parser.add_argument("--out", required=True, help="results prefix: PREFIX.json and PREFIX.md")
+    ns = parser.parse_args()
+    from tests.mp import run_world
+
+    opts = {"targets": ns.targets.split(","), "rounds": ns.rounds, "layers": ns.layers, "hidden": ns.hidden,
+            "heads": ns.heads, "rollout_s": ns.rollout_s, "threads": [int(t) for t in ns.threads.split(",")]}
+    for t in opts["targets"]:
+        os.makedirs(t, exist_ok=True)
+    ((status, out),) = run_world(1, body, (opts,), backend="nccl", timeout_s=3000)
+    if status != "ok":
+        raise SystemExit(f"the run failed: {out}")
+    with open(ns.out + ".json", "w") as f:
+        json.dump(out, f, indent=1, default=str)
+    text = report(out, ns.label)
+    with open(ns.out + ".md", "w") as f:
+        f.write(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
