@@ -125,26 +125,31 @@ def write_ceiling_s(target: str, nbytes: int, source, threads: list[int]) -> dic
 
 
 def rollout_stand_in(seconds: float, peak: GpuPeak | None) -> dict:
-    """Takes 80 % of the free GPU memory (as SGLang's KV cache would) and keeps the GPU busy."""
+    """Takes 80 % of the free GPU memory (as SGLang's KV cache would) and keeps the GPU busy.
+    Everything it allocates is allocated first and discounted from the save's GPU peak."""
     import torch
 
-    free = torch.cuda.mem_get_info()[0]
     reserved = torch.cuda.memory_reserved()
+    free = torch.cuda.mem_get_info()[0]
     filler = torch.empty(int(free * 0.8), dtype=torch.uint8, device="cuda")
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    b = torch.empty_like(a)
+    torch.matmul(a, a, out=b)  # cuBLAS's workspace, before the discount is taken
+    torch.cuda.synchronize()
     if peak is not None:
         peak.discount_bytes = torch.cuda.memory_reserved() - reserved
     filler.fill_(0xA5)
-    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
     end = time.monotonic() + seconds
     steps = 0
     while time.monotonic() < end:
-        a = torch.tanh(a @ a)
+        torch.matmul(a, a, out=b)
+        torch.tanh(b, out=a)
         steps += 1
         if steps % 16 == 0:
             torch.cuda.synchronize()
     torch.cuda.synchronize()
     held = filler.numel()
-    del filler, a
+    del filler, a, b
     torch.cuda.empty_cache()
     if peak is not None:
         peak.discount_bytes = 0
