@@ -57,6 +57,7 @@ class GpuPeak:
         self._nvml = pynvml
         self._handle = pynvml.nvmlDeviceGetHandleByIndex(0)  # the one GPU of the machine
         self.discount_bytes = 0  # the rollout stand-in's own allocation, not the save's
+        self.paused = False  # while the rollout stand-in allocates (before its discount is known)
         self._stop = threading.Event()
         self._thread = None
         self.baseline_bytes = self.peak_bytes = 0
@@ -74,7 +75,8 @@ class GpuPeak:
 
     def _sample(self) -> None:
         while not self._stop.is_set():
-            self.peak_bytes = max(self.peak_bytes, self.used() - self.discount_bytes)
+            if not self.paused:
+                self.peak_bytes = max(self.peak_bytes, self.used() - self.discount_bytes)
             self._stop.wait(0.001)
 
     def stop(self) -> int:
@@ -129,6 +131,8 @@ def rollout_stand_in(seconds: float, peak: GpuPeak | None) -> dict:
     Everything it allocates is allocated first and discounted from the save's GPU peak."""
     import torch
 
+    if peak is not None:
+        peak.paused = True
     reserved = torch.cuda.memory_reserved()
     free = torch.cuda.mem_get_info()[0]
     filler = torch.empty(int(free * 0.8), dtype=torch.uint8, device="cuda")
@@ -138,6 +142,7 @@ def rollout_stand_in(seconds: float, peak: GpuPeak | None) -> dict:
     torch.cuda.synchronize()
     if peak is not None:
         peak.discount_bytes = torch.cuda.memory_reserved() - reserved
+        peak.paused = False
     filler.fill_(0xA5)
     end = time.monotonic() + seconds
     steps = 0
