@@ -75,9 +75,9 @@ class GpuPeak:
 
     def _sample(self) -> None:
         while not self._stop.is_set():
-            used, discount = self.used(), self.discount_bytes  # read, then check: no allocation slips past
+            used = self.used()  # read, then check the pause, then the discount: no allocation slips past
             if not self.paused:
-                self.peak_bytes = max(self.peak_bytes, used - discount)
+                self.peak_bytes = max(self.peak_bytes, used - self.discount_bytes)
             self._stop.wait(0.001)
 
     def stop(self) -> int:
