@@ -127,39 +127,54 @@ def write_ceiling_s(target: str, nbytes: int, source, threads: list[int]) -> dic
     return {"seconds": by_threads[best], "threads": best, "by_threads": by_threads}
 
 
+# The rollout stand-in runs in its own process, as SGLang's engines do: the training process's
+# own kernels cannot run while its state (cuBLAS's workspace included) is paused.
+ROLLOUT_CHILD = r"""
+import sys, time, torch
+share, seconds = float(sys.argv[1]), float(sys.argv[2])
+filler = torch.empty(int(torch.cuda.mem_get_info()[0] * share), dtype=torch.uint8, device="cuda")
+filler.fill_(0xA5)
+a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+b = torch.empty_like(a)
+torch.matmul(a, a, out=b)
+torch.cuda.synchronize()
+print("ready", filler.numel(), flush=True)
+end, steps = time.monotonic() + seconds, 0
+while time.monotonic() < end:
+    torch.matmul(a, a, out=b)
+    torch.tanh(b, out=a)
+    steps += 1
+    if steps % 16 == 0:
+        torch.cuda.synchronize()
+torch.cuda.synchronize()
+print("done", steps, flush=True)
+"""
+
+
 def rollout_stand_in(seconds: float, peak: GpuPeak | None) -> dict:
-    """Takes 80 % of the free GPU memory (as SGLang's KV cache would) and keeps the GPU busy.
-    Everything it allocates is allocated first and discounted from the save's GPU peak."""
-    import torch
+    """Another process takes 80 % of the free GPU memory (as SGLang's KV cache would) and keeps
+    the GPU busy for ``seconds``. Its memory is discounted from the save's GPU peak; while it
+    starts (before its size is known) the sampler pauses."""
+    import subprocess
 
     if peak is not None:
         peak.paused = True
-    reserved = torch.cuda.memory_reserved()
-    free = torch.cuda.mem_get_info()[0]
-    filler = torch.empty(int(free * 0.8), dtype=torch.uint8, device="cuda")
-    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
-    b = torch.empty_like(a)
-    torch.matmul(a, a, out=b)  # cuBLAS's workspace, before the discount is taken
-    torch.cuda.synchronize()
+    before = peak.used() if peak is not None else 0
+    start = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-c", ROLLOUT_CHILD, "0.8", str(seconds)], stdout=subprocess.PIPE,
+                            text=True)
+    ready = proc.stdout.readline().split()
     if peak is not None:
-        peak.discount_bytes = torch.cuda.memory_reserved() - reserved
+        peak.discount_bytes = peak.used() - before
         peak.paused = False
-    filler.fill_(0xA5)
-    end = time.monotonic() + seconds
-    steps = 0
-    while time.monotonic() < end:
-        torch.matmul(a, a, out=b)
-        torch.tanh(b, out=a)
-        steps += 1
-        if steps % 16 == 0:
-            torch.cuda.synchronize()
-    torch.cuda.synchronize()
-    held = filler.numel()
-    del filler, a, b
-    torch.cuda.empty_cache()
+    done = proc.stdout.read().split()
+    proc.wait(timeout=seconds + 300)
     if peak is not None:
         peak.discount_bytes = 0
-    return {"rollout_bytes": held, "matmuls": steps}
+    if proc.returncode != 0 or not ready or ready[0] != "ready":
+        raise RuntimeError(f"the rollout stand-in failed (exit {proc.returncode}): {ready} {done}")
+    return {"rollout_bytes": int(ready[1]), "matmuls": int(done[1]) if len(done) > 1 else 0,
+            "rollout_s": time.monotonic() - start}
 
 
 def body(rank, world, opts) -> dict:
@@ -175,6 +190,10 @@ def body(rank, world, opts) -> dict:
 
     g.MODEL_ARGS = g.MODEL_ARGS + ["--num-layers", str(opts["layers"]), "--hidden-size", str(opts["hidden"]),
                                    "--num-attention-heads", str(opts["heads"]), "--train-iters", "1000"]
+    import logging
+
+    logging.basicConfig(level=logging.INFO)
+    logging.getLogger("safe_ckpt").setLevel(logging.DEBUG)  # the resolved writers and pool, per save
     tms = _memory_saver()
     work = opts["targets"][0]
     t0 = time.monotonic()
@@ -232,6 +251,7 @@ def body(rank, world, opts) -> dict:
         row["pinned_bytes"] = (host_pinned_bytes() - host0) + safe_pool_bytes()
         row["bytes"] = result.total_file_bytes
         row["bytes_by_residence"] = dict(result.bytes_by_residence)
+        row["timings"] = {k: getattr(result.timings, k) for k in ("plan_s", "stall_s", "write_s", "commit_s", "total_s")}
         return row
 
     def awake(save_dir, stock):
@@ -284,6 +304,8 @@ def body(rank, world, opts) -> dict:
                 shutil.rmtree(dirs["asleep"], ignore_errors=True)
                 out["rounds"].append(row)
                 print("profiled asleep save:", json.dumps(row), flush=True)
+                out["tweaks"] = tweaked_asleep_saves(opts["tweaks"], args, lambda: asleep(dirs["asleep"], True),
+                                                     dirs["asleep"])
                 continue
             if source is None:
                 from safe_ckpt.bench import ceilings
@@ -319,6 +341,34 @@ def body(rank, world, opts) -> dict:
             tms.pause(TAG)
     out["state_bytes"] = state_bytes
     return out
+
+
+def tweaked_asleep_saves(names: list, args, save, save_dir) -> list:
+    """The asleep save again with one setting changed each (not profiled, no rollout beside it):
+    where its time to durable goes. ``threads16``: 16 writers; ``nice0``: writers at the caller's
+    priority; ``no_recheck``: backup bytes hashed once, not again after their write."""
+    from safe_ckpt import pipeline
+
+    rows = []
+    for name in names:
+        saved = (getattr(args, "safe_ckpt_io_threads", None), getattr(args, "safe_ckpt_writer_nice", None),
+                 pipeline.HOST_RESIDENCES)
+        if name == "threads16":
+            args.safe_ckpt_io_threads = 16
+        elif name == "nice0":
+            args.safe_ckpt_writer_nice = 0
+        elif name == "no_recheck":
+            pipeline.HOST_RESIDENCES = tuple(r for r in saved[2] if r != "offload_backup")
+        elif name != "default":
+            raise SystemExit(f"unknown tweak {name}")
+        try:
+            row = save()
+        finally:
+            args.safe_ckpt_io_threads, args.safe_ckpt_writer_nice, pipeline.HOST_RESIDENCES = saved
+        shutil.rmtree(save_dir, ignore_errors=True)
+        rows.append({"tweak": name, "durable_s": row["durable_s"], "timings": row["timings"]})
+        print("tweak", json.dumps(rows[-1]), flush=True)
+    return rows
 
 
 def summary_line(row) -> str:
@@ -377,13 +427,16 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--rollout-s", type=float, default=6.0)
     parser.add_argument("--threads", default="8,16", help="write-ceiling thread counts (best is the ceiling)")
+    parser.add_argument("--tweaks", default="default,threads16,nice0,no_recheck",
+                        help="asleep saves with one setting changed each, after the profiled one ('' for none)")
     parser.add_argument("--label", default="slime's colocated loop on one GPU: three ways to save")
     parser.add_argument("--out", required=True, help="results prefix: PREFIX.json and PREFIX.md")
     ns = parser.parse_args()
     from tests.mp import run_world
 
     opts = {"targets": ns.targets.split(","), "rounds": ns.rounds, "layers": ns.layers, "hidden": ns.hidden,
-            "heads": ns.heads, "rollout_s": ns.rollout_s, "threads": [int(t) for t in ns.threads.split(",")]}
+            "heads": ns.heads, "rollout_s": ns.rollout_s, "threads": [int(t) for t in ns.threads.split(",")],
+            "tweaks": [t for t in ns.tweaks.split(",") if t]}
     for t in opts["targets"]:
         os.makedirs(t, exist_ok=True)
     ((status, out),) = run_world(1, body, (opts,), backend="nccl", timeout_s=3000)
