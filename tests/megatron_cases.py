@@ -112,3 +112,29 @@ def default_strategy(rank, world, root) -> dict:
     torch.distributed.barrier()
     dist_checkpointing.save(build_state(rank, world, tp=world, spec=spec, references=refs), path)
     return {"installed": True, "mismatches": _load_and_compare(rank, world, world, spec, refs, path)}
+
+
+def save_data_parallel(rank, world, path) -> dict:
+    """Megatron-shaped state at TP=1, so every rank holds 1/world of each optimizer bucket
+    (the distributed optimizer's dp_reshardable layout), saved by safe_ckpt."""
+    import safe_ckpt
+
+    spec = StateSpec(**SMALL)
+    result = safe_ckpt.save(build_state(rank, world, tp=1, spec=spec, references=reference_tensors(spec, 1)), path,
+                            options=small_options())
+    return {"items": result.items}
+
+
+def load_data_parallel(rank, world, path) -> dict:
+    """Stock Megatron loads it at another data-parallel size: each rank's buckets cut elsewhere.
+    The one object kept per saving rank (`rank_info`, sharded by the world size) has no
+    counterpart at another size, as Megatron's per-rank objects have none: it is not asked for."""
+    from megatron.core import dist_checkpointing
+
+    spec = StateSpec(**SMALL)
+    refs = reference_tensors(spec, 1)
+    target, expected = (build_state(rank, world, tp=1, spec=spec, layout="alt", empty=empty, references=refs,
+                                    saved_tp=1) for empty in (True, False))
+    for state in (target, expected):
+        state.pop("rank_info")
+    return {"mismatches": compare_loaded(dist_checkpointing.load(target, path), expected)}
