@@ -24,23 +24,32 @@ trained weights (as `train_actor` leaves it) and `_active_model_tag`. Two varian
   registered and the groups stay up (the asleep path alone, if slime's group cycle and this
   Megatron disagree).
 
-Stubs, each only where the package is not installed, and each as slime's own CPU tests do:
+Stubs, each only where the package is not installed (as slime's own CPU tests stub them, but wandb):
 `transformers` (tests/plugin_contracts/_shared.py; installed on the GPU machine), the module
 `slime.backends.megatron_utils.sglang` (tests/test_empty_colocated_weight_bucket.py), whose
 unguarded `from sglang.srt.utils import ...` needs the whole sglang; `wandb` (imported at module
 level by slime.observability, called only with `--use-wandb`) has no stub in slime's tests: its
-wheel and dependencies would not fit beside the carried ones, so it is a module with `run = None`.
+wheel (wandb 0.31: 19 MiB, plus pydantic, opentelemetry and five more not on the GPU machine) would
+not fit beside what is carried there, so it is a module with `run = None`.
 
-Checked on CPU (Python 3.12, torch 2.13 CPU, megatron-core 0.19.2, ray 2.60, the real
-torch_memory_saver 0.0.10 wheel, slime 624b824a exported): the whole import chain of the actor and
-model modules with these stubs; that the hand-built actor holds every attribute and arg that
-`save_model`, `sleep`, `wake_up`, `_switch_model` and `model.save` read; that `install()` finds
-and hooks slime's real class (`sleep`/`wake_up` are slime's `@timer` wrappers) and rebinds
-`model.save_checkpoint`; slime's `monkey_patch_torch_dist`/`register_default_process_group`
-with megatron-core 0.19.2's `initialize_model_parallel` over gloo, and a destroy/reload cycle of
-the wrapped groups. Only the GPU can check: torch_memory_saver's pause/resume and CPU backup,
-slime's NCCL WORLD teardown to a gloo WORLD and back, `clear_memory`/`print_memory` on CUDA,
-the save reading the backup while asleep, and the bit-exact resume.
+Checked on CPU (Python 3.12, torch 2.13, megatron-core 0.19.2 with its megatron.training, ray
+2.60, the real torch_memory_saver 0.0.10 wheel, slime 624b824a exported; scripts/slime_real_dryrun.py
+repeats it): the whole import chain of the actor and model modules with these stubs (every other
+third-party module it imports is on the GPU machine or carried); that the hand-built actor holds
+every attribute and arg that `save_model`, `sleep`, `wake_up`, `_switch_model` and `model.save`
+read; that `install()` hooks slime's real class (its `sleep`/`wake_up` are slime's `@timer`
+wrappers, and the bracket is recognised from slime's own `save_model` frame) and rebinds
+`model.save_checkpoint`; slime's `monkey_patch_torch_dist`/`register_default_process_group` wrap
+megatron-core 0.19.2's model-parallel groups (23, over gloo); and slime's real `sleep()` (groups
+destroyed), `save_model(force_sync=True)` (asleep path, no resume, tracker written, stock
+`load_common_state_dict` reads it) and `wake_up()` (one resume, groups rebuilt, weights restored
+by slime's TensorBackuper) on a tiny CPU GPTModel without optimizer, with pause/resume,
+`clear_memory`/`print_memory`, pinned memory and the CUDA RNG state replaced.
+Only the GPU can check: training with megatron-core 0.19.2's DDP and DistributedOptimizer while
+its groups are slime's wrappers (the coalesced reduce-scatter/all-gather that Megatron binds at
+import go through the wrappers' methods; on CPU that stopped at slime's accelerator lookup), slime's
+NCCL WORLD teardown to a gloo WORLD and back, torch_memory_saver's pause/resume and CPU backup, the
+save reading the backup while asleep under the profiler, and the bit-exact resume.
 
 Run (GPU machine): SLIME_SRC=$PWD/.slime python3 -m pytest -q -m gpu tests/test_slime_real_src.py -rA -s
 """
@@ -137,7 +146,8 @@ def _stub_like_slimes_tests() -> list[str]:
             raise RuntimeError("sglang is not installed (stubbed by the real-slime save test)")
 
         mod.FlattenedTensorBucket = type("FlattenedTensorBucket", (), {"__init__": _needs_sglang})
-        mod.MultiprocessingSerializer = type("MultiprocessingSerializer", (), {"serialize": staticmethod(_needs_sglang)})
+        mod.MultiprocessingSerializer = type("MultiprocessingSerializer", (),
+                                             {"serialize": staticmethod(_needs_sglang)})
         mod.monkey_patch_torch_reductions = _needs_sglang
         mod.quant_weight_ue8m0 = mod.transform_scale_ue8m0 = mod.should_deepgemm_weight_requant_ue8m0 = None
         sys.modules[mod.__name__] = mod
