@@ -7,8 +7,9 @@ slime's group cycle (`monkey_patch_torch_dist`, `register_default_process_group`
 megatron-core's model-parallel groups over gloo, destroying them at sleep and rebuilding them at
 wake-up. A tiny GPTModel on CPU, no optimizer; the device-only parts are replaced here, and only
 here: torch_memory_saver's pause/resume (recorded), slime's `clear_memory`/`print_memory`,
-pinned host memory, and the CUDA RNG state. With a gloo WORLD, slime's `sleep()` destroys only
-the wrapped subgroups (an NCCL WORLD is torn down to gloo only on the GPU).
+pinned host memory, and the CUDA RNG state. slime tears WORLD down only when its backend is an
+accelerator's; here the gloo WORLD is made to count as one, so `sleep()` destroys WORLD and every
+group, starts a new gloo WORLD on the same store, and `wake_up()` rebuilds them, as with NCCL.
 
 Needs Python 3.12 with torch, megatron-core 0.19.2 (ships megatron.training), ray, transformers,
 torch_memory_saver (imports without CUDA), and a slime export:
@@ -57,6 +58,10 @@ def main(src: str) -> None:
     rpg.monkey_patch_torch_dist()  # what slime's actor init does before Megatron builds its groups
     distributed_utils.init_gloo_group()
     rpg.register_default_process_group(timeout=datetime.timedelta(minutes=10))
+    # slime tears WORLD down (to a temporary gloo WORLD) only for an accelerator backend: let this
+    # gloo WORLD count as one, so sleep() destroys WORLD and every group as it does NCCL's on the GPU
+    rpg._uses_accelerator_backend = lambda backend: True
+    state = rpg.default_process_group_states[os.getpid()]
 
     from megatron.core import mpu
     from megatron.training.arguments import parse_and_validate_args
@@ -85,7 +90,7 @@ def main(src: str) -> None:
     actor_module.print_memory = lambda *a, **k: None
 
     t.slime_actor_args(args, save_dir)
-    args.no_save_rng = args.no_save_optim = True  # no CUDA generator, no optimizer on CPU
+    args.no_save_optim = True  # no optimizer on CPU
     actor = t.hand_built_actor(actor_module, args, model, None, None)
     before = {k: v.clone() for k, v in model[0].state_dict().items() if isinstance(v, torch.Tensor)}
 
@@ -99,6 +104,7 @@ def main(src: str) -> None:
     actor.sleep()
     assert saves.asleep and tms.calls == ["pause"], tms.calls
     assert mpu.get_data_parallel_group().group is None, "slime's sleep left the groups up"
+    assert state.accelerator_world_destroyed and state.generation == 1, state
     actor.save_model(g.FIRST, force_sync=True)
     assert tms.calls == ["pause"], f"save_model woke the actor: {tms.calls}"
     tracker = open(os.path.join(save_dir, "latest_checkpointed_iteration.txt")).read().strip()
@@ -106,13 +112,14 @@ def main(src: str) -> None:
     actor.wake_up()
     assert tms.calls == ["pause", "resume"] and not saves.asleep, tms.calls
     assert mpu.get_data_parallel_group().group is not None, "wake_up did not rebuild the groups"
+    assert not state.accelerator_world_destroyed and state.generation == 2, state
     after = model[0].state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before), "weights changed across the cycle"
 
     from megatron.core import dist_checkpointing
 
     common = dist_checkpointing.load_common_state_dict(os.path.join(save_dir, "iter_%07d" % g.FIRST))
-    print(f"ok: {len(wrapped)} wrapped groups destroyed and rebuilt; save_model held {saves.last_hold_s:.3f} s "
+    print(f"ok: WORLD and {len(wrapped)} wrapped groups destroyed and rebuilt; save_model held {saves.last_hold_s:.3f} s "
           f"asleep (no resume); tracker {tracker}; common state {sorted(common)}")
     dist.destroy_process_group()
 

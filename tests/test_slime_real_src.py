@@ -40,15 +40,16 @@ every attribute and arg that `save_model`, `sleep`, `wake_up`, `_switch_model` a
 read; that `install()` hooks slime's real class (its `sleep`/`wake_up` are slime's `@timer`
 wrappers, and the bracket is recognised from slime's own `save_model` frame) and rebinds
 `model.save_checkpoint`; slime's `monkey_patch_torch_dist`/`register_default_process_group` wrap
-megatron-core 0.19.2's model-parallel groups (23, over gloo); and slime's real `sleep()` (groups
-destroyed), `save_model(force_sync=True)` (asleep path, no resume, tracker written, stock
+megatron-core 0.19.2's model-parallel groups (23, over gloo); and slime's real `sleep()` (WORLD and
+every group destroyed, a new gloo WORLD on the job's file store: the gloo WORLD made to count as an
+accelerator's), `save_model(force_sync=True)` (asleep path, no resume, tracker written, stock
 `load_common_state_dict` reads it) and `wake_up()` (one resume, groups rebuilt, weights restored
 by slime's TensorBackuper) on a tiny CPU GPTModel without optimizer, with pause/resume,
 `clear_memory`/`print_memory`, pinned memory and the CUDA RNG state replaced.
 Only the GPU can check: training with megatron-core 0.19.2's DDP and DistributedOptimizer while
 its groups are slime's wrappers (the coalesced reduce-scatter/all-gather that Megatron binds at
-import go through the wrappers' methods; on CPU that stopped at slime's accelerator lookup), slime's
-NCCL WORLD teardown to a gloo WORLD and back, torch_memory_saver's pause/resume and CPU backup, the
+import go through the wrappers' methods; on CPU that stopped at slime's accelerator lookup), the
+teardown and rebuild of an NCCL WORLD and NCCL groups, torch_memory_saver's pause/resume and CPU backup, the
 save reading the backup while asleep under the profiler, and the bit-exact resume.
 
 Run (GPU machine): SLIME_SRC=$PWD/.slime python3 -m pytest -q -m gpu tests/test_slime_real_src.py -rA -s
