@@ -116,11 +116,23 @@ def main(src: str) -> None:
     after = model[0].state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before), "weights changed across the cycle"
 
+    # as slime's loop saves between rollouts (no force_sync): save_model returns while the writes go on
+    actor.sleep()
+    actor.save_model(g.FIRST + 1)
+    hold_s = saves.last_hold_s
+    handle = saves.inflight
+    assert handle is not None, "no asleep save in flight after save_model"
+    handle.wait(timeout=300)
+    actor.wake_up()
+    assert tms.calls == ["pause", "resume", "pause", "resume"], tms.calls
+    tracker = open(os.path.join(save_dir, "latest_checkpointed_iteration.txt")).read().strip()
+    assert tracker == str(g.FIRST + 1), tracker
+
     from megatron.core import dist_checkpointing
 
     common = dist_checkpointing.load_common_state_dict(os.path.join(save_dir, "iter_%07d" % g.FIRST))
-    print(f"ok: WORLD and {len(wrapped)} wrapped groups destroyed and rebuilt; save_model held {saves.last_hold_s:.3f} s "
-          f"asleep (no resume); tracker {tracker}; common state {sorted(common)}")
+    print(f"ok: WORLD and {len(wrapped)} wrapped groups destroyed and rebuilt twice; save_model held "
+          f"{hold_s:.3f} s asleep without force_sync (no resume); tracker {tracker}; common state {sorted(common)}")
     dist.destroy_process_group()
 
 
