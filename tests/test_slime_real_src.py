@@ -3,8 +3,13 @@ a plain export made by scripts/export_slime.sh; neither is committed here) this 
 `slime.backends.megatron_utils.actor` and `model` modules and runs slime's real
 `MegatronTrainRayActor.sleep`, `save_model` and `wake_up` with `--ckpt-backend safe` on a real
 small GPTModel (DistributedOptimizer) whose state sleeps in torch_memory_saver with a CPU backup.
-A fresh process then resumes from the checkpoint with stock `load_checkpoint` and must train on
-exactly like an uninterrupted run.
+`save_model` is called as slime's loop calls it between rollouts (no `force_sync`): it must return
+without waking the actor (no `resume()`), the writes finish while it still sleeps (no host-to-device
+copy, kernel or NCCL call under the profiler), and `wake_up()` then resumes once and restores the
+same weights. A fresh process resumes from the checkpoint with stock `load_checkpoint` and must
+train on exactly like an uninterrupted run. Each run prints one line, "real slime save_model
+evidence:", a JSON object with the slime commit, the Megatron used, the stubs, save_model's hold,
+the time until durable, the profile counts and the losses.
 
 Which Megatron: slime pins Megatron-LM 1dcf0dafa884 plus its docker/patch/latest/megatron.patch;
 this test runs slime's code against whatever `megatron.core`/`megatron.training` is importable,
