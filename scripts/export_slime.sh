@@ -10,6 +10,10 @@ src=${1:?usage: scripts/export_slime.sh SLIME_GIT_DIR [DEST] [REV]}
 dest=${2:-.slime}
 rev=${3:-HEAD}
 commit=$(git -C "$src" rev-parse "$rev^{commit}")
+if [ -e "$dest" ] && [ ! -f "$dest/COMMIT" ] && [ -n "$(ls -A "$dest")" ]; then
+  echo "refusing to replace $dest: it is not an earlier export (no COMMIT file)" >&2
+  exit 1
+fi
 rm -rf "$dest"
 mkdir -p "$dest"
 git -C "$src" archive "$commit" slime | tar -x -C "$dest"
