@@ -35,12 +35,12 @@ Stubs, each only where the package is not installed (as slime's own CPU tests st
 unguarded `from sglang.srt.utils import ...` needs the whole sglang; `wandb` (imported at module
 level by slime.observability, called only with `--use-wandb`) has no stub in slime's tests: its
 wheel (wandb 0.31: 19 MiB, plus pydantic, opentelemetry and five more not on the GPU machine) would
-not fit beside what is carried there, so it is a module with `run = None`.
+not fit beside the wheels brought to that machine, so it is a module with `run = None`.
 
 Checked on CPU (Python 3.12, torch 2.13, megatron-core 0.19.2 with its megatron.training, ray
 2.60, the real torch_memory_saver 0.0.10 wheel, slime 624b824a exported; scripts/slime_real_dryrun.py
 repeats it): the whole import chain of the actor and model modules with these stubs (every other
-third-party module it imports is on the GPU machine or carried); that the hand-built actor holds
+third-party module it imports is on the GPU machine or brought there as a wheel); that the hand-built actor holds
 every attribute and arg that `save_model`, `sleep`, `wake_up`, `_switch_model` and `model.save`
 read; that `install()` hooks slime's real class (its `sleep`/`wake_up` are slime's `@timer`
 wrappers, and the bracket is recognised from slime's own `save_model` frame) and rebinds
