@@ -1,29 +1,77 @@
-"""Opt-in: slime's own source, not the mirror. With `SLIME_SRC=/path/to/slime` (a checkout fetched
-for the run, never committed here) this imports slime's `slime.backends.megatron_utils.actor`
-and `model` modules and runs slime's real `MegatronTrainRayActor.save_model` with
-`--ckpt-backend safe` on a real small GPTModel whose state sleeps in torch_memory_saver.
+"""Opt-in: slime's own source, not the mirror. With `SLIME_SRC=/path/to/slime` (a checkout, or
+a plain export made by scripts/export_slime.sh; neither is committed here) this imports slime's
+`slime.backends.megatron_utils.actor` and `model` modules and runs slime's real
+`MegatronTrainRayActor.sleep`, `save_model` and `wake_up` with `--ckpt-backend safe` on a real
+small GPTModel (DistributedOptimizer) whose state sleeps in torch_memory_saver with a CPU backup.
+`save_model` is called as slime's loop calls it between rollouts (no `force_sync`): it must return
+without waking the actor (no `resume()`), the writes finish while it still sleeps (no host-to-device
+copy, kernel or NCCL call under the profiler), and `wake_up()` then resumes once and restores the
+same weights. A fresh process resumes from the checkpoint with stock `load_checkpoint` and must
+train on exactly like an uninterrupted run. Each run prints one line, "real slime save_model
+evidence:", a JSON object with the slime commit, the Megatron used, the stubs, save_model's hold,
+the time until durable, the profile counts and the losses.
 
-Stubs: only what slime's own CPU tests stub in `sys.modules` (`transformers`, `sglang_router`)
-where it is not installed. The actor object is made without slime's `init` (which needs a
-rollout manager, an HF checkpoint and Ray): its model, optimizer and scheduler come from
-tests/gpu_megatron_cases.py, and `weights_backuper` (which `wake_up` asks for the actor's
-weights tag) is a stand-in that knows the one tag.
+Which Megatron: slime pins Megatron-LM 1dcf0dafa884 plus its docker/patch/latest/megatron.patch;
+this test runs slime's code against whatever `megatron.core`/`megatron.training` is importable,
+on the GPU machine megatron-core 0.19.2's wheel (which ships `megatron.training`), not slime's
+pin. The test prints and returns the slime commit (from a checkout's git, or the export's
+COMMIT file), the megatron-core version and where `megatron.training` came from.
 
-It needs the GPU machine: slime's `model.py` imports Megatron-LM's `megatron.training.training`
-(not in the megatron-core wheel, so the CPU stand-in cannot serve it) and `actor.py` imports
-`torch_memory_saver` at module level. Tried on CPU against slime 624b824a (2026-08-21): the
-import stops at `megatron.training.training`.
-Run: SLIME_SRC=/path/to/slime pytest tests/test_slime_real_src.py (slime pins Megatron-LM
-1dcf0dafa884 plus its docker/patch/latest/megatron.patch; the test logs the slime commit it ran).
+The actor is made without slime's `init` (which needs a rollout manager, an HF checkpoint and
+Ray): its model, optimizer and scheduler come from tests/gpu_megatron_cases.py, and it gets what
+`init` leaves behind for these paths: `args`, `role`, slime's own `TensorBackuper` holding the
+trained weights (as `train_actor` leaves it) and `_active_model_tag`. Two variants:
+- `slime_group_cycle`: before Megatron builds its groups, the test does what slime's actor `init`
+  does first (`monkey_patch_torch_dist`, `init_gloo_group`, `register_default_process_group`),
+  so slime's `sleep()` really destroys NCCL WORLD and every model-parallel group and starts a
+  temporary gloo WORLD, and `wake_up()` rebuilds them: the asleep save runs with the groups gone.
+- `torch_groups`: without those steps, `sleep()`'s `destroy_process_groups()` finds nothing
+  registered and the groups stay up (the asleep path alone, if slime's group cycle and this
+  Megatron disagree).
+
+Stubs, each only where the package is not installed (as slime's own CPU tests stub them, but wandb):
+`transformers` (tests/plugin_contracts/_shared.py; installed on the GPU machine), the module
+`slime.backends.megatron_utils.sglang` (tests/test_empty_colocated_weight_bucket.py), whose
+unguarded `from sglang.srt.utils import ...` needs the whole sglang; `wandb` (imported at module
+level by slime.observability, called only with `--use-wandb`) has no stub in slime's tests: its
+wheel (wandb 0.31: 19 MiB, plus pydantic, opentelemetry and five more not on the GPU machine) would
+not fit beside the wheels brought to that machine, so it is a module with `run = None`.
+
+Checked on CPU (Python 3.12, torch 2.13, megatron-core 0.19.2 with its megatron.training, ray
+2.60, the real torch_memory_saver 0.0.10 wheel, slime 624b824a exported; scripts/slime_real_dryrun.py
+repeats it): the whole import chain of the actor and model modules with these stubs (every other
+third-party module it imports is on the GPU machine or brought there as a wheel); that the hand-built actor holds
+every attribute and arg that `save_model`, `sleep`, `wake_up`, `_switch_model` and `model.save`
+read; that `install()` hooks slime's real class (its `sleep`/`wake_up` are slime's `@timer`
+wrappers, and the bracket is recognised from slime's own `save_model` frame) and rebinds
+`model.save_checkpoint`; slime's `monkey_patch_torch_dist`/`register_default_process_group` wrap
+megatron-core 0.19.2's model-parallel groups (23, over gloo); and slime's real `sleep()` (WORLD and
+every group destroyed, a new gloo WORLD on the job's file store: the gloo WORLD made to count as an
+accelerator's), `save_model(force_sync=True)` (asleep path, no resume, tracker written, stock
+`load_common_state_dict` reads it) and `wake_up()` (one resume, groups rebuilt, weights restored
+by slime's TensorBackuper) on a tiny CPU GPTModel without optimizer, with pause/resume,
+`clear_memory`/`print_memory`, pinned memory and the CUDA RNG state replaced.
+Only the GPU can check: training with megatron-core 0.19.2's DDP and DistributedOptimizer while
+its groups are slime's wrappers (the coalesced reduce-scatter/all-gather that Megatron binds at
+import go through the wrappers' methods; on CPU that stopped at slime's accelerator lookup), the
+teardown and rebuild of an NCCL WORLD and NCCL groups, torch_memory_saver's pause/resume and CPU backup, the
+save reading the backup while asleep under the profiler, and the bit-exact resume.
+
+Run (GPU machine): SLIME_SRC=$PWD/.slime python3 -m pytest -q -m gpu tests/test_slime_real_src.py -rA -s
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import importlib.metadata
 import importlib.util
 import os
 import subprocess
 import sys
+import time
 import types
+from datetime import timedelta
 
 import pytest
 
@@ -34,7 +82,7 @@ SLIME_SRC = os.environ.get("SLIME_SRC")
 
 def _missing() -> str | None:
     if not SLIME_SRC:
-        return "opt-in: set SLIME_SRC=/path/to/a/slime/checkout to run slime's own save_model"
+        return "opt-in: set SLIME_SRC=/path/to/slime (a checkout or scripts/export_slime.sh's export)"
     if not os.path.isfile(os.path.join(SLIME_SRC, "slime", "backends", "megatron_utils", "actor.py")):
         return f"SLIME_SRC={SLIME_SRC} holds no slime/backends/megatron_utils/actor.py"
     try:
@@ -45,7 +93,7 @@ def _missing() -> str | None:
         if importlib.util.find_spec("torch_memory_saver") is None:
             return "slime's actor.py imports torch_memory_saver: not installed"
         if importlib.util.find_spec("megatron.training.training") is None:
-            return "slime's model.py imports Megatron-LM's megatron.training.training: not on the path"
+            return "slime's model.py imports megatron.training.training: not on the path"
     except ModuleNotFoundError as exc:
         return f"missing: {exc}"
     return None
@@ -55,90 +103,235 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_missing() is not None, reason
 
 
 def slime_commit(src: str) -> str:
+    """The export's COMMIT file (scripts/export_slime.sh), else the checkout's HEAD."""
+    marker = os.path.join(src, "COMMIT")
+    if os.path.isfile(marker):
+        return open(marker).read().strip() + " (export)"
     try:
         return subprocess.run(["git", "-C", src, "log", "-1", "--format=%H %cI"], capture_output=True, text=True,
-                              timeout=30).stdout.strip() or "unknown (not a git checkout)"
+                              timeout=30).stdout.strip() or "unknown (no COMMIT file, not a git checkout)"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
 
 
+def megatron_used() -> dict:
+    """Which megatron.core / megatron.training the slime code ran against, and from where."""
+    import megatron.core
+    import megatron.training
+
+    try:
+        version = importlib.metadata.version("megatron-core")
+    except importlib.metadata.PackageNotFoundError:
+        version = getattr(getattr(megatron.core, "package_info", None), "__version__", "unknown")
+    training_file = os.path.abspath(megatron.training.__file__)
+    try:  # does the megatron-core distribution itself list the megatron.training that was imported?
+        dist = importlib.metadata.distribution("megatron-core")
+        from_wheel = any(str(f).replace(os.sep, "/") == "megatron/training/__init__.py"
+                         and os.path.abspath(dist.locate_file(f)) == training_file for f in dist.files or ())
+    except importlib.metadata.PackageNotFoundError:
+        from_wheel = False
+    return {"megatron_core_version": version, "megatron_core": os.path.dirname(os.path.abspath(megatron.core.__file__)),
+            "megatron_training": os.path.dirname(training_file), "training_from_megatron_core_wheel": from_wheel}
+
+
 def _stub_like_slimes_tests() -> list[str]:
-    """As slime's CPU tests do (tests/test_fully_async_rollout.py, tests/plugin_contracts): stand-ins
-    in sys.modules for packages the imported modules name but this path never calls."""
+    """Stand-ins in sys.modules, as slime's own CPU tests make them, for packages the imported
+    modules name at import time but these paths never call; only where not installed."""
     stubbed = []
-    if importlib.util.find_spec("transformers") is None:
+    if importlib.util.find_spec("transformers") is None:  # tests/plugin_contracts/_shared.py
         tf = types.ModuleType("transformers")
-        tf.AutoConfig = tf.AutoTokenizer = type("Auto", (), {"from_pretrained": staticmethod(lambda *a, **k: None)})
+        for name in ("AutoConfig", "AutoTokenizer", "AutoProcessor"):
+            setattr(tf, name, type(name, (), {"from_pretrained": staticmethod(lambda *a, **k: object())}))
+        tf.PreTrainedTokenizerBase = type("PreTrainedTokenizerBase", (), {})
+        tf.ProcessorMixin = type("ProcessorMixin", (), {})
         sys.modules["transformers"] = tf
         stubbed.append("transformers")
-    if importlib.util.find_spec("sglang_router") is None:
-        sys.modules["sglang_router"] = types.ModuleType("sglang_router")
-        stubbed.append("sglang_router")
+    if importlib.util.find_spec("sglang") is None:  # tests/test_empty_colocated_weight_bucket.py
+        mod = types.ModuleType("slime.backends.megatron_utils.sglang")
+
+        def _needs_sglang(*a, **k):
+            raise RuntimeError("sglang is not installed (stubbed by the real-slime save test)")
+
+        mod.FlattenedTensorBucket = type("FlattenedTensorBucket", (), {"__init__": _needs_sglang})
+        mod.MultiprocessingSerializer = type("MultiprocessingSerializer", (),
+                                             {"serialize": staticmethod(_needs_sglang)})
+        mod.monkey_patch_torch_reductions = _needs_sglang
+        mod.quant_weight_ue8m0 = mod.transform_scale_ue8m0 = mod.should_deepgemm_weight_requant_ue8m0 = None
+        sys.modules[mod.__name__] = mod
+        stubbed.append(mod.__name__)
+    if importlib.util.find_spec("wandb") is None:  # no stub in slime's tests: used only with --use-wandb
+        wb = types.ModuleType("wandb")
+        wb.run = None
+        sys.modules["wandb"] = wb
+        stubbed.append("wandb")
     return stubbed
 
 
-class _WeightsTags:
-    backup_tags = ("actor",)
-
-    def restore(self, tag):
-        pass
-
-
-def real_save_model(rank, world, root, src) -> dict:
-    """slime's save_model on an asleep actor: the asleep path runs inside it; then stock resume."""
-    import torch
-
+def import_slime(src: str) -> dict:
+    """slime's actor and model modules from ``src`` (first on the path), with the stubs."""
     sys.path.insert(0, src)
     stubbed = _stub_like_slimes_tests()
+    import slime.backends.megatron_utils.actor as actor
+    import slime.backends.megatron_utils.model as model
+
+    where = os.path.abspath(actor.__file__)
+    if not where.startswith(os.path.abspath(src) + os.sep):
+        raise RuntimeError(f"slime was imported from {where}, not from SLIME_SRC={src}")
+    return {"actor": actor, "model": model, "stubbed": stubbed}
+
+
+def slime_actor_args(args, save_dir: str) -> None:
+    """What slime's parser (slime/utils/arguments.py) adds and these paths read, and safe_ckpt's
+    options at their defaults (as `add_arguments` registers them), on Megatron's parsed args."""
+    from safe_ckpt.integrations import slime as integration
+
+    for name, value in vars(integration.add_arguments(argparse.ArgumentParser()).parse_args([])).items():
+        setattr(args, name, value)
+    for name, value in dict(offload_train=True, save_hf=None, debug_rollout_only=False, use_critic=False,
+                            colocate=True, ckpt_backend="safe", safe_ckpt_io_threads=2,
+                            safe_ckpt_timeout_s=120.0).items():
+        setattr(args, name, value)
+    for name in ("async_save", "use_distributed_optimizer", "overlap_param_gather", "num_experts",
+                 "distributed_timeout_minutes"):  # Megatron's, read by slime here
+        if not hasattr(args, name):
+            raise RuntimeError(f"Megatron's args lack {name!r}, which slime's actor reads")
+    args.save = save_dir
+
+
+def hand_built_actor(actor_module, args, model, optimizer, scheduler):
+    """A `MegatronTrainRayActor` holding what its `init` (and `train_actor`) leave for
+    `sleep`/`save_model`/`wake_up`: the weights backed up by slime's own TensorBackuper."""
+    from slime.backends.megatron_utils.update_weight.common import named_params_and_buffers
+    from slime.utils.tensor_backper import TensorBackuper
+
+    cls = actor_module.MegatronTrainRayActor
+    actor = cls.__new__(cls)
+    actor.args, actor.role, actor.with_ref, actor.with_opd_teacher = args, "actor", False, False
+    actor.model, actor.optimizer, actor.opt_param_scheduler = model, optimizer, scheduler
+    actor.weights_backuper = TensorBackuper.create(
+        source_getter=lambda: named_params_and_buffers(args, model, convert_to_global_name=True), single_tag=None)
+    actor._active_model_tag = "actor"
+    actor.weights_backuper.backup("actor")  # as init does, and train_actor after each step
+    actor.weight_updater = None  # sleep() reads it only with use_critic and not colocate
+    return actor
+
+
+def _weights(model) -> dict:
+    import torch
+
+    return {name: p.detach().to("cpu", copy=True) for m in model for name, p in m.named_parameters()
+            if isinstance(p, torch.Tensor)}
+
+
+def real_save_model(rank, world, root, src, cycle) -> dict:
+    """slime's sleep, save_model (which takes the asleep path) and wake_up on a real actor."""
+    import torch
+
     from tests import gpu_megatron_cases as g
-    from tests.gpu_slime_asleep_cases import _memory_saver
+    from tests.gpu_slime_asleep_cases import _memory_saver, profile_counts
+
+    # before the first memory-saver region: megatron.core's inference code, imported with slime's
+    # actor, sets torch_memory_saver's hook mode, which fails once a region has been used
+    slime = import_slime(src)
+    slime_actor = slime["actor"]
+    out = {"slime_commit": slime_commit(src), "stubbed": slime["stubbed"], "megatron": megatron_used(),
+           "cycle": cycle}
+    if cycle:  # what slime's TrainRayActor.init / MegatronTrainRayActor.init do before Megatron's groups
+        from slime.utils import distributed_utils, reloadable_process_group as rpg
+
+        rpg.monkey_patch_torch_dist()
+        distributed_utils.init_gloo_group()
+        rpg.register_default_process_group(timeout=timedelta(minutes=10))
 
     tms = _memory_saver()
     save_dir = os.path.join(root, "safe")
     with tms.region(tag="train", enable_cpu_backup=True):
         model, optimizer, scheduler = g._setup(save_dir, "gpu", world)
-        losses = g._train(model, optimizer, scheduler, 0, g.FIRST)
+        out["losses"] = g._train(model, optimizer, scheduler, 0, g.FIRST)
+    torch.cuda.synchronize()
     from megatron.training import get_args
 
-    import slime.backends.megatron_utils.actor as slime_actor
     from safe_ckpt.integrations import slime as integration
     from safe_ckpt.integrations.slime_asleep import installed
 
     args = get_args()
-    for name, value in dict(offload_train=True, async_save=False, save_hf=None, debug_rollout_only=False,
-                            use_critic=False, colocate=True, ckpt_backend="safe", safe_ckpt_io_threads=2,
-                            safe_ckpt_timeout_s=120.0).items():
-        setattr(args, name, value)
-    actor = slime_actor.MegatronTrainRayActor.__new__(slime_actor.MegatronTrainRayActor)
-    actor.args, actor.role = args, "actor"
-    actor.model, actor.optimizer, actor.opt_param_scheduler = model, optimizer, scheduler
-    actor.weights_backuper, actor._active_model_tag = _WeightsTags(), "actor"
+    slime_actor_args(args, save_dir)
+    actor = hand_built_actor(slime_actor, args, model, optimizer, scheduler)
+    before = _weights(model)
     integration.install(args)  # what --custom-megatron-init-path runs at the end of slime's init
     saves = installed(slime_actor.MegatronTrainRayActor)
+    out["installed"] = saves is not None
+    out["save_checkpoint_rebound"] = getattr(slime["model"].save_checkpoint, "_safe_ckpt_asleep", None) is saves
     wake_calls = []
     resume = tms.resume
     tms.resume = lambda *a, **k: (wake_calls.append(1), resume(*a, **k))[1]
+
     actor.sleep()  # slime's own sleep: clear memory, destroy the groups, pause
-    actor.save_model(g.FIRST, force_sync=True)  # slime's own save_model
-    out = {"slime_commit": slime_commit(src), "stubbed": stubbed, "losses": losses,
-           "resumed_during_save": len(wake_calls), "hold_s": saves.last_hold_s if saves else None,
-           "installed": saves is not None,
-           "tracker": open(os.path.join(save_dir, "latest_checkpointed_iteration.txt")).read().strip()}
-    actor.wake_up()  # slime's own wake_up: resume, reload the groups
-    out["resumed_after"] = len(wake_calls)
+    if cycle:
+        from slime.utils.reloadable_process_group import default_process_group_states
+
+        out["world_backend_asleep"] = str(torch.distributed.get_backend())
+        out["world_destroyed_asleep"] = default_process_group_states[os.getpid()].accelerator_world_destroyed
+    free_asleep = torch.cuda.mem_get_info()[0]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        start = time.monotonic()
+        actor.save_model(g.FIRST)  # slime's own save_model, as its loop calls it between rollouts
+        out["save_model_returned_s"] = time.monotonic() - start
+        handle = saves.inflight if saves else None
+        if handle is not None:  # the writes go on while asleep: wait for them here, without waking
+            handle.wait(timeout=300)
+        torch.cuda.synchronize()
+        out["durable_s"] = time.monotonic() - start
+    out["save_profile"] = profile_counts(prof)
+    out["hold_s"] = saves.last_hold_s if saves else None  # save_model's own time (the loop held)
+    out["freed_bytes_kept"] = torch.cuda.mem_get_info()[0] >= free_asleep - (64 << 20)  # nothing woke
+    out["resumed_during_save"] = len(wake_calls)
+    out["tracker"] = open(os.path.join(save_dir, "latest_checkpointed_iteration.txt")).read().strip()
+
+    actor.wake_up()  # slime's own wake_up: resume, reload the groups, restore the actor's weights
     torch.cuda.synchronize()
+    out["resumed_after"] = len(wake_calls)
+    if cycle:
+        out["world_backend_awake"] = str(torch.distributed.get_backend())
+    after = _weights(model)
+    out["weights_equal_after_wake"] = before.keys() == after.keys() and all(
+        torch.equal(before[k], after[k]) for k in before)
     return out
 
 
-def test_real_slime_save_model_saves_asleep_and_stock_megatron_resumes(tmp_path):
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    from tests import gpu_megatron_cases as g
+
+    root = str(tmp_path_factory.mktemp("full"))
+    (full,) = values(run_world(1, g.run, (root, "gpu", "full"), backend="nccl", timeout_s=400))
+    return full
+
+
+@pytest.mark.parametrize("cycle", [False, True], ids=["torch_groups", "slime_group_cycle"])
+def test_real_slime_save_model_saves_asleep_and_stock_megatron_resumes(tmp_path, uninterrupted, cycle):
     from tests import gpu_megatron_cases as g
 
     root = str(tmp_path)
-    full = values(run_world(1, g.run, (root + "/full", "gpu", "full"), backend="nccl", timeout_s=400))
-    (out,) = values(run_world(1, real_save_model, (root, SLIME_SRC), backend="nccl", timeout_s=400))
-    print("slime commit", out["slime_commit"], "stubbed", out["stubbed"], "hold_s", out["hold_s"])
+    (out,) = values(run_world(1, real_save_model, (root, SLIME_SRC, cycle), backend="nccl", timeout_s=300))
     (resumed,) = values(run_world(1, g.run, (root, "gpu", "resume"), backend="nccl", timeout_s=400))
-    assert out["installed"] and out["tracker"] == str(g.FIRST), out
-    assert out["resumed_during_save"] == 0 and out["resumed_after"] == 1, out  # saved asleep, woken after
-    assert resumed["start_iteration"] == g.FIRST
-    assert resumed["losses"] == full[0]["losses"][g.FIRST:], (resumed["losses"], full[0]["losses"])
+    evidence = {k: out.get(k) for k in ("cycle", "slime_commit", "megatron", "stubbed", "hold_s",
+                                        "save_model_returned_s", "durable_s", "installed",
+                                        "save_checkpoint_rebound", "resumed_during_save", "resumed_after",
+                                        "save_profile", "freed_bytes_kept", "tracker", "world_backend_asleep",
+                                        "world_destroyed_asleep", "world_backend_awake", "weights_equal_after_wake")}
+    evidence["resumed_start_iteration"] = resumed["start_iteration"]
+    evidence["losses_resumed"], evidence["losses_uninterrupted"] = resumed["losses"], uninterrupted["losses"][g.FIRST:]
+    print("real slime save_model evidence:", json.dumps(evidence, default=str, sort_keys=True))
+    assert out["installed"] and out["save_checkpoint_rebound"] and out["tracker"] == str(g.FIRST), evidence
+    assert out["resumed_during_save"] == 0 and out["resumed_after"] == 1, evidence  # saved asleep, woken after
+    prof = out["save_profile"]  # slime's whole save_model, asleep: no device work, no NCCL
+    assert prof["HtoD"] == 0 and prof["kernels"] == 0 and prof["nccl"] == 0, evidence
+    assert out["losses"] == uninterrupted["losses"][:g.FIRST], evidence  # slime's import changed no training
+    if cycle:
+        assert out["world_destroyed_asleep"] and out["world_backend_asleep"] == "gloo", evidence
+        assert out["world_backend_awake"] == "nccl", evidence
+    assert out["weights_equal_after_wake"], evidence
+    assert resumed["start_iteration"] == g.FIRST, evidence
+    assert resumed["losses"] == uninterrupted["losses"][g.FIRST:], evidence
