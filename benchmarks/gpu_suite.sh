@@ -3,7 +3,9 @@
 #   tests    gputests, then smoke;
 #   gputests every GPU test (tests/test_gpu*.py: round trips per residence, profiler counts, unmapped
 #            memory, torch_memory_saver, pool reuse, real GPTModel resume, slime actors);
-#   asleep   the asleep-save GPU tests (GPU_K), then benchmarks/slime_loop_bench.py on tmpfs and disk;
+#   asleep   the asleep-save GPU tests (GPU_K), then slimeloop;
+#   slimeloop benchmarks/slime_loop_bench.py: stock, awake and asleep saves in slime's loop, tmpfs and disk;
+#   slimereal slime's own save_model (SLIME_SRC=.slime, from scripts/export_slime.sh) on a real GPTModel;
 #   smoke    a 1 GiB benchmark of every peer with memcpy counts, and the same as one Ray actor;
 #   bench    the 8+ GB benchmark, all on the GPU, tmpfs and disk, beside stock Megatron, DCP and ceilings
 #            (the TensorStore sink is in smoke: 9 GB through it takes 15 s a run on tmpfs);
@@ -107,6 +109,16 @@ part_tests() { part_gputests; part_smoke; }
 part_asleep() {
   $PYTEST -m gpu tests/test_gpu_slime.py -k "${GPU_K:-asleep}" -rA -s --timeout 400 > "$RES/gpu_asleep_tests.log" 2>&1
   grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed|asleep save" "$RES/gpu_asleep_tests.log" | cut -c1-400 | tail -12
+  part_slimeloop
+}
+
+# slime's own save_model (its source exported into .slime/ by scripts/export_slime.sh) on a real GPTModel
+part_slimereal() {
+  SLIME_SRC=$PWD/.slime $PYTEST -m gpu tests/test_slime_real_src.py -rA -s --timeout 400 > "$RES/slime_real_src.log" 2>&1
+  grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed|evidence" "$RES/slime_real_src.log" | cut -c1-700 | tail -12
+}
+
+part_slimeloop() {
   $PY benchmarks/slime_loop_bench.py --targets "$SHM/slime_loop,$DISK/slime_loop" --rounds ${REPS:-2} \
     --out "$RES/slime_loop" > "$RES/slime_loop.log" 2>&1
   echo "slime_loop_bench rc $?"; grep -v "^ \|^\[" "$RES/slime_loop.log" | tail -40 | cut -c1-600
@@ -200,7 +212,7 @@ part_resume() {
 [ $# -eq 0 ] && set -- tests
 for part in "$@"; do
   case "$part" in
-    cpu|gputests|smoke|tests|asleep|gil|bench|mixes|bench2|resume|diag|diagvs) echo "== $part $(date +%T)"; "part_$part" ;;
+    cpu|gputests|smoke|tests|asleep|slimereal|slimeloop|gil|bench|mixes|bench2|resume|diag|diagvs) echo "== $part $(date +%T)"; "part_$part" ;;
     all) part_tests; part_bench; part_mixes ;;
     *) echo "unknown part: $part" >&2; exit 2 ;;
   esac
