@@ -65,6 +65,7 @@ from __future__ import annotations
 import argparse
 import json
 import importlib.metadata
+import importlib.machinery
 import importlib.util
 import os
 import subprocess
@@ -164,6 +165,11 @@ def _stub_like_slimes_tests() -> list[str]:
         wb.run = None
         sys.modules["wandb"] = wb
         stubbed.append("wandb")
+    for name in stubbed:
+        # importlib.util.find_spec (accelerate and transformers probe optional packages with it)
+        # raises on a module without a spec; with one and no installed distribution, they count
+        # the package as absent, as they would without the stub
+        sys.modules[name].__spec__ = importlib.machinery.ModuleSpec(name, None)
     return stubbed
 
 
