@@ -30,6 +30,11 @@ PEERS = ("safe_sync", "safe_async", "safe_sync_tensorstore", "megatron_sync", "m
 EXTRA_PEERS = ("safe_sync_nosum", "safe_sync_hostsum")  # run only when named
 
 
+# The options a safe_ckpt save resolves from its rank's share of the host where they are left
+# None (``threads`` / ``budget_bytes`` None: the library's defaults), reported per save.
+RESOLVED = ("io_threads", "staging_budget_bytes", "checksum_threads")
+
+
 class Unavailable(Exception):
     """The peer cannot run in this environment (reason in the message)."""
 
@@ -60,7 +65,8 @@ def _safe(state, target, threads, budget_bytes, use_async: bool, kvstore: bool =
     t2 = time.perf_counter()
     t = result.timings  # where the time went, for the report's breakdown of safe_ckpt rows
     return {"stall_s": t1 - t0, "total_s": t2 - t0, "pool_allocations": result.staging_pool_allocations,
-            "plan_s": t.plan_s, "write_s": t.write_s, "commit_s": t.commit_s}
+            "plan_s": t.plan_s, "write_s": t.write_s, "commit_s": t.commit_s,
+            **{k: result.extra.get(k) for k in RESOLVED}}  # what this rank used, defaults resolved
 
 
 def safe_sync(state, target, threads, budget_bytes):
