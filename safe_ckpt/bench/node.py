@@ -83,14 +83,14 @@ class HostSource:
             self._mapping = None
 
 
-def fill(dst: torch.Tensor, seed: int = 5) -> None:
+def fill(dst: torch.Tensor, seed: int = 5, block_bytes: int = _BLOCK_BYTES) -> None:
     """Distinct bytes, fast: one seeded random block, each later block the same shifted by its
     index (CPU random fill runs at well under 1 GB/s; a ceiling needs bytes that differ, not
     fresh entropy)."""
-    base = torch.empty(min(_BLOCK_BYTES, dst.numel()), dtype=torch.uint8)
+    base = torch.empty(min(block_bytes, dst.numel()), dtype=torch.uint8)
     base.random_(generator=torch.Generator().manual_seed(seed))
-    for k, start in enumerate(range(0, dst.numel(), _BLOCK_BYTES)):
-        view = dst[start:start + _BLOCK_BYTES]
+    for k, start in enumerate(range(0, dst.numel(), block_bytes)):
+        view = dst[start:start + block_bytes]
         torch.add(base[:view.numel()], k & 255, out=view)
         if k >> 8:
             view.bitwise_xor_((k >> 8) & 255)

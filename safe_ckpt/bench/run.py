@@ -107,11 +107,13 @@ def run(args) -> str:
         for target in targets:  # every ceiling before any pool is pinned: they never hold memory together
             os.makedirs(target, exist_ok=True)
             key = f"write_gbps[{target}]"
+            beside = report.beside_key(residence, target)
+            if source is None and (key not in meta["ceilings"] or args.ceiling_each_rep
+                                   or (args.ceiling_beside_d2h and beside not in meta["ceilings"])):
+                source = node.host_source(state.nbytes, rank, everyone, dist.barrier)
+                meta["ceiling_source"] = (f"{len(source.view) / 1e9:.2f} GB of distinct bytes in host memory"
+                                          + (", one copy per host" if source.shared else ""))
             if key not in meta["ceilings"]:
-                if source is None:
-                    source = node.host_source(state.nbytes, rank, everyone, dist.barrier)
-                    meta["ceiling_source"] = (f"{len(source.view) / 1e9:.2f} GB of distinct bytes in host memory"
-                                              + (", one copy per host" if source.shared else ""))
                 by_threads = {n: _ceiling_rate(target, state, n, args.ceiling_reps, source.view, rank, world, group)
                               for n in ceilings.thread_counts(args.peer_threads, local)}
                 meta.setdefault("write_gbps_by_threads", {})[target] = by_threads
@@ -120,7 +122,6 @@ def run(args) -> str:
                 if rank == 0:
                     print(f"ceiling write {target}: {meta['ceilings'][key]:.2f} GB/s (by threads: "
                           f"{ {n: round(r, 2) for n, r in by_threads.items()} })", flush=True)
-            beside = report.beside_key(residence, target)
             if args.ceiling_beside_d2h and beside not in meta["ceilings"]:
                 _ceiling_beside_d2h(beside, target, state, meta, source.view, rank, world, group)
         if not args.ceiling_each_rep and source is not None:
