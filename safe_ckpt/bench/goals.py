@@ -172,3 +172,33 @@ def compact_lines(results: list[dict], meta: dict) -> list[str]:
         lines.append(f"goals N={meta.get('world_size', 1)} {os.path.basename(target)}({(meta.get('targets') or {}).get(target, '?')}) "
                      f"{residence}/{cache} {peer}: " + "; ".join(parts))
     return lines
+
+
+def summary_lines(summary: list[dict], meta: dict) -> list[str]:
+    """One line per residence, target and cache with the medians a reader of a long log needs:
+    each saver's time-to-durable (and an async saver's stall), the ceilings, every rank's
+    device-to-host share and what safe_ckpt resolved on each rank."""
+    out = []
+    keys = sorted({(s["residence"], s["target"], s["cache"]) for s in summary})
+    for residence, target, cache in keys:
+        rows = [s for s in summary if (s["residence"], s["target"], s["cache"]) == (residence, target, cache)]
+        savers = "; ".join(
+            f"{s['peer']} " + ("n/a" if "total_s" not in s else
+                               f"{s['total_s']:.3f} s {s['gbps']:.1f} GB/s"
+                               + (f" stall {s['stall_s']:.3f}" if "async" in s["peer"] else "")) for s in rows)
+        c = meta.get("ceilings") or {}
+        share = (meta.get("d2h_shares") or {}).get(residence) or {}
+        opts = (meta.get("safe_options") or {}).get(residence) or {}
+        pools = [None if b is None else round(b / 2**20) for b in opts.get("staging_budget_bytes") or []]
+        beside = c.get(f"write_beside_d2h_gbps[{residence} {target}]")
+        verified = [v for k, v in (meta.get("verified") or {}).items() if k.endswith(f" {residence} {target}")]
+        out.append(
+            f"node N={meta.get('world_size', 1)} {os.path.basename(target)}({(meta.get('targets') or {}).get(target, '?')}) "
+            f"{residence}/{cache}: {savers} | ceilings write {c.get(f'write_gbps[{target}]') or 0:.1f}"
+            + (f" beside-d2h {beside:.1f}" if beside else "") + " GB/s"
+            + (f", d2h share by rank {[None if g is None else round(g, 1) for g in share['gbps']]} "
+               f"agg {share['aggregate_gbps']:.1f} GB/s" if share else ", no d2h share")
+            + f" | safe io_threads {opts.get('io_threads')} pool MiB {pools}"
+            + f" | verified {sum(1 for v in verified if 'tensors' in v and not v.get('failed') and not v.get('skipped'))}"
+              f"/{len(verified)}")
+    return out

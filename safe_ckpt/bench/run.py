@@ -177,7 +177,7 @@ def run(args) -> str:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)) or ".", exist_ok=True)
         md = report.write(args.out, meta, rows, summary)
         print(md, flush=True)
-        for line in goals.compact_lines(goals.evaluate(summary, meta), meta):
+        for line in goals.summary_lines(summary, meta) + goals.compact_lines(goals.evaluate(summary, meta), meta):
             print(line, flush=True)
     dist.barrier()
     failed = {k: v for k, v in (meta.get("verified") or {}).items() if v.get("failed")}
