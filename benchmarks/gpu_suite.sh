@@ -217,9 +217,13 @@ part_node() {
       rc=$?
       echo "node N=$n $fs: rc $rc, $(( $(date +%s) - t0 )) s"
       if [ $rc -ne 0 ]; then
-        [ -e "$prefix.meta.json" ] && [ ! -e "$prefix.md" ] && python3 -m safe_ckpt.bench --rebuild "$prefix" \
-          > /dev/null 2>&1 && echo "  (report rebuilt from its recorded rows)"
         grep -v -i warn "$prefix.log" | tail -4 | cut -c1-300
+        if [ -e "$prefix.meta.json" ] && [ ! -e "$prefix.md" ]; then  # cut short: its report from its rows
+          python3 -m safe_ckpt.bench --rebuild "$prefix" > "$prefix.rebuilt.log" 2>&1
+          echo "  report rebuilt from its recorded rows:"
+          grep -E '^(node|goals) N=' "$prefix.rebuilt.log" | cut -c1-700
+          continue
+        fi
       fi
       grep -E '^(node|goals) N=' "$prefix.log" | cut -c1-700
     done

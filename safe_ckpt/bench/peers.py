@@ -12,6 +12,8 @@ the host); ``megatron_sync``,
 Any of them but Megatron's as ``NAME@T`` is that saver with T writer threads whatever ``--threads`` says
 (`resolve`), so one run can set, say, DCP at 8 threads beside DCP
 at the thread count every other saver gets.
+A safe_ckpt runner given ``threads`` / ``budget_bytes`` None leaves them to the library's
+per-host defaults and returns what it resolved (`RESOLVED`).
 Must not: time anything outside the saver's own calls.
 """
 

@@ -258,7 +258,9 @@ def rebuild(prefix: str) -> str:
     with open(prefix + ".rows.jsonl") as f:
         rows = [json.loads(line) for line in f if line.strip()]
     meta["label"] = f"{meta.get('label', 'benchmark')} (rebuilt from {len(rows)} recorded rows)"
-    return report.write(prefix, meta, rows, report.summarize(rows, meta))
+    summary = report.summarize(rows, meta)
+    md = report.write(prefix, meta, rows, summary)
+    return "\n".join([md, *goals.summary_lines(summary, meta), *goals.compact_lines(goals.evaluate(summary, meta), meta)])
 
 
 def _resolves(peer: str) -> bool:
