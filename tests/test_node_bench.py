@@ -194,3 +194,21 @@ def test_no_share_measured_is_not_a_pass():
     meta["d2h_shares"]["gpu"] = None  # a CPU run: no GPU bytes to copy
     stall = _by(goals.evaluate(report.summarize(rows, meta), meta), "safe_async", "async stall")
     assert stall["passed"] is None and "not measured" in stall["detail"]
+
+
+def test_a_save_reports_what_it_resolved(tmp_path):
+    """What a save used where its options left them to the defaults, as the bench records per rank."""
+    import safe_ckpt
+    from safe_ckpt import cpu
+    from safe_ckpt.bench.state import build
+
+    state = build("anchor", 0.001, "gpu", 0, 1)
+    result = safe_ckpt.save(state.make_sharded(), str(tmp_path / "a"), options=safe_ckpt.SaveOptions(
+        io_threads=3, staging_budget_bytes=64 << 20))
+    assert (result.extra["io_threads"], result.extra["staging_budget_bytes"]) == (3, 64 << 20)
+    assert result.extra["checksum_threads"] == cpu.checksum_threads(None, 3, cpu.math.floor(
+        cpu.rank_share([cpu.host_report()], 0).core_share + 1e-9))
+    result = safe_ckpt.save(state.make_sharded(), str(tmp_path / "b"))  # all left to the library
+    assert 1 <= result.extra["io_threads"] <= cpu.MAX_DEFAULT_IO_THREADS
+    assert 0 < result.extra["staging_budget_bytes"] <= cpu.MAX_DEFAULT_STAGING_BYTES
+    safe_ckpt.release_staging_pool()
