@@ -222,10 +222,12 @@ part_node() {
           python3 -m safe_ckpt.bench --rebuild "$prefix" > "$prefix.rebuilt.log" 2>&1
           echo "  report rebuilt from its recorded rows:"
           grep -E '^(node|goals) N=' "$prefix.rebuilt.log" | cut -c1-700
+          tar -czf "$OUT/results.tgz" -C "$RES" .
           continue
         fi
       fi
       grep -E '^(node|goals) N=' "$prefix.log" | cut -c1-700
+      tar -czf "$OUT/results.tgz" -C "$RES" .  # after each N: a call cut short keeps the runs before it
     done
   done
 }
