@@ -13,6 +13,10 @@
 #            qwen3-4b-dp8 preset, on tmpfs;
 #   bench2   the bench part across every GPU of the host (nvidia-h200-x2 or larger), one rank per GPU
 #            (the DP=8 run: PRESET=qwen3-4b-dp8 GIB= on 8 GPUs);
+#   node     a node's save on the one GPU: N ranks sharing it (torchrun --nproc-per-node N, every rank on
+#            device 0, gloo) for N in NODE_NS (default "1 2 4 8"), the anchor preset's NODE_TOTAL_GIB (8.6) split
+#            N ways, every peer beside, on each of TARGETS (default tmpfs; one target per call: tmpfs for all N
+#            fits one call, disk takes two: NODE_NS="1 2", then "4 8"); see benchmarks/node_bench.md;
 #   resume   the real-GPT DistributedOptimizer resume test (and the NCCL-default-group save) with one
 #            data-parallel rank per GPU of the host;
 #   gil      benchmarks/diag/gil_handoffs.py on tmpfs and disk: what giving up the GIL costs the issuing
@@ -202,6 +206,55 @@ part_bench2() {
   tail -3 "$RES/bench2.log"; grep '^|' "$RES/bench_h200x$NGPU.md"
 }
 
+# One torchrun per N and target; results $RES/node_<tmpfs|disk>_<N>ranks.{json,md,log}. A compact line per
+# N (medians, ceilings, each rank's device-to-host share, what safe_ckpt resolved) and its goals.
+#   THREADS: default 0 (safe_ckpt on the library's per-host defaults; the stock peers and the ceiling on
+#            cores / N); NODE_BUDGET: "state" (default: each rank's pool holds its GPU bytes + 0.25 GiB, so an
+#            async save's stall is its device-to-host copy), "lib" (the library's default pool), or GiB;
+#   REPS (3), PEER_REPS (1), CEILING_REPS (tmpfs 3, disk 2), NODE_BESIDE (1 on tmpfs: the ceiling beside N
+#   device-to-host copies, which the tmpfs goal needs; 0 elsewhere), PEERS, NODE_PRESET (anchor, or
+#   qwen3-4b-dp8 at its own per-rank size: NODE_TOTAL_GIB is then ignored).
+part_node() {
+  local tgt n fs per size budget beside creps prefix t0 rc preset=${NODE_PRESET:-anchor} targets=${TARGETS:-$SHM}
+  for tgt in ${targets//,/ }; do
+    case "$tgt" in /dev/shm*) fs=tmpfs ;; *) fs=disk ;; esac
+    for n in ${NODE_NS:-1 2 4 8}; do
+      per=$(python3 -c "print(round(${NODE_TOTAL_GIB:-8.6} / $n, 4))")  # GiB per rank, all on the GPU
+      size="--gib $per"
+      [ "$preset" = anchor ] || { size=""; per=6.5; }  # qwen3-4b-dp8: its own ~7 GB per rank
+      case "${NODE_BUDGET:-state}" in
+        lib) budget="" ;;
+        state) budget="--budget-gib $(python3 -c "print(round($per + 0.25, 4))")" ;;
+        *) budget="--budget-gib $NODE_BUDGET" ;;
+      esac
+      beside=""; [ "${NODE_BESIDE:-$([ $fs = tmpfs ] && echo 1 || echo 0)}" = 1 ] && beside="--ceiling-beside-d2h"
+      creps=${CEILING_REPS:-$([ $fs = tmpfs ] && echo 3 || echo 2)}
+      prefix="$RES/node_${fs}_${n}ranks${NODE_TAG:+_$NODE_TAG}"
+      t0=$(date +%s)
+      $PY -m torch.distributed.run --standalone --nproc-per-node "$n" -m safe_ckpt.bench --preset "$preset" $size \
+        --reps ${REPS:-3} --peer-reps ${PEER_REPS:-1} --targets "$tgt" --cache cold --peer-cache cold \
+        --residences gpu --threads ${THREADS:-0} $budget --ceiling-each-rep --ceiling-reps "$creps" $beside \
+        --peers ${PEERS:-safe_sync,safe_async,dcp_sync,dcp_async_pinned,megatron_sync,megatron_async} \
+        --label "H200, $n rank(s) on one GPU, $preset, $per GiB per rank, $fs" --out "$prefix" \
+        > "$prefix.log" 2>&1
+      rc=$?
+      echo "node N=$n $fs: rc $rc, $(( $(date +%s) - t0 )) s"
+      if [ $rc -ne 0 ]; then
+        grep -v -i warn "$prefix.log" | tail -4 | cut -c1-300
+        if [ -e "$prefix.meta.json" ] && [ ! -e "$prefix.md" ]; then  # cut short: its report from its rows
+          python3 -m safe_ckpt.bench --rebuild "$prefix" > "$prefix.rebuilt.log" 2>&1
+          echo "  report rebuilt from its recorded rows:"
+          grep -E '^(node|goals) N=' "$prefix.rebuilt.log" | cut -c1-700
+          tar -czf "$OUT/results.tgz" -C "$RES" .
+          continue
+        fi
+      fi
+      grep -E '^(node|goals) N=' "$prefix.log" | cut -c1-700
+      tar -czf "$OUT/results.tgz" -C "$RES" .  # after each N: a call cut short keeps the runs before it
+    done
+  done
+}
+
 part_resume() {
   NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
   SAFE_CKPT_GPU_WORLD=$NGPU $PYTEST -m gpu tests/test_gpu.py -k "real_gpt or default_group_nccl" -rA --durations=5 --timeout 600 \
@@ -212,7 +265,7 @@ part_resume() {
 [ $# -eq 0 ] && set -- tests
 for part in "$@"; do
   case "$part" in
-    cpu|gputests|smoke|tests|asleep|slimereal|slimeloop|gil|bench|mixes|bench2|resume|diag|diagvs) echo "== $part $(date +%T)"; "part_$part" ;;
+    cpu|gputests|smoke|tests|asleep|slimereal|slimeloop|gil|bench|mixes|bench2|node|resume|diag|diagvs) echo "== $part $(date +%T)"; "part_$part" ;;
     all) part_tests; part_bench; part_mixes ;;
     *) echo "unknown part: $part" >&2; exit 2 ;;
   esac

@@ -274,6 +274,9 @@ class _Job:
                 total_s=total,
             ),
             staging_pool_allocations=self.pool.stats().allocations - self.pool_allocations_before,
+            # what this rank used where the options left them to the defaults (`cpu.settle`)
+            extra={"io_threads": self.options.io_threads, "staging_budget_bytes": self.options.staging_budget_bytes,
+                   "checksum_threads": self.options.checksum_threads},
         )
         self._log_summary(result)
         return result

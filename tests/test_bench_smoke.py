@@ -73,14 +73,14 @@ def test_bench_harness_smoke(tmp_path):
     assert rebuilt.count("bit-exact over 1 rank(s)") == 2
 
 
-def _multi_rank(tmp_path, launcher_cmd):
+def _multi_rank(tmp_path, launcher_cmd, world=2, threads="2"):
     out = tmp_path / "bench"
-    cmd = [*launcher_cmd, "--gib", "0.02", "--reps", "1", "--threads", "2", "--targets", str(tmp_path / "t"),
+    cmd = [*launcher_cmd, "--gib", "0.02", "--reps", "1", "--threads", threads, "--targets", str(tmp_path / "t"),
            "--peers", "safe_sync,safe_async,dcp_sync", "--ceiling-beside-d2h", "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((tmp_path / "bench.json").read_text())
-    assert report["meta"]["world_size"] == 2
+    assert report["meta"]["world_size"] == world
     import torch
 
     if not torch.cuda.is_available():  # every rank took the same way past the combined ceiling
@@ -89,8 +89,40 @@ def _multi_rank(tmp_path, launcher_cmd):
     assert rows["safe_sync"]["runs"] == 1 and rows["safe_sync"]["total_s"] > 0
     for peer in ("safe_sync", "safe_async"):  # every rank loaded its own shard back bit-exact
         v = report["meta"]["verified"][f"{peer} gpu {tmp_path / 't'}"]
-        assert (v["tensors"], v["objects"], v["ranks"]) == (2 * 20, 2 * 2, 2) and "failed" not in v, v
+        assert (v["tensors"], v["objects"], v["ranks"]) == (world * 20, world * 2, world) and "failed" not in v, v
+    for r in report["rows"]:  # every rank's own figures, beside the slowest rank's
+        assert len(r["by_rank"]["stall_s"]) == world and max(r["by_rank"]["total_s"]) == r["total_s"]
     return report
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_bench_ranks_of_one_host_with_torchrun_on_library_defaults(tmp_path, world):
+    """N ranks of one host on the library's per-host defaults (--threads 0): each rank's resolved
+    writers and pool recorded, the pool allocated at that size before the timed saves (none
+    of them allocates it again), the stock peers and the ceiling on the rank's share of the
+    cores, and the goals in the report."""
+    import os
+
+    report = _multi_rank(tmp_path, [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
+                                    "-m", "safe_ckpt.bench"], world, threads="0")
+    meta = report["meta"]
+    assert meta["launcher"] == "torchrun" and meta["ranks_on_host"] == world and meta["safe_defaults"]
+    cores = len(os.sched_getaffinity(0))
+    assert meta["peer_threads"] == max(1, cores // world)
+    opts = meta["safe_options"]["gpu"]
+    assert opts["io_threads"] == [max(1, min(16, cores // world))] * world  # the library's rule, per rank
+    assert all(b > 0 for b in opts["staging_budget_bytes"]) and len(opts["checksum_threads"]) == world
+    for r in report["rows"]:
+        if r["peer"].startswith("safe"):
+            assert r["by_rank"]["staging_budget_bytes"] == opts["staging_budget_bytes"]
+            assert r["by_rank"]["pool_allocations"] == [0] * world
+    safe = {s["peer"]: s for s in report["summary"]}["safe_async"]
+    assert safe["pool_bytes_by_rank"] == opts["staging_budget_bytes"] and len(safe["stall_s_by_rank"]) == world
+    assert {g["goal"] for g in report["goals"] if g["peer"] == "safe_async"} >= {
+        "async stall per rank", "peak extra host memory per rank"}
+    md = (tmp_path / "bench.md").read_text()
+    assert f"Goals, {world} rank(s)" in md and "safe_ckpt by rank, gpu (library defaults)" in md
 
 
 @pytest.mark.slow
@@ -98,6 +130,7 @@ def test_bench_two_ranks_with_torchrun(tmp_path):
     report = _multi_rank(tmp_path, [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                                     "-m", "safe_ckpt.bench"])
     assert report["meta"]["launcher"] == "torchrun"
+    assert report["meta"]["safe_options"]["gpu"]["io_threads"] == [2, 2] and report["meta"]["peer_threads"] == 2
 
 
 @pytest.mark.slow

@@ -2,6 +2,8 @@
 machine's ceilings, all in one run. `python -m safe_ckpt.bench --help` or `safe-ckpt bench`.
 
 Modules: `state` (presets and residence mixes), `peers` (one runner per saver),
-`ceilings` (D2H, parallel write, memcpy), `measure` (RSS, pinned allocations, H2D
-count), `report` (JSON, Markdown, PNG), `run` (the loop and medians).
+`ceilings` (D2H, parallel write, memcpy), `collective` (those ceilings on every rank at
+once), `node` (per-rank parts of N ranks on one host), `measure` (RSS, pinned allocations,
+H2D count), `report` (JSON, Markdown, PNG), `goals` (per-rank figures and the goals of a
+run), `run` (the loop and medians).
 """

@@ -46,13 +46,14 @@ def write_gbps(target: str, nbytes: int, threads: int, reps: int = 3) -> float:
     return nbytes // threads * threads / write_seconds(target, nbytes, threads, reps) / 1e9
 
 
-def thread_counts(saver_threads: int) -> list[int]:
-    """The saver's own thread count and one writer per core (up to 32): the best is the ceiling."""
+def thread_counts(saver_threads: int, ranks_on_host: int = 1) -> list[int]:
+    """The saver's own thread count and one writer per core of this rank's share of the host
+    (up to 32; ``ranks_on_host`` ranks write at once): the best is the ceiling."""
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         cores = os.cpu_count() or 1
-    return sorted({saver_threads, min(32, cores)})
+    return sorted({saver_threads, max(1, min(32, cores // max(1, ranks_on_host)))})
 
 
 def source_buffer(nbytes: int, limit_bytes: int = 32 << 30) -> memoryview:

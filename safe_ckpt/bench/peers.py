@@ -12,6 +12,8 @@ the host); ``megatron_sync``,
 Any of them but Megatron's as ``NAME@T`` is that saver with T writer threads whatever ``--threads`` says
 (`resolve`), so one run can set, say, DCP at 8 threads beside DCP
 at the thread count every other saver gets.
+A safe_ckpt runner given ``threads`` / ``budget_bytes`` None leaves them to the library's
+per-host defaults and returns what it resolved (`RESOLVED`).
 Must not: time anything outside the saver's own calls.
 """
 
@@ -28,6 +30,11 @@ import torch
 PEERS = ("safe_sync", "safe_async", "safe_sync_tensorstore", "megatron_sync", "megatron_async", "dcp_sync",
          "dcp_async_pinned")
 EXTRA_PEERS = ("safe_sync_nosum", "safe_sync_hostsum")  # run only when named
+
+
+# The options a safe_ckpt save resolves from its rank's share of the host where they are left
+# None (``threads`` / ``budget_bytes`` None: the library's defaults), reported per save.
+RESOLVED = ("io_threads", "staging_budget_bytes", "checksum_threads")
 
 
 class Unavailable(Exception):
@@ -60,7 +67,8 @@ def _safe(state, target, threads, budget_bytes, use_async: bool, kvstore: bool =
     t2 = time.perf_counter()
     t = result.timings  # where the time went, for the report's breakdown of safe_ckpt rows
     return {"stall_s": t1 - t0, "total_s": t2 - t0, "pool_allocations": result.staging_pool_allocations,
-            "plan_s": t.plan_s, "write_s": t.write_s, "commit_s": t.commit_s}
+            "plan_s": t.plan_s, "write_s": t.write_s, "commit_s": t.commit_s,
+            **{k: result.extra.get(k) for k in RESOLVED}}  # what this rank used, defaults resolved
 
 
 def safe_sync(state, target, threads, budget_bytes):

@@ -8,6 +8,8 @@ import json
 import statistics
 from collections import defaultdict
 
+from . import goals
+
 BREAKDOWN = ("plan_s", "write_s", "commit_s")  # safe_ckpt rows: where the time-to-durable went
 
 
@@ -72,6 +74,7 @@ def summarize(rows: list[dict], meta: dict) -> list[dict]:
         dev = ok[0].get("device_bytes", 0)
         if d2h and dev:
             s["ideal_stall_s"] = dev / (d2h * 1e9)
+        s.update(goals.per_rank(ok, meta, residence, peer))
         out.append(s)
     for s in out:
         peers = [p for p in out if p["residence"] == s["residence"] and p["target"] == s["target"]
@@ -147,12 +150,12 @@ def to_markdown(summary: list[dict], meta: dict) -> str:
              "",
              "| residence | target | cache | peer | stall s | time-to-durable s | GB/s | vs write ceiling, best (between rounds; paired) | "
              "vs write beside D2H | vs best peer | vs megatron sync | stall vs megatron async | ideal stall s | "
-             "peak extra RSS MiB | pinned alloc MiB |",
-             "|" + "---|" * 15]
+             "peak extra RSS MiB | pinned alloc MiB | peak extra host / pool, worst rank |",
+             "|" + "---|" * 16]
     for s in summary:
         if "error" in s:
             lines.append(f"| {s['residence']} | {s['target']} | {s['cache']} | {s['peer']} | "
-                         f"n/a: {s['error'][:90]} |" + " |" * 10)
+                         f"n/a: {s['error'][:90]} |" + " |" * 11)
             continue
         lines.append(
             f"| {s['residence']} | {s['target']} | {s['cache']} | {s['peer']} | "
@@ -162,7 +165,7 @@ def to_markdown(summary: list[dict], meta: dict) -> str:
             f"{_f(s.get('vs_megatron_sync'), '.2f')}{'x' if s.get('vs_megatron_sync') else ''} | "
             f"{_f(s.get('stall_vs_megatron_async'), '.3f')} | {_f(s.get('ideal_stall_s'), '.3f')} | "
             f"{_f(s.get('extra_rss_bytes', 0) / 2**20, '.0f')} | "
-            f"{_f((s.get('pinned_alloc_bytes') or 0) / 2**20, '.0f')} |")
+            f"{_f((s.get('pinned_alloc_bytes') or 0) / 2**20, '.0f')} | {_f(s.get('host_peak_vs_pool'), '.3f')} |")
     timed = [s for s in summary if all(f in s for f in BREAKDOWN)]
     if timed:
         lines += ["", "safe_ckpt rows, medians: plan (collect, exchange, validate, open the staging directory), "
@@ -172,7 +175,26 @@ def to_markdown(summary: list[dict], meta: dict) -> str:
         for s in timed:
             lines.append(f"| {s['residence']} | {s['target']} | {s['cache']} | {s['peer']} | {s['plan_s']:.3f} | "
                          f"{s['write_s']:.3f} | {s['commit_s']:.3f} | {s['total_s']:.3f} |")
+    lines += _rank_lines(meta) + goals.markdown_lines(goals.evaluate(summary, meta), meta)
     return "\n".join(lines) + "\n"
+
+
+def _rank_lines(meta: dict) -> list[str]:
+    """What each rank had: its device-to-host share with every rank copying at once, and what
+    the library resolved for its safe_ckpt saves."""
+    lines = []
+    for residence, share in (meta.get("d2h_shares") or {}).items():
+        if share:
+            lines.append(f"Device-to-host share by rank, {residence}, every rank copying at once after a barrier "
+                         f"(median of {share['reps']}): {[None if g is None else round(g, 2) for g in share['gbps']]} "
+                         f"GB/s; aggregate {share['aggregate_gbps']:.2f} GB/s")
+    for residence, opts in (meta.get("safe_options") or {}).items():
+        lines.append(f"safe_ckpt by rank, {residence} ({'library defaults' if meta.get('safe_defaults') else '--threads'}"
+                     f"): io_threads {opts['io_threads']}, staging pool MiB "
+                     f"{[None if b is None else round(b / 2**20) for b in opts['staging_budget_bytes']]}, "
+                     f"checksum_threads {opts['checksum_threads']}; other savers and the ceiling "
+                     f"{meta.get('peer_threads')} threads each")
+    return [""] + lines if lines else []
 
 
 def to_png(summary: list[dict], path: str) -> bool:
@@ -204,7 +226,8 @@ def to_png(summary: list[dict], path: str) -> bool:
 
 def write(prefix: str, meta: dict, rows: list[dict], summary: list[dict]) -> str:
     with open(prefix + ".json", "w") as f:
-        json.dump({"meta": meta, "summary": summary, "rows": rows}, f, indent=1, default=str)
+        json.dump({"meta": meta, "summary": summary, "goals": goals.evaluate(summary, meta), "rows": rows}, f,
+                  indent=1, default=str)
     md = to_markdown(summary, meta)
     with open(prefix + ".md", "w") as f:
         f.write(md)

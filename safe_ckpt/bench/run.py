@@ -22,9 +22,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from . import ceilings, measure, peers, report
+from . import ceilings, goals, measure, node, peers, report
 from .machine import fs_type, machine
 from .state import build
+from .collective import (_ceiling_beside_d2h, _ceiling_rate, _d2h_share, _empty_caches, _everyone,  # noqa: F401
+                         _gathered, _max_over_ranks)
 
 
 @dataclass(frozen=True)
@@ -64,42 +66,21 @@ def _init_dist() -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def _everyone(mine, group) -> list:
-    """Every rank's ``mine``, in rank order, the same list on every rank."""
-    if group is None:
-        return [mine]
-    gathered = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, mine, group=group)
-    return gathered
-
-
-def _max_over_ranks(values: dict, group) -> dict:
-    if group is None:
-        return values
-    gathered = _everyone(values, group)
-    out = {}
-    for k in values:
-        vals = [g[k] for g in gathered if isinstance(g.get(k), (int, float))]
-        out[k] = max(vals) if vals else values[k]
-    return out
-
-
-def _empty_caches() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-        torch._C._host_emptyCache()
-
-
 def run(args) -> str:
     rank, world = _init_dist()
     group = dist.new_group(backend="gloo") if world > 1 else None
+    everyone = lambda mine: _everyone(mine, group)  # noqa: E731
     meta = machine()
     launcher = os.environ.get("SAFE_CKPT_BENCH_LAUNCHER") or ("torchrun" if "TORCHELASTIC_RUN_ID" in os.environ
                                                                else "single process")
     device = torch.cuda.current_device() if torch.cuda.is_available() else None
-    sharing = _everyone(device, group).count(device) if device is not None else 0  # rank 0's GPU's ranks
+    sharing = everyone(device).count(device) if device is not None else 0  # rank 0's GPU's ranks
+    local = node.local_ranks(everyone)
+    args.peer_threads = node.peer_threads(args.threads, local)  # the stock peers' and the ceilings' writers
     meta.update(label=args.label, world_size=world, reps=args.reps, peer_reps=args.peer_reps, preset=args.preset,
-                threads=args.threads, launcher=launcher, backend=dist.get_backend(), ranks_on_gpu0=sharing)
+                threads=args.threads, peer_threads=args.peer_threads, ranks_on_host=local, launcher=launcher,
+                backend=dist.get_backend(), ranks_on_gpu0=sharing,
+                safe_defaults=args.threads == 0)  # the safe_ckpt peers on the library's per-host defaults
     if rank == 0:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)) or ".", exist_ok=True)
         open(args.out + ".rows.jsonl", "w").close()  # this run's rows only
@@ -108,52 +89,53 @@ def run(args) -> str:
     chosen = peers.PEERS if args.peers == "all" else tuple(args.peers.split(","))
     rows: list[dict] = []
     meta["ceilings"] = {}
-    source = None  # the write ceiling's source bytes, built once
+    source = None  # the write ceilings' source bytes: one copy per host, built once
     for residence in args.residences.split(","):
         state = build(args.preset, args.gib, residence, rank, world)
         meta["state"] = state.description
         meta.setdefault("states", {})[residence] = state.description
+        meta.setdefault("device_bytes_by_rank", {})[residence] = everyone(state.device_bytes)
         if rank == 0:
             print(f"state: {state.description}", flush=True)
-        if "d2h_gbps" not in meta["ceilings"]:
-            meta["ceilings"]["d2h_gbps"] = ceilings.d2h_gbps(min(max(state.device_bytes, 1 << 28), 8 << 30))
+        if "d2h_gbps" not in meta["ceilings"]:  # one rank alone, the others waiting: the link uncontended
+            dist.barrier()
+            alone = ceilings.d2h_gbps(min(max(state.device_bytes, 1 << 28), 8 << 30)) if rank == 0 else None
+            _empty_caches()
+            meta["ceilings"]["d2h_gbps"] = everyone(alone)[0]
             meta["ceilings"]["memcpy_gbps"] = ceilings.memcpy_gbps()
-        budget = int(args.budget_gib * 2**30) if args.budget_gib else max(2 << 30, state.device_bytes + (256 << 20))
-        if any(p.startswith("safe") for p in chosen):
-            import safe_ckpt
-
-            t0 = time.perf_counter()
-            safe_ckpt.prepare_staging_pool(budget)  # once per process, as a training job would at startup
-            meta.setdefault("staging_pool", {})[residence] = {"bytes": budget, "alloc_s": time.perf_counter() - t0}
-        for target in targets:
+        _d2h_share(residence, state, meta, rank, group)
+        for target in targets:  # every ceiling before any pool is pinned: they never hold memory together
             os.makedirs(target, exist_ok=True)
             key = f"write_gbps[{target}]"
+            beside = report.beside_key(residence, target)
+            if source is None and (key not in meta["ceilings"] or args.ceiling_each_rep
+                                   or (args.ceiling_beside_d2h and beside not in meta["ceilings"])):
+                source = node.host_source(state.nbytes, rank, everyone, dist.barrier)
+                meta["ceiling_source"] = (f"{len(source.view) / 1e9:.2f} GB of distinct bytes in host memory"
+                                          + (", one copy per host" if source.shared else ""))
             if key not in meta["ceilings"]:
-                if source is None:
-                    source = ceilings.source_buffer(state.nbytes)
-                    meta["ceiling_source"] = f"{len(source) / 1e9:.2f} GB of distinct random bytes in host memory"
-                by_threads = {n: _ceiling_rate(target, state, n, 3, source, rank, world, group)
-                              for n in ceilings.thread_counts(args.threads)}
+                by_threads = {n: _ceiling_rate(target, state, n, args.ceiling_reps, source.view, rank, world, group)
+                              for n in ceilings.thread_counts(args.peer_threads, local)}
                 meta.setdefault("write_gbps_by_threads", {})[target] = by_threads
                 meta.setdefault("ceiling_threads", {})[target] = max(by_threads, key=by_threads.get)
                 meta["ceilings"][key] = max(by_threads.values())
                 if rank == 0:
                     print(f"ceiling write {target}: {meta['ceilings'][key]:.2f} GB/s (by threads: "
                           f"{ {n: round(r, 2) for n, r in by_threads.items()} })", flush=True)
-            beside = report.beside_key(residence, target)
             if args.ceiling_beside_d2h and beside not in meta["ceilings"]:
-                if source is None:
-                    source = ceilings.source_buffer(state.nbytes)
-                _ceiling_beside_d2h(beside, target, state, meta, source, rank, world, group)
-            if not args.ceiling_each_rep:
-                source = None  # the savers should not run beside a state-sized buffer they never read
-            if rank == 0:
-                _save_meta(args.out, meta)
+                _ceiling_beside_d2h(beside, target, state, meta, source.view, rank, world, group)
+        if not args.ceiling_each_rep and source is not None:
+            source.close()  # the savers should not run beside a state-sized buffer they never read
+            source = None
+        budget = _prepare_safe(residence, state, targets[0], chosen, args, meta, rank, group)
+        if rank == 0:
+            _save_meta(args.out, meta)
+        for target in targets:
             for cache in args.cache.split(","):
                 for rep in range(args.reps):
                     if args.ceiling_each_rep:
-                        rate = _ceiling_rate(target, state, meta["ceiling_threads"][target], 1, source, rank, world,
-                                             group)
+                        rate = _ceiling_rate(target, state, meta["ceiling_threads"][target], 1, source.view, rank,
+                                             world, group)
                         meta.setdefault("write_samples_gbps", {}).setdefault(target, []).append(rate)
                         # which rows ran right after this sample: the report pairs each save with it
                         meta.setdefault("write_sample_rounds", {}).setdefault(target, []).append(
@@ -167,8 +149,8 @@ def run(args) -> str:
                         row.update(rep=rep, bytes=state.nbytes * world, device_bytes=state.device_bytes)
                         rows.append(row)
                         if rank == 0:
-                            print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()},
-                                  flush=True)
+                            print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()
+                                   if k != "by_rank"}, flush=True)
                             with open(args.out + ".rows.jsonl", "a") as f:  # survives an interrupted run
                                 f.write(json.dumps(row) + "\n")
                             _save_meta(args.out, meta)
@@ -178,14 +160,16 @@ def run(args) -> str:
                 meta.setdefault("memcpy_events", {})
                 for peer in chosen:
                     try:
-                        counts = measure.count_memcpy(
-                            lambda p=peer, st=state: peers.resolve(p)(st, f"{target}/h2d_{p}", args.threads, budget))
+                        counts = measure.count_memcpy(lambda p=peer, st=state: _saver(p, args, budget)(
+                            st, f"{target}/h2d_{p}"))
                     except Exception as exc:
                         counts = {"error": f"{type(exc).__name__}: {exc}"[:200]}
                     meta["memcpy_events"][f"{peer}|{residence}|{target}"] = counts
                     shutil.rmtree(f"{target}/h2d_{peer}", ignore_errors=True)
         del state
         _empty_caches()
+    if source is not None:
+        source.close()
     meta["host_stats_keys"] = measure.host_stats_keys()
     summary = report.summarize(rows, meta)
     md = ""
@@ -193,12 +177,56 @@ def run(args) -> str:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)) or ".", exist_ok=True)
         md = report.write(args.out, meta, rows, summary)
         print(md, flush=True)
+        for line in goals.summary_lines(summary, meta) + goals.compact_lines(goals.evaluate(summary, meta), meta):
+            print(line, flush=True)
     dist.barrier()
     failed = {k: v for k, v in (meta.get("verified") or {}).items() if v.get("failed")}
     if failed:  # after the report, so the run's rows are kept; but the run must not pass
         raise RuntimeError("safe_ckpt bench: a save did not load back bit-exact with stock Megatron: "
                            + "; ".join(f"{k}: {v['failed']}" for k, v in failed.items()))
     return md
+
+
+def _saver(peer, args, budget):
+    """``save(state, path)`` for ``peer``: the safe_ckpt peers with ``--threads`` writers and the
+    pool ``budget``, or both left to the library (None) where ``--threads`` is 0; every other
+    saver with the stock peers' thread count."""
+    if peer.startswith("safe"):
+        threads = None if args.threads == 0 else args.threads
+        return lambda state, path: peers.resolve(peer)(state, path, threads, budget)
+    return lambda state, path: peers.resolve(peer)(state, path, getattr(args, "peer_threads", args.threads), budget)
+
+
+def _prepare_safe(residence, state, target, chosen, args, meta, rank, group):
+    """The safe_ckpt peers' pool, allocated once per process as a training job would at startup,
+    after the ceilings (which then never hold memory beside it). An untimed save of a tiny state
+    settles what the library resolves on this rank (writers, pool, hashing threads; with
+    ``--threads 0`` from its share of the host) and records it per rank; returns the budget the
+    savers are called with (None: the library's default)."""
+    budget = (int(args.budget_gib * 2**30) if args.budget_gib
+              else None if args.threads == 0 else max(2 << 30, state.device_bytes + (256 << 20)))
+    if not any(p.startswith("safe") for p in chosen):
+        return budget
+    import safe_ckpt
+
+    t0 = time.perf_counter()
+    if budget is not None:
+        safe_ckpt.prepare_staging_pool(budget)
+    tiny = build("anchor", 0.001, residence, rank, dist.get_world_size(), seed=9)
+    resolved = _saver("safe_sync", args, budget)(tiny, f"{target}/warmup")
+    del tiny
+    if budget is None:
+        safe_ckpt.prepare_staging_pool(resolved["staging_budget_bytes"])
+    alloc_s = time.perf_counter() - t0
+    dist.barrier()
+    shutil.rmtree(f"{target}/warmup", ignore_errors=True)
+    per_rank = _everyone({k: resolved.get(k) for k in peers.RESOLVED}, group)
+    meta.setdefault("safe_options", {})[residence] = {k: [r[k] for r in per_rank] for k in peers.RESOLVED}
+    meta.setdefault("staging_pool", {})[residence] = {"bytes": resolved["staging_budget_bytes"], "alloc_s": alloc_s,
+                                                      "pinned": torch.cuda.is_available()}
+    if rank == 0:
+        print(f"safe_ckpt resolved per rank ({residence}): {meta['safe_options'][residence]}", flush=True)
+    return budget
 
 
 def _verify(peer, state, target, residence, args, budget, meta, rank, group) -> None:
@@ -208,72 +236,12 @@ def _verify(peer, state, target, residence, args, budget, meta, rank, group) -> 
 
     dist.barrier()
     entry = verify.across_ranks(state, f"{target}/verify_{peer}",
-                                lambda st, p: peers.resolve(peer)(st, p, args.threads, budget),
+                                _saver(peer, args, budget),
                                 lambda mine: _everyone(mine, group), rank, peers.Unavailable)
     meta.setdefault("verified", {})[f"{peer} {residence} {target}"] = entry
     if rank == 0:
         print(f"verify {peer} {residence} {target}: {entry}", flush=True)
         _save_meta(args.out, meta)  # a run cut short later still reports it (--rebuild)
-
-
-def _ceiling_rate(target, state, threads, reps, source, rank, world, group) -> float:
-    """Aggregate write-ceiling rate (GB/s) of every rank writing its share at once, as the saves do.
-    Once per round of runs (``--ceiling-each-rep``), it shows drift of the target beside the best."""
-    dist.barrier()
-    seconds = ceilings.write_seconds(os.path.join(target, f"rank{rank}"), state.nbytes, threads, reps, source)
-    slowest = _max_over_ranks({"s": seconds}, group)["s"]
-    return state.nbytes // threads * threads * world / slowest / 1e9
-
-
-def _ceiling_beside_d2h(key, target, state, meta, source, rank, world, group) -> None:
-    """The write ceiling with this rank's GPU bytes copied device-to-host beside it (best of 3),
-    every rank at once (a rank without GPU bytes writes only); recorded under ``key``, or, where
-    it cannot run, why (``ceiling_notes``). Every rank reaches the same collectives whatever
-    fails on one of them; only strings outlive a failure, so the buffer is freed at once."""
-    threads = meta["ceiling_threads"][target]
-    copy, note = None, None
-    try:
-        copy = ceilings.device_to_host_copier(state.plain.values())
-    except Exception as exc:
-        note = f"failed on rank {rank}: {type(exc).__name__}: {exc}"[:300]
-    try:
-        ready = _gathered(note, copy is not None, group)
-        if ready.note or not ready.gpu:
-            meta.setdefault("ceiling_notes", {})[key] = ready.note or "not measured: no GPU bytes in this state"
-            return
-        dist.barrier()
-        best = None
-        try:
-            best = ceilings.write_beside_copy(os.path.join(target, f"rank{rank}"), state.nbytes, threads,
-                                              copy or (lambda: None), 3, source)
-        except Exception as exc:  # a ceiling that cannot be measured must not cost the run its rows
-            note = f"failed on rank {rank}: {type(exc).__name__}: {exc}"[:300]
-        done = _gathered(note, True, group)
-        slowest = _max_over_ranks({"s": best.seconds if best else 0.0}, group)["s"]
-        if done.note:
-            meta.setdefault("ceiling_notes", {})[key] = done.note
-            return
-        meta["ceilings"][key] = state.nbytes // threads * threads * world / slowest / 1e9
-        meta.setdefault("beside_d2h", {})[key] = {"write_s": best.write_s, "copy_s": best.copy_s, "rank": rank,
-                                                 "device_bytes": state.device_bytes}
-    finally:
-        if copy is not None:
-            copy.close()
-        del copy
-        _empty_caches()
-
-
-@dataclass(frozen=True)
-class _Gathered:
-    note: str | None  # the first rank's failure, if any
-    gpu: bool  # some rank has GPU bytes
-
-
-def _gathered(note: str | None, gpu: bool, group) -> _Gathered:
-    """Every rank's failure note and GPU flag, the same answer on every rank."""
-    everyone = _everyone({"note": note, "gpu": gpu}, group)
-    notes = [e["note"] for e in everyone if e["note"]]
-    return _Gathered(notes[0] if notes else None, any(e["gpu"] for e in everyone))
 
 
 def _save_meta(prefix: str, meta: dict) -> None:
@@ -290,7 +258,9 @@ def rebuild(prefix: str) -> str:
     with open(prefix + ".rows.jsonl") as f:
         rows = [json.loads(line) for line in f if line.strip()]
     meta["label"] = f"{meta.get('label', 'benchmark')} (rebuilt from {len(rows)} recorded rows)"
-    return report.write(prefix, meta, rows, report.summarize(rows, meta))
+    summary = report.summarize(rows, meta)
+    md = report.write(prefix, meta, rows, summary)
+    return "\n".join([md, *goals.summary_lines(summary, meta), *goals.compact_lines(goals.evaluate(summary, meta), meta)])
 
 
 def _resolves(peer: str) -> bool:
@@ -308,17 +278,18 @@ def _one(peer, state, target, cache, residence, args, budget, group) -> dict:
         _empty_caches()
     dist.barrier()
     before = measure.host_alloc_bytes()
+    result, error = None, None
     try:
         with measure.RssPeak() as rss:
-            result = peers.resolve(peer)(state, path, args.threads, budget)
+            result = _saver(peer, args, budget)(state, path)
         result["extra_rss_bytes"] = rss.extra_bytes
         after = measure.host_alloc_bytes()
         result["pinned_alloc_bytes"] = None if before is None or after is None else after - before
-        row.update(_max_over_ranks(result, group))
     except peers.Unavailable as exc:
-        row["error"] = str(exc)
+        error = str(exc)
     except Exception as exc:
-        row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+        error = f"{type(exc).__name__}: {exc}"[:300]
+    row.update(node.gather_result(result, error, lambda mine: _everyone(mine, group)))  # every rank, even failed
     dist.barrier()
     shutil.rmtree(path, ignore_errors=True)
     return row
@@ -339,7 +310,12 @@ def main(argv=None) -> int:
     ap.add_argument("--peer-reps", type=int, default=None, help="runs of the stock peers (default: --reps)")
     ap.add_argument("--cache", default="cold", help="cold, warm or cold,warm (pinned host cache)")
     ap.add_argument("--peer-cache", default=None, help="cache modes for the stock peers (default: --cache)")
-    ap.add_argument("--threads", type=int, default=8, help="writer threads per rank (default: 8)")
+    ap.add_argument("--threads", type=int, default=8,
+                    help="writer threads per rank of every saver and the ceiling (default: 8); 0: the safe_ckpt "
+                         "peers on the library's per-host defaults (writers, pool unless --budget-gib, hashing "
+                         "threads), every other saver and the ceiling on cores / ranks of the host")
+    ap.add_argument("--ceiling-reps", type=int, default=3,
+                    help="runs of the write ceiling at each thread count, the best counting (default: 3)")
     ap.add_argument("--budget-gib", type=float, default=None, help="safe_ckpt staging budget")
     ap.add_argument("--count-h2d", action="store_true", help="count memcpy events per peer with the profiler")
     ap.add_argument("--ceiling-each-rep", action="store_true",
@@ -357,6 +333,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ray-actors", type=int, default=0,
                     help="run as N Ray actors (one per GPU), as slime launches training, instead of in-process")
     args = ap.parse_args(argv)
+    if args.threads < 0 or args.ceiling_reps < 1:
+        ap.error("--threads must be 0 (library defaults) or more, --ceiling-reps 1 or more")
     if args.rebuild:
         print(rebuild(os.path.abspath(args.rebuild)))
         return 0
