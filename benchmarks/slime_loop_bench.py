@@ -33,6 +33,7 @@ import argparse
 import gc
 import json
 import os
+import re
 import shutil
 import statistics
 import sys
@@ -269,6 +270,7 @@ def body(rank, world, opts) -> dict:
         start = time.monotonic()
         tms.resume(TAG)  # slime's wake_up: the CPU backup copied back
         clear_memory()
+        woke = time.monotonic()
         if stock:
             from megatron.training.checkpointing import save_checkpoint
 
@@ -277,12 +279,14 @@ def body(rank, world, opts) -> dict:
             args.async_save = True
             safe_megatron.save_checkpoint(iteration, model, optimizer, scheduler, num_floating_point_operations_so_far=0)
             args.async_save = False
+        saved = time.monotonic()
         clear_memory()  # slime's sleep
         tms.pause(TAG)
         held = time.monotonic() - start
         if not stock:
             safe_megatron.finalize_async_saves(blocking=True)
-        row = {"held_s": held, "durable_s": time.monotonic() - start, "gpu_extra_bytes": peak.stop(),
+        row = {"held_s": held, "wake_up_s": woke - start, "save_call_s": saved - woke, "sleep_s": start + held - saved,
+               "durable_s": time.monotonic() - start, "gpu_extra_bytes": peak.stop(),
                "pinned_bytes": (host_pinned_bytes() - host0) + (0 if stock else safe_pool_bytes())}
         row["bytes"] = tree_bytes(os.path.join(save_dir, "iter_%07d" % iteration))
         return row
@@ -332,6 +336,7 @@ def body(rank, world, opts) -> dict:
                 shutil.rmtree(d, ignore_errors=True)
             out["rounds"].append(row)
             print(summary_line(row), flush=True)
+            print("row", json.dumps(row, default=str), flush=True)  # a run cut short is rebuilt from these
             # the next round saves the next state: wake, one step, sleep (as slime's train does)
             tms.resume(TAG)
             with tms.region(tag=TAG, enable_cpu_backup=True):
@@ -380,36 +385,88 @@ def summary_line(row) -> str:
     return " | ".join(parts)
 
 
+SUMMARY_VARIANT = re.compile(r"(\w+): held ([\d.]+)s durable ([\d.]+)s \(([\d.]+) of ceiling\) "
+                             r"gpu\+([\d.]+)GiB pinned ([\d.]+)GiB")
+
+
+def rounds_from_log(path: str) -> dict:
+    """A run's rows from its log (for a run cut short before it wrote its JSON): the profiled
+    save and the tweaks as printed, each round from its `row` line or, in logs written before
+    those lines existed, from its summary line (held, durable, ratio, GPU and pinned GiB)."""
+    out = {"rounds": [], "tweaks": [], "from_log": os.path.basename(path)}
+    for line in open(path, errors="replace"):
+        if line.startswith("profiled asleep save: "):
+            row = json.loads(line.split(": ", 1)[1])
+            out["rounds"].append(row)
+            out["state_bytes"] = row["asleep"]["bytes"]
+        elif line.startswith("tweak "):
+            out["tweaks"].append(json.loads(line[len("tweak "):]))
+        elif line.startswith("row "):
+            row = json.loads(line[len("row "):])
+            out["rounds"] = [r for r in out["rounds"] if (r["target"], r["round"]) != (row["target"], row["round"])]
+            out["rounds"].append(row)
+        elif " ceiling " in line and "| asleep: held" in line:
+            head, *parts = line.strip().split(" | ")
+            target, rnd, _, ceiling = head.split()[:4]
+            if any((r["target"], r["round"]) == (target, int(rnd[1:])) for r in out["rounds"]):
+                continue
+            row = {"target": target, "round": int(rnd[1:]), "profiled": False,
+                   "ceiling": {"seconds": float(ceiling.rstrip("s"))}}
+            for part in parts:
+                m = SUMMARY_VARIANT.match(part)
+                row[m.group(1)] = {"held_s": float(m.group(2)), "durable_s": float(m.group(3)),
+                                   "ttd_over_ceiling": float(m.group(4)), "gpu_extra_bytes": float(m.group(5)) * 2**30,
+                                   "pinned_bytes": float(m.group(6)) * 2**30}
+            out["rounds"].append(row)
+    return out
+
+
 def report(out: dict, label: str) -> str:
+    model = (f"GPTModel of {out['params'] / 1e6:.0f} M parameters" if "params" in out else "GPTModel")
     lines = [f"# {label}", "",
-             f"{out['gpu']}, torch {out['torch']}, megatron-core {out['megatron_core']}; GPTModel of "
-             f"{out['params'] / 1e6:.0f} M parameters with the distributed optimizer (bf16, fp32 main "
-             f"parameters and Adam moments): {out['state_bytes'] / 1e9:.2f} GB per checkpoint, the whole "
-             "training state in one torch_memory_saver region with a CPU backup.", ""]
+             f"{out.get('gpu', 'GPU')}, torch {out.get('torch', '?')}, megatron-core {out.get('megatron_core', '?')}; "
+             f"{model} with the distributed optimizer (bf16, fp32 main parameters and Adam moments): "
+             f"{out['state_bytes'] / 1e9:.2f} GB per checkpoint, the whole training state in one "
+             "torch_memory_saver region with a CPU backup.", ""]
+    if out.get("from_log"):
+        lines += [f"Rebuilt from the run's log, `{out['from_log']}` (the run was stopped before it wrote its "
+                  "JSON; rounds it did not finish are left out).", ""]
     prof = next((r for r in out["rounds"] if r["profiled"]), None)
     if prof:
         p = prof["asleep_profile"]
         lines += [f"Profiled asleep save (no rollout beside it): {p['HtoD']} host-to-device copies, {p['kernels']} "
                   f"kernels, {p['nccl']} NCCL calls, {p['DtoH']} device-to-host copies; bytes by residence "
                   f"{prof['asleep']['bytes_by_residence']}.", ""]
+    if out.get("tweaks"):
+        lines += ["Asleep saves with one setting changed (no rollout beside them, one each, same target as the "
+                  "profiled save):", "", "| setting | time to durable (s) | planning (s) | writing (s) |", "|---|---|---|---|"]
+        lines += [f"| {t['tweak']} | {t['durable_s']:.2f} | {t['timings']['plan_s']:.3f} | {t['timings']['write_s']:.2f} |"
+                  for t in out["tweaks"]]
+        lines.append("")
     for target in dict.fromkeys(r["target"] for r in out["rounds"] if not r["profiled"]):
-        rows = [r for r in out["rounds"] if r["target"] == target and not r["profiled"]]
+        rows = [r for r in out["rounds"] if r["target"] == target and not r["profiled"] and all(v in r for v in VARIANTS)]
+        if not rows:
+            continue
         med = lambda v, k: statistics.median(r[v][k] for r in rows)  # noqa: E731
+        has = lambda v, k: all(k in r[v] for r in rows)  # noqa: E731
         ceiling = statistics.median(r["ceiling"]["seconds"] for r in rows)
         lines += [f"## {target} ({len(rows)} rounds, medians; write ceiling {ceiling:.2f} s = "
                   f"{out['state_bytes'] / ceiling / 1e9:.2f} GB/s)", "",
-                  "| variant | loop held (s) | save_model (s) | wake_up waited (s) | peak extra GPU (GiB) "
-                  "| pinned allocated (GiB) | time to durable (s) | ceiling / durable |",
+                  "| variant | loop held (s) | save_model (s) | wake_up waited (s) | peak extra GPU (GiB, most) "
+                  "| pinned host (GiB, most) | time to durable (s) | ceiling / durable |",
                   "|---|---|---|---|---|---|---|---|"]
         for v in VARIANTS:
-            sm = f"{med(v, 'save_model_s'):.3f}" if v == "asleep" else "-"
-            ww = f"{med(v, 'wake_wait_s'):.3f}" if v == "asleep" else "-"
-            lines.append(f"| {v} | {med(v, 'held_s'):.3f} | {sm} | {ww} | {med(v, 'gpu_extra_bytes') / 2**30:.2f} | "
-                         f"{med(v, 'pinned_bytes') / 2**30:.2f} | {med(v, 'durable_s'):.2f} | "
+            sm = f"{med(v, 'save_model_s'):.3f}" if v == "asleep" and has(v, "save_model_s") else "-"
+            ww = f"{med(v, 'wake_wait_s'):.3f}" if v == "asleep" and has(v, "wake_wait_s") else "-"
+            most = lambda k: max(r[v][k] for r in rows) / 2**30  # noqa: E731
+            lines.append(f"| {v} | {med(v, 'held_s'):.3f} | {sm} | {ww} | {most('gpu_extra_bytes'):.2f} | "
+                         f"{most('pinned_bytes'):.2f} | {med(v, 'durable_s'):.2f} | "
                          f"{statistics.median(r[v]['ttd_over_ceiling'] for r in rows):.2f} |")
         a = rows[0]["asleep"]
-        lines += ["", f"Rollout stand-in beside the asleep save: {a.get('rollout_bytes', 0) / 2**30:.1f} GiB of the "
-                  "freed GPU memory, matmuls for the rollout time.", ""]
+        lines += [""]
+        if "rollout_bytes" in a:
+            lines += [f"Rollout stand-in beside the asleep save: {a['rollout_bytes'] / 2**30:.1f} GiB of the freed "
+                      "GPU memory, matmuls for the rollout time.", ""]
     compare = next((r["compare"] for r in out["rounds"] if "compare" in r), None)
     if compare:
         for name, c in compare.items():
@@ -420,7 +477,8 @@ def report(out: dict, label: str) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--targets", required=True, help="comma-separated directories (e.g. tmpfs, disk)")
+    parser.add_argument("--rebuild-log", help="write PREFIX.md (and .json) from a run's log instead of running")
+    parser.add_argument("--targets", help="comma-separated directories (e.g. tmpfs, disk)")
     parser.add_argument("--rounds", type=int, default=2, help="timed rounds per target (after one profiled save)")
     parser.add_argument("--layers", type=int, default=13)
     parser.add_argument("--hidden", type=int, default=2048)
@@ -432,6 +490,17 @@ def main() -> None:
     parser.add_argument("--label", default="slime's colocated loop on one GPU: three ways to save")
     parser.add_argument("--out", required=True, help="results prefix: PREFIX.json and PREFIX.md")
     ns = parser.parse_args()
+    if ns.rebuild_log:
+        out = rounds_from_log(ns.rebuild_log)
+        with open(ns.out + ".json", "w") as f:
+            json.dump(out, f, indent=1, default=str)
+        text = report(out, ns.label)
+        with open(ns.out + ".md", "w") as f:
+            f.write(text)
+        print(text)
+        return
+    if not ns.targets:
+        parser.error("--targets is required")
     from tests.mp import run_world
 
     opts = {"targets": ns.targets.split(","), "rounds": ns.rounds, "layers": ns.layers, "hidden": ns.hidden,
