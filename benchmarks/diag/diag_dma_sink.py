@@ -11,9 +11,10 @@ own pages: one pass. Cases, rounds interleaved so drift hits all alike:
   synchronize, unregister; then munmap, fsync, close;
 - ``dma_lL_cC_sum``: the same, each chunk hashed (xxh3/crc, as safe_ckpt's manifest) after it lands.
 The first DMA case's bytes are compared with the GPU source once more, after the timed rounds.
-Measured (H200, 2026-12-02, results/h200_diag_dma_sink_tmpfs_2026-12-02.txt): 1.8-1.9 GB/s
-against the write ceiling's 26 GB/s, so registering file-backed pages costs far more than the
-copy it saves; kept as the record of that, not used by safe_ckpt.
+Measured (H200, 2026-12-02, results/diagnostics_2026-12-01_02.txt, section
+h200_diag_dma_sink_tmpfs_2026-12-02.txt): 1.8-1.9 GB/s against the write ceiling's 26 GB/s,
+so registering file-backed pages costs far more than the copy it saves; kept as the record of
+that, not used by safe_ckpt.
 Prints one JSON line per case (median, min, max seconds, GB/s). Usage:
   python benchmarks/diag/diag_dma_sink.py --target /dev/shm/safe_ckpt_dma --gib 8.6 --reps 3
 (each DMA case takes ~5 s a run at 8.6 GiB: the default cases and 5 rounds take ~4 minutes)

@@ -14,7 +14,8 @@ interleaved so drift hits all alike:
   with the process-wide staging pool of kind K (both pools allocated up front, swapped in).
 Each buffer's share on huge pages (AnonHugePages of its mapping) is printed first; the last
 ``thp`` save is loaded back with stock Megatron and compared bit-exact.
-Measured (H200, 2026-12-02, results/h200_diag_thp_tmpfs_2026-12-02.txt, 5 rounds): no gain.
+Measured (H200, 2026-12-02, results/diagnostics_2026-12-01_02.txt, section
+h200_diag_thp_tmpfs_2026-12-02.txt, 5 rounds): no gain.
 Every buffer of either kind was wholly on its kind of page; write 0.398 / 0.412 s (4k / thp
 medians), device-to-host 0.168 / 0.169 s, writes beside the copy 0.448 / 0.488 s, sync saves
 0.412 / 0.459 s, async 0.447 / 0.400 s, all within the run's spread; the pool stays on 4 KiB pages.

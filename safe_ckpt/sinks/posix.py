@@ -27,7 +27,8 @@ _MAX_IOV = 1024  # IOV_MAX
 # beyond the disk's drift, and with the default 2 GiB pool an async save stalled 2.96-4.03 s
 # against 0.36-0.43 s: the writers, which free the pool, spent that long in the call, most
 # likely waiting for the device to take the pages (not traced; the `*_pool2048m_wb32_trace`
-# diag case would show it) (h200_diag_ttd_anchor_disk_writeback_pythread_2026-12-01.txt).
+# diag case would show it) (diagnostics_2026-12-01_02.txt, section
+# h200_diag_ttd_anchor_disk_writeback_pythread_2026-12-01.txt).
 EARLY_WRITEBACK_BYTES = 0
 _SYNC_FILE_RANGE_WRITE = 2
 # errnos that mean "this file or kernel cannot do it", not "the write failed"

@@ -39,7 +39,9 @@ GRID_MIN_PAYLOAD_BYTES = 8 << 20
 # stream too, before b152293, they landed late behind the payload copies.) Against the
 # kernels on the copy stream (b152293-d16d295), one diag process on an H200 measured sync
 # saves of 9.23 GB in 0.418 / 4.62 s instead of 0.462 / 4.88 s (tmpfs / disk); the async
-# stalls moved within their spread (h200_diag_ttd_anchor_*sums_beside_2026-12-01.txt).
+# stalls moved within their spread (diagnostics_2026-12-01_02.txt, sections
+# h200_diag_ttd_anchor_sums_beside_2026-12-01.txt and
+# h200_diag_ttd_anchor_disk_sums_beside_2026-12-01.txt).
 SUMS_BESIDE_COPIES = True
 
 
