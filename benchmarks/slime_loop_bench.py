@@ -395,7 +395,9 @@ def rounds_from_log(path: str) -> dict:
     those lines existed, from its summary line (held, durable, ratio, GPU and pinned GiB)."""
     out = {"rounds": [], "tweaks": [], "from_log": os.path.basename(path)}
     for line in open(path, errors="replace"):
-        if line.startswith("profiled asleep save: "):
+        if "number of parameters on" in line and "params" not in out:
+            out["params"] = int(line.rsplit(":", 1)[1])
+        elif line.startswith("profiled asleep save: "):
             row = json.loads(line.split(": ", 1)[1])
             out["rounds"].append(row)
             out["state_bytes"] = row["asleep"]["bytes"]
@@ -424,10 +426,24 @@ def rounds_from_log(path: str) -> dict:
 def report(out: dict, label: str) -> str:
     model = (f"GPTModel of {out['params'] / 1e6:.0f} M parameters" if "params" in out else "GPTModel")
     lines = [f"# {label}", "",
-             f"{out.get('gpu', 'GPU')}, torch {out.get('torch', '?')}, megatron-core {out.get('megatron_core', '?')}; "
+             (f"{out['gpu']}, torch {out['torch']}, megatron-core {out['megatron_core']}; " if "gpu" in out else "") +
              f"{model} with the distributed optimizer (bf16, fp32 main parameters and Adam moments): "
              f"{out['state_bytes'] / 1e9:.2f} GB per checkpoint, the whole training state in one "
              "torch_memory_saver region with a CPU backup.", ""]
+    lines += ["- `stock`: slime's own path: `wake_up` (torch_memory_saver `resume()`, clear memory), Megatron's "
+              "`save_checkpoint` (synchronous, as slime saves without `--async-save`), `sleep` (clear memory, `pause()`);",
+              "- `awake`: the same bracket with safe_ckpt's `save_checkpoint`, asynchronous, its pinned pool as large as "
+              "the state (allocated before the round, as at startup);",
+              "- `asleep`: what slime's actor does with `--ckpt-backend safe`: the RNG state taken, the state dict built "
+              "and written in the background from the CPU backup, while a rollout stand-in (another process) fills 80 % "
+              "of the freed GPU memory and runs matmuls; then the next `wake_up`'s wait for the save.",
+              "", "Loop held: from `save_model`'s call until the next step may start (for `asleep`: `save_model`'s own "
+              "time plus what `wake_up` waited after the rollout). Neither bracket includes slime's process-group "
+              "teardown and rebuild, which only add to `stock` and `awake`. Peak extra GPU: NVML's used bytes above "
+              "the asleep state's, less the rollout stand-in's. Pinned host: torch's pinned allocator and "
+              "safe_ckpt's pool. Write ceiling: the same bytes written by 8 and by 16 threads with fsync into the "
+              "same target before each round, the faster. Command: `python benchmarks/slime_loop_bench.py --targets "
+              "/dev/shm/...,/tmp/... --rounds 2` (`bash benchmarks/gpu_suite.sh slimeloop`).", ""]
     if out.get("from_log"):
         lines += [f"Rebuilt from the run's log, `{out['from_log']}` (the run was stopped before it wrote its "
                   "JSON; rounds it did not finish are left out).", ""]
