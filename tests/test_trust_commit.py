@@ -135,7 +135,14 @@ def _live_save_body(rank, world, root):
         _attempt(record, name, _state(seed, rank, world), target, _opts(sink_factory=hooked))
     record["seen"] = seen
 
-    removed = (lambda d: _OnFirstWrite(d, lambda sink: shutil.rmtree(sink.root))) if rank == 1 else None
+    def remove_staging(sink):
+        # Gone at once, as `rmtree` alone is not while the other rank still creates files in it
+        # (it then fails with ENOTEMPTY and leaves the directory half there)
+        aside = os.path.join(os.path.dirname(sink.root), "removed-by-the-test")
+        os.rename(sink.root, aside)
+        shutil.rmtree(aside, ignore_errors=True)
+
+    removed = (lambda d: _OnFirstWrite(d, remove_staging)) if rank == 1 else None
     _attempt(record, "staging_removed", _state(4, rank, world), target, _opts(sink_factory=removed))
 
     _attempt(record, "file_cut_short", _state(5, rank, world), target,
