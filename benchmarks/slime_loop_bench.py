@@ -507,13 +507,7 @@ def main() -> None:
     parser.add_argument("--out", required=True, help="results prefix: PREFIX.json and PREFIX.md")
     ns = parser.parse_args()
     if ns.rebuild_log:
-        out = rounds_from_log(ns.rebuild_log)
-        with open(ns.out + ".json", "w") as f:
-            json.dump(out, f, indent=1, default=str)
-        text = report(out, ns.label)
-        with open(ns.out + ".md", "w") as f:
-            f.write(text)
-        print(text)
+        write_report(rounds_from_log(ns.rebuild_log), ns.out, ns.label)
         return
     if not ns.targets:
         parser.error("--targets is required")
@@ -527,10 +521,14 @@ def main() -> None:
     ((status, out),) = run_world(1, body, (opts,), backend="nccl", timeout_s=3000)
     if status != "ok":
         raise SystemExit(f"the run failed: {out}")
-    with open(ns.out + ".json", "w") as f:
+    write_report(out, ns.out, ns.label)
+
+
+def write_report(out: dict, prefix: str, label: str) -> None:
+    with open(prefix + ".json", "w") as f:
         json.dump(out, f, indent=1, default=str)
-    text = report(out, ns.label)
-    with open(ns.out + ".md", "w") as f:
+    text = report(out, label)
+    with open(prefix + ".md", "w") as f:
         f.write(text)
     print(text)
 

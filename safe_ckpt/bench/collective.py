@@ -44,17 +44,28 @@ def _empty_caches() -> None:
         torch._C._host_emptyCache()
 
 
-def _d2h_share(residence, state, meta, rank, group) -> None:
-    """Every rank's share of device-to-host bandwidth while all copy at once (`node.d2h_share`)
-    into ``meta["d2h_shares"][residence]``, and the first residence's as ``meta["d2h_share_gbps"]``
-    (by rank); None, with the reason, where no rank has GPU bytes or a copy buffer failed."""
+def _copier_everywhere(state, rank, group):
+    """This rank's device-to-host copier (None where it has no GPU bytes or making it failed)
+    and what every rank reported (`_gathered`): collective, whatever fails on one rank."""
     copy, note = None, None
     try:
         copy = ceilings.device_to_host_copier(state.plain.values())
     except Exception as exc:
         note = f"failed on rank {rank}: {type(exc).__name__}: {exc}"[:300]
     try:
-        ready = _gathered(note, copy is not None, group)
+        return copy, _gathered(note, copy is not None, group)
+    except BaseException:
+        if copy is not None:
+            copy.close()
+        raise
+
+
+def _d2h_share(residence, state, meta, rank, group) -> None:
+    """Every rank's share of device-to-host bandwidth while all copy at once (`node.d2h_share`)
+    into ``meta["d2h_shares"][residence]``, and the first residence's as ``meta["d2h_share_gbps"]``
+    (by rank); None, with the reason, where no rank has GPU bytes or a copy buffer failed."""
+    copy, ready = _copier_everywhere(state, rank, group)
+    try:
         if ready.note or not ready.gpu:
             meta.setdefault("d2h_shares", {})[residence] = None
             meta.setdefault("ceiling_notes", {})[f"d2h_share[{residence}]"] = (
@@ -88,18 +99,13 @@ def _ceiling_beside_d2h(key, target, state, meta, source, rank, world, group) ->
     it cannot run, why (``ceiling_notes``). Every rank reaches the same collectives whatever
     fails on one of them; only strings outlive a failure, so the buffer is freed at once."""
     threads = meta["ceiling_threads"][target]
-    copy, note = None, None
+    copy, ready = _copier_everywhere(state, rank, group)
     try:
-        copy = ceilings.device_to_host_copier(state.plain.values())
-    except Exception as exc:
-        note = f"failed on rank {rank}: {type(exc).__name__}: {exc}"[:300]
-    try:
-        ready = _gathered(note, copy is not None, group)
         if ready.note or not ready.gpu:
             meta.setdefault("ceiling_notes", {})[key] = ready.note or "not measured: no GPU bytes in this state"
             return
         dist.barrier()
-        best = None
+        best, note = None, None
         try:
             best = ceilings.write_beside_copy(os.path.join(target, f"rank{rank}"), state.nbytes, threads,
                                               copy or (lambda: None), 3, source)
