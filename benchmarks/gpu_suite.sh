@@ -15,8 +15,8 @@
 #            (the DP=8 run: PRESET=qwen3-4b-dp8 GIB= on 8 GPUs);
 #   node     a node's save on the one GPU: N ranks sharing it (torchrun --nproc-per-node N, every rank on
 #            device 0, gloo) for N in NODE_NS (default "1 2 4 8"), the anchor preset's NODE_TOTAL_GIB (8.6) split
-#            N ways, every peer beside, on each of TARGETS (default tmpfs; one target per call: tmpfs for all N
-#            fits one call, disk takes two: NODE_NS="1 2", then "4 8"); see benchmarks/node_bench.md;
+#            N ways, every peer beside, on each of TARGETS (default tmpfs; tmpfs for every N takes about
+#            10 minutes, disk about 6 minutes per two N: NODE_NS="1 2", then "4 8"); see benchmarks/node_bench.md;
 #   resume   the real-GPT DistributedOptimizer resume test (and the NCCL-default-group save) with one
 #            data-parallel rank per GPU of the host;
 #   gil      benchmarks/diag/gil_handoffs.py on tmpfs and disk: what giving up the GIL costs the issuing
