@@ -184,10 +184,14 @@ def save_model_returns_while_the_build_is_held(rank, world, save_dir):
             "mismatches": mismatches[:5], "iteration": iteration}
 
 
-def failed_build_raises_at_wake_up(rank, world, save_dir):
-    """A build that fails (here: Megatron's `generate_state_dict` raises on every rank) publishes
-    nothing; the next `wake_up` raises a `CheckpointError` naming the iteration and the cause, and
+def failed_build_raises_at_wake_up(rank, world, save_dir, failing=None):
+    """A build that fails (Megatron's `generate_state_dict` raises on the ranks in ``failing``,
+    every rank by default) publishes nothing; the next `wake_up` raises the same
+    `CheckpointError` on every rank, naming the iteration, the failing rank and the cause, at
+    once (the ranks vote on their builds; a waiting rank does not sit out the group's timeout);
     the next save, awake, succeeds."""
+    import time
+
     import torch.distributed as dist
 
     from safe_ckpt.errors import CheckpointError
@@ -198,17 +202,20 @@ def failed_build_raises_at_wake_up(rank, world, save_dir):
     original = mck.generate_state_dict
 
     def broken(*args, **kwargs):
-        raise RuntimeError("state dict construction broke")
+        raise RuntimeError(f"state dict construction broke on rank {rank}")
 
-    mck.generate_state_dict = broken
+    if failing is None or rank in failing:
+        mck.generate_state_dict = broken
     try:
         actor.sleep()
         actor.save_model(5)
+        start = time.monotonic()
         try:
             actor.wake_up()
             raised = None
         except CheckpointError as exc:
             raised = str(exc)
+        waited_s = time.monotonic() - start
     finally:
         mck.generate_state_dict = original
     dist.barrier()
@@ -218,4 +225,5 @@ def failed_build_raises_at_wake_up(rank, world, save_dir):
     actor.save_model(6, force_sync=True)
     dist.barrier()
     mismatches, iteration = actor.check_load(6)
-    return {"raised": raised, "after_failure": after_failure, "mismatches": mismatches[:5], "iteration": iteration}
+    return {"raised": raised, "after_failure": after_failure, "mismatches": mismatches[:5], "iteration": iteration,
+            "waited_s": waited_s}

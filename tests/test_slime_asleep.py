@@ -65,10 +65,15 @@ def test_save_model_returns_while_the_state_dict_is_still_being_built(tmp_path):
         assert out["mismatches"] == [] and out["iteration"] == 7, out
 
 
-def test_a_failed_build_raises_at_wake_up_and_publishes_nothing(tmp_path):
-    for out in values(run_world(2, cases.failed_build_raises_at_wake_up, (str(tmp_path),), timeout_s=300)):
+@pytest.mark.parametrize("failing", [None, (1,)], ids=["every_rank", "one_rank"])
+def test_a_failed_build_raises_at_wake_up_and_publishes_nothing(tmp_path, failing):
+    outs = values(run_world(2, cases.failed_build_raises_at_wake_up, (str(tmp_path), failing), timeout_s=300))
+    assert outs[0]["raised"] == outs[1]["raised"], outs  # the same error on every rank
+    for out in outs:
         assert out["raised"] is not None and "iteration 5" in out["raised"], out
-        assert "state dict construction broke" in out["raised"], out
+        assert "state dict construction broke on rank 1" in out["raised"], out
+        # the group's timeout here is 30 s: a rank whose own build succeeded does not sit it out
+        assert out["waited_s"] < 20, out
         assert out["after_failure"]["tracker"] is None, out
         assert not any("0000005" in e for e in out["after_failure"]["entries"]), out
         assert out["mismatches"] == [] and out["iteration"] == 6, out

@@ -57,7 +57,8 @@ import time
 from dataclasses import dataclass
 
 from .. import compat
-from ..errors import CheckpointError, ValidationError
+from .. import dist as safe_dist
+from ..errors import CheckpointError, ValidationError, failure_from_exception
 from . import slime_groups
 
 log = logging.getLogger("safe_ckpt")
@@ -97,7 +98,11 @@ def capture_rng_state(args, snapshot):
 def start_asleep_save(args, model, optimizer, opt_param_scheduler, iteration, group, snapshot, rng_state=None):
     """Build Megatron's state dict for ``iteration`` with the ranks pinned to ``snapshot``, plan it
     over ``group`` and return the `SaveHandle` writing it in the background (tracker, retention).
-    ``rng_state``: from `capture_rng_state` when the call runs later than the save was asked for."""
+    ``rng_state``: from `capture_rng_state` when the call runs later than the save was asked for.
+
+    Collective from the start: every rank votes on its build before planning, so a build that
+    fails on one rank fails every rank at once with the same error (naming that rank, the
+    iteration and the cause), not only after the planning exchange's timeout."""
     from megatron.training import checkpointing as mck
 
     from ..megatron import training
@@ -105,25 +110,34 @@ def start_asleep_save(args, model, optimizer, opt_param_scheduler, iteration, gr
     if not getattr(args, "save", None):
         raise ValidationError("--save is not set: there is nowhere to save the checkpoint")
     options = dataclasses.replace(training.options_from_args(args), unmapped_policy="cpu_backup")
+    stage = f"building the asleep state dict of iteration {iteration}"
+    coord = group.coordinator(f"asleep build {iteration}") if isinstance(group, slime_groups.DetachedGloo) \
+        else safe_dist.coordinator(group, options.collective_timeout_s, f"asleep build {iteration}")
+    failure = state_dict = metadata = None
+    try:
+        with slime_groups.pinned_ranks(snapshot):
+            model = mck.unwrap_model(model)
+            metadata = training._sharding_metadata(mck, args, None)
+            training.check_sharding_type(args, optimizer, metadata)
+            if rng_state is None:
+                rng_state = training._rng_state(mck, args, {})
+            state_dict = mck.generate_state_dict(
+                args, model, optimizer, opt_param_scheduler, rng_state,
+                **training._accepted(mck.generate_state_dict, {
+                    "iteration": iteration,
+                    "optim_sd_kwargs": dict(metadata=metadata),
+                    "model_sd_kwargs": dict(metadata=metadata),
+                    "rerun_state": training._rerun_state(args, None),
+                }),
+            )
+    except Exception as exc:  # voted below: every rank raises it
+        failure = failure_from_exception(coord.rank, stage, exc)
+    coord.vote(stage, failure)
+    state_dict["num_floating_point_operations_so_far"] = 0  # what slime's save passes
+    checkpoint_name = mck.get_checkpoint_name(args.save, iteration, release=False, return_base_dir=True)
+    log.info("safe_ckpt: saving iteration %s asleep to %s (no wake-up; paused bytes from the CPU backup)",
+             iteration, checkpoint_name)
     with slime_groups.pinned_ranks(snapshot):
-        model = mck.unwrap_model(model)
-        metadata = training._sharding_metadata(mck, args, None)
-        training.check_sharding_type(args, optimizer, metadata)
-        if rng_state is None:
-            rng_state = training._rng_state(mck, args, {})
-        state_dict = mck.generate_state_dict(
-            args, model, optimizer, opt_param_scheduler, rng_state,
-            **training._accepted(mck.generate_state_dict, {
-                "iteration": iteration,
-                "optim_sd_kwargs": dict(metadata=metadata),
-                "model_sd_kwargs": dict(metadata=metadata),
-                "rerun_state": training._rerun_state(args, None),
-            }),
-        )
-        state_dict["num_floating_point_operations_so_far"] = 0  # what slime's save passes
-        checkpoint_name = mck.get_checkpoint_name(args.save, iteration, release=False, return_base_dir=True)
-        log.info("safe_ckpt: saving iteration %s asleep to %s (no wake-up; paused bytes from the CPU backup)",
-                 iteration, checkpoint_name)
         return training.save_state(
             state_dict, args.save, checkpoint_name, str(iteration),
             content_metadata=compat.clean_content_metadata(metadata), options=options, async_save=True,
@@ -144,15 +158,24 @@ class StartingSave:
         self.handle = None
         self.error: BaseException | None = None
         self._built = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(build,), daemon=True,
+        device = _current_cuda_device()  # slime sets it in the actor's main thread only
+        # Not a daemon: an exiting process first lets the build finish (bounded by the group's
+        # timeout), and its writes are then waited for, or reported, like any async save's.
+        self._thread = threading.Thread(target=self._run, args=(build, device), daemon=False,
                                         name=f"safe_ckpt-asleep-build-{iteration}")
         self._thread.start()
 
-    def _run(self, build) -> None:
+    def _run(self, build, device) -> None:
         try:
+            if device is not None:
+                import torch
+
+                torch.cuda.set_device(device)
             self.handle = build()
         except BaseException as exc:  # raised to whoever waits for this save
             self.error = exc
+            log.error("safe_ckpt: the asleep save of iteration %s failed before writing: %s: %s; it is "
+                      "raised at the next wake_up", self.iteration, type(exc).__name__, exc)
         finally:
             self._built.set()
 
@@ -167,6 +190,15 @@ class StartingSave:
             raise self.error
         left = None if timeout is None else max(0.0, timeout - (time.monotonic() - start))
         return self.handle.wait(timeout=left)
+
+
+def _current_cuda_device() -> int | None:
+    try:
+        import torch
+
+        return torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    except Exception:  # no CUDA here: the build needs no device
+        return None
 
 
 def _build_failure(starting: StartingSave) -> CheckpointError | None:
@@ -257,8 +289,9 @@ class AsleepSaves:
         if _is_save_model_body(caller, self.actor_file):
             reason = awake_reason(actor.args, self.asleep, getattr(actor, "role", None))
             if reason is None:
+                called = time.monotonic()  # a wait for the previous save holds the loop too
                 self.finish_inflight("save_model")  # one save at a time
-                self.bracket = Bracket(time.monotonic(), bool(caller.f_locals.get("force_sync", False)))
+                self.bracket = Bracket(called, bool(caller.f_locals.get("force_sync", False)))
                 return None
             if self.asleep:
                 log.info("safe_ckpt: save_model wakes the actor up, as slime does: %s", reason)
