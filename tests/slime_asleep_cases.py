@@ -162,10 +162,15 @@ def save_model_returns_while_the_build_is_held(rank, world, save_dir):
         return original(*args, **kwargs)
 
     mck.generate_state_dict = held
+    import torch
+
     try:
         actor.sleep()
+        rng_at_save = torch.get_rng_state().clone()
         actor.save_model(7)
         assert reached.wait(BOUND_S), "the build never started"
+        torch.manual_seed(1234 + rank)  # the process goes on drawing while the build waits
+        torch.rand(8)
         returned = {"build_held": not release.is_set(), "hold_s_bounded": saves.last_hold_s < BOUND_S,
                     "tracker": _tracker(save_dir)}
         woke = threading.Thread(target=actor.wake_up, name="wake_up")
@@ -179,9 +184,18 @@ def save_model_returns_while_the_build_is_held(rank, world, save_dir):
         release.set()
     dist.barrier()
     mismatches, iteration = actor.check_load(7)
+    # the checkpoint's RNG state is the one at save_model's call, not the one the build saw later
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    tp = actor.args.tensor_model_parallel_size
+    template = {"rng_state": ShardedObject("rng_state", None, (1, tp), (0, rank % tp), replica_id=0)}
+    saved = dist_checkpointing.load(template, os.path.join(save_dir, "iter_0000007"))["rng_state"]
     return {"returned": returned, "during": during, "woke": not woke.is_alive(),
             "wake_up_calls": actor.calls["wake_up"], "tracker": _tracker(save_dir),
-            "mismatches": mismatches[:5], "iteration": iteration}
+            "mismatches": mismatches[:5], "iteration": iteration,
+            "rng_as_at_save_model": torch.equal(saved[0]["torch_rng_state"], rng_at_save),
+            "rng_moved_meanwhile": not torch.equal(torch.get_rng_state(), rng_at_save)}
 
 
 def failed_build_raises_at_wake_up(rank, world, save_dir, failing=None):

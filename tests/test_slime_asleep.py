@@ -62,6 +62,7 @@ def test_save_model_returns_while_the_state_dict_is_still_being_built(tmp_path):
         assert out["returned"] == {"build_held": True, "hold_s_bounded": True, "tracker": None}, out
         assert out["during"] == {"wake_up_calls": 0, "thread_alive": True}, out  # waits, slime's not called
         assert out["woke"] and out["wake_up_calls"] == 1 and out["tracker"] == "7", out
+        assert out["rng_moved_meanwhile"] and out["rng_as_at_save_model"], out
         assert out["mismatches"] == [] and out["iteration"] == 7, out
 
 
