@@ -1,4 +1,5 @@
-"""Saving in slime's colocated loop, three ways, side by side for the same training state.
+"""Saving in slime's colocated loop, three ways, side by side for the same training state (the GPU run;
+the report is slime_loop_report.py's).
 
 One process, one GPU: a real GPTModel with Megatron's DistributedOptimizer whose whole training
 state lives in a torch_memory_saver region with a CPU backup (as slime's `--offload-train`), put
@@ -8,23 +9,18 @@ to sleep after training. Each round checkpoints that same asleep state three way
   (torch_dist, synchronous, as slime saves without `--async-save`), sleep (clear, `pause()`);
 - ``awake``: the same bracket with safe_ckpt's `save_checkpoint`, asynchronous, its pool as
   large as the state (so the loop is held for the copy out of the device only);
-- ``asleep``: safe_ckpt's asleep save as slime's actor runs it with `--ckpt-backend safe`
-  (`slime_asleep.capture_rng_state` + `StartingSave`), then a rollout stand-in that takes most
-  of the freed GPU memory and keeps the GPU busy for ``--rollout-s``, then the next `wake_up()`'s
-  wait for the save.
+- ``asleep``: safe_ckpt's asleep save as slime's actor runs it with `--ckpt-backend safe`, then a
+  rollout stand-in (another process) that takes most of the freed GPU memory and keeps the GPU
+  busy for ``--rollout-s``, then the next `wake_up()`'s wait for the save.
 
-Per variant: the time the loop is held (save_model's call until the next step may start: for
-``asleep``, save_model's own time plus what `wake_up()` waited after the rollout), peak extra GPU
-memory during the save (NVML's used bytes above the asleep baseline, less the rollout
-stand-in's own allocation), pinned host bytes the save allocated (torch's pinned allocator and
-safe_ckpt's pool), and time until durable; beside them, the write ceiling of the same bytes to
-the same target, measured before every round. The first ``asleep`` save of a run is profiled
-(no rollout beside it): host-to-device copies, kernels and NCCL calls. The three checkpoints of
-the first round are compared byte for byte through torch.distributed.checkpoint.
+Per variant: loop held, peak extra GPU (NVML; paused while the rollout stand-in starts, and each
+asleep row says how long), peak pinned host bytes and time to durable, beside the target's write
+ceiling. The first ``asleep`` save is profiled, the GPU sampled throughout, no rollout beside it.
 
 Needs CUDA, torch_memory_saver and Megatron's `megatron.training` (megatron-core 0.19 ships it).
 Run from the repository root (it reuses the GPU tests' model setup, tests/gpu_megatron_cases.py):
   python benchmarks/slime_loop_bench.py --targets /dev/shm/slime_loop,/tmp/slime_loop --out RESULTS_PREFIX
+A run's report again from its log, anywhere: --rebuild-log LOG --out PREFIX --label LABEL
 """
 
 from __future__ import annotations
@@ -32,19 +28,20 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import logging
 import os
-import re
 import shutil
-import statistics
 import sys
 import threading
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+
+from slime_loop_report import VARIANTS, rounds_from_log, summary_line, write_report  # noqa: E402
 
 TAG = "train"
-VARIANTS = ("asleep", "awake", "stock")
 
 
 class GpuPeak:
@@ -87,15 +84,37 @@ class GpuPeak:
         return max(0, self.peak_bytes - self.baseline_bytes)
 
 
-def host_pinned_bytes() -> int:
-    """Bytes torch's pinned host allocator holds now (pin_memory(), non_blocking copies to CPU)."""
+def host_stats() -> dict:
     import torch
 
-    stats = torch.cuda.host_memory_stats() if hasattr(torch.cuda, "host_memory_stats") else {}
-    for key in ("allocated_bytes.current", "reserved_bytes.current", "allocated_bytes.all.current"):
-        if key in stats:
-            return int(stats[key])
-    return 0
+    return torch.cuda.host_memory_stats() if hasattr(torch.cuda, "host_memory_stats") else {}
+
+
+def host_held_bytes() -> int:
+    """Bytes torch's pinned host allocator holds now, cached blocks included."""
+    stats = host_stats()
+    key = next((k for k in ("allocated_bytes.current", "reserved_bytes.current") if k in stats), None)
+    return int(stats[key]) if key else 0
+
+
+def pinned_start() -> dict:
+    """Opens a save's window on torch's pinned host allocator (pin_memory(), non_blocking copies to
+    CPU). The held bytes after less before read 0 once a path's blocks are cached, so where torch
+    has peak stats the window resets them and later reads the peak of the bytes checked out."""
+    import torch
+
+    if hasattr(torch.cuda, "reset_peak_host_memory_stats") and "active_bytes.peak" in host_stats():
+        torch.cuda.reset_peak_host_memory_stats()
+        return {"method": "peak", "before_bytes": int(host_stats()["active_bytes.current"])}
+    return {"method": "current", "before_bytes": host_held_bytes()}
+
+
+def pinned_end(start: dict, pool_bytes: int) -> dict:
+    """The row's pinned fields: the save's bytes from torch's allocator plus safe_ckpt's pool."""
+    peak = start["method"] == "peak"
+    torch_bytes = (int(host_stats()["active_bytes.peak"]) if peak else host_held_bytes()) - start["before_bytes"]
+    return {"pinned_bytes": max(0, torch_bytes) + pool_bytes, "pinned_method": start["method"],
+            "pinned_torch_held_bytes": host_held_bytes()}
 
 
 def safe_pool_bytes() -> int:
@@ -155,7 +174,8 @@ print("done", steps, flush=True)
 def rollout_stand_in(seconds: float, peak: GpuPeak | None) -> dict:
     """Another process takes 80 % of the free GPU memory (as SGLang's KV cache would) and keeps
     the GPU busy for ``seconds``. Its memory is discounted from the save's GPU peak; while it
-    starts (before its size is known) the sampler pauses."""
+    starts (before its size is known) the sampler pauses, and how long is recorded: a save that
+    finishes within the pause is not seen by the sampler at all."""
     import subprocess
 
     if peak is not None:
@@ -165,6 +185,7 @@ def rollout_stand_in(seconds: float, peak: GpuPeak | None) -> dict:
     proc = subprocess.Popen([sys.executable, "-c", ROLLOUT_CHILD, "0.8", str(seconds)], stdout=subprocess.PIPE,
                             text=True)
     ready = proc.stdout.readline().split()
+    paused_s = time.monotonic() - start
     if peak is not None:
         peak.discount_bytes = peak.used() - before
         peak.paused = False
@@ -175,7 +196,7 @@ def rollout_stand_in(seconds: float, peak: GpuPeak | None) -> dict:
     if proc.returncode != 0 or not ready or ready[0] != "ready":
         raise RuntimeError(f"the rollout stand-in failed (exit {proc.returncode}): {ready} {done}")
     return {"rollout_bytes": int(ready[1]), "matmuls": int(done[1]) if len(done) > 1 else 0,
-            "rollout_s": time.monotonic() - start}
+            "rollout_s": time.monotonic() - start, "sampler_paused_s": paused_s if peak is not None else 0.0}
 
 
 def body(rank, world, opts) -> dict:
@@ -191,8 +212,6 @@ def body(rank, world, opts) -> dict:
 
     g.MODEL_ARGS = g.MODEL_ARGS + ["--num-layers", str(opts["layers"]), "--hidden-size", str(opts["hidden"]),
                                    "--num-attention-heads", str(opts["heads"]), "--train-iters", "1000"]
-    import logging
-
     logging.basicConfig(level=logging.INFO)
     logging.getLogger("safe_ckpt").setLevel(logging.DEBUG)  # the resolved writers and pool, per save
     tms = _memory_saver()
@@ -225,7 +244,7 @@ def body(rank, world, opts) -> dict:
 
         pool.release()  # whatever an awake save left: the asleep save must need none
         args.save = save_dir
-        host0 = host_pinned_bytes()
+        pinned = pinned_start()
         peak.start()
         done_at = {}
         start = time.monotonic()
@@ -249,7 +268,7 @@ def body(rank, world, opts) -> dict:
         row["durable_s"] = done_at["t"] - start
         row["held_s"] = row["save_model_s"] + row["wake_wait_s"]
         row["gpu_extra_bytes"] = peak.stop()
-        row["pinned_bytes"] = (host_pinned_bytes() - host0) + safe_pool_bytes()
+        row.update(pinned_end(pinned, safe_pool_bytes()))
         row["bytes"] = result.total_file_bytes
         row["bytes_by_residence"] = dict(result.bytes_by_residence)
         row["timings"] = {k: getattr(result.timings, k) for k in ("plan_s", "stall_s", "write_s", "commit_s", "total_s")}
@@ -265,7 +284,7 @@ def body(rank, world, opts) -> dict:
             budget_gib = state_bytes / 2**30 * 1.05
             args.safe_ckpt_staging_budget_gib = budget_gib
             pool.prepare(int(budget_gib * 2**30))
-        host0 = host_pinned_bytes()
+        pinned = pinned_start()
         peak.start()
         start = time.monotonic()
         tms.resume(TAG)  # slime's wake_up: the CPU backup copied back
@@ -287,7 +306,7 @@ def body(rank, world, opts) -> dict:
             safe_megatron.finalize_async_saves(blocking=True)
         row = {"held_s": held, "wake_up_s": woke - start, "save_call_s": saved - woke, "sleep_s": start + held - saved,
                "durable_s": time.monotonic() - start, "gpu_extra_bytes": peak.stop(),
-               "pinned_bytes": (host_pinned_bytes() - host0) + (0 if stock else safe_pool_bytes())}
+               **pinned_end(pinned, 0 if stock else safe_pool_bytes())}
         row["bytes"] = tree_bytes(os.path.join(save_dir, "iter_%07d" % iteration))
         return row
 
@@ -325,13 +344,9 @@ def body(rank, world, opts) -> dict:
             if first_compare is None:
                 from tests.megatron_evidence import compare_contents
 
-                first_compare = {
-                    "asleep_vs_stock": compare_contents(os.path.join(dirs["asleep"], "iter_%07d" % iteration),
-                                                        os.path.join(dirs["stock"], "iter_%07d" % iteration)),
-                    "awake_vs_stock": compare_contents(os.path.join(dirs["awake"], "iter_%07d" % iteration),
-                                                       os.path.join(dirs["stock"], "iter_%07d" % iteration)),
-                }
-                row["compare"] = first_compare
+                it = {v: os.path.join(dirs[v], "iter_%07d" % iteration) for v in VARIANTS}
+                row["compare"] = first_compare = {f"{v}_vs_stock": compare_contents(it[v], it["stock"])
+                                                  for v in ("asleep", "awake")}
             for d in dirs.values():
                 shutil.rmtree(d, ignore_errors=True)
             out["rounds"].append(row)
@@ -349,9 +364,8 @@ def body(rank, world, opts) -> dict:
 
 
 def tweaked_asleep_saves(names: list, args, save, save_dir) -> list:
-    """The asleep save again with one setting changed each (not profiled, no rollout beside it):
-    where its time to durable goes. ``threads16``: 16 writers; ``nice0``: writers at the caller's
-    priority; ``no_recheck``: backup bytes hashed once, not again after their write."""
+    """The asleep save again with one setting changed each (no rollout beside it): ``threads16``: 16
+    writers; ``nice0``: writers at the caller's priority; ``no_recheck``: backup bytes hashed once."""
     from safe_ckpt import pipeline
 
     rows = []
@@ -374,121 +388,6 @@ def tweaked_asleep_saves(names: list, args, save, save_dir) -> list:
         rows.append({"tweak": name, "durable_s": row["durable_s"], "timings": row["timings"]})
         print("tweak", json.dumps(rows[-1]), flush=True)
     return rows
-
-
-def summary_line(row) -> str:
-    parts = [f"{row['target']} r{row['round']} ceiling {row['ceiling']['seconds']:.2f}s"]
-    for v in VARIANTS:
-        x = row[v]
-        parts.append(f"{v}: held {x['held_s']:.3f}s durable {x['durable_s']:.2f}s ({x['ttd_over_ceiling']:.2f} of "
-                     f"ceiling) gpu+{x['gpu_extra_bytes'] / 2**30:.2f}GiB pinned {x['pinned_bytes'] / 2**30:.2f}GiB")
-    return " | ".join(parts)
-
-
-SUMMARY_VARIANT = re.compile(r"(\w+): held ([\d.]+)s durable ([\d.]+)s \(([\d.]+) of ceiling\) "
-                             r"gpu\+([\d.]+)GiB pinned ([\d.]+)GiB")
-
-
-def rounds_from_log(path: str) -> dict:
-    """A run's rows from its log (for a run cut short before it wrote its JSON): the profiled
-    save and the tweaks as printed, each round from its `row` line or, in logs written before
-    those lines existed, from its summary line (held, durable, ratio, GPU and pinned GiB)."""
-    out = {"rounds": [], "tweaks": [], "from_log": os.path.basename(path)}
-    for line in open(path, errors="replace"):
-        if "number of parameters on" in line and "params" not in out:
-            out["params"] = int(line.rsplit(":", 1)[1])
-        elif line.startswith("profiled asleep save: "):
-            row = json.loads(line.split(": ", 1)[1])
-            out["rounds"].append(row)
-            out["state_bytes"] = row["asleep"]["bytes"]
-        elif line.startswith("tweak "):
-            out["tweaks"].append(json.loads(line[len("tweak "):]))
-        elif line.startswith("row "):
-            row = json.loads(line[len("row "):])
-            out["rounds"] = [r for r in out["rounds"] if (r["target"], r["round"]) != (row["target"], row["round"])]
-            out["rounds"].append(row)
-        elif " ceiling " in line and "| asleep: held" in line:
-            head, *parts = line.strip().split(" | ")
-            target, rnd, _, ceiling = head.split()[:4]
-            if any((r["target"], r["round"]) == (target, int(rnd[1:])) for r in out["rounds"]):
-                continue
-            row = {"target": target, "round": int(rnd[1:]), "profiled": False,
-                   "ceiling": {"seconds": float(ceiling.rstrip("s"))}}
-            for part in parts:
-                m = SUMMARY_VARIANT.match(part)
-                row[m.group(1)] = {"held_s": float(m.group(2)), "durable_s": float(m.group(3)),
-                                   "ttd_over_ceiling": float(m.group(4)), "gpu_extra_bytes": float(m.group(5)) * 2**30,
-                                   "pinned_bytes": float(m.group(6)) * 2**30}
-            out["rounds"].append(row)
-    return out
-
-
-def report(out: dict, label: str) -> str:
-    model = (f"GPTModel of {out['params'] / 1e6:.0f} M parameters" if "params" in out else "GPTModel")
-    lines = [f"# {label}", "",
-             (f"{out['gpu']}, torch {out['torch']}, megatron-core {out['megatron_core']}; " if "gpu" in out else "") +
-             f"{model} with the distributed optimizer (bf16, fp32 main parameters and Adam moments): "
-             f"{out['state_bytes'] / 1e9:.2f} GB per checkpoint, the whole training state in one "
-             "torch_memory_saver region with a CPU backup.", ""]
-    lines += ["- `stock`: slime's own path: `wake_up` (torch_memory_saver `resume()`, clear memory), Megatron's "
-              "`save_checkpoint` (synchronous, as slime saves without `--async-save`), `sleep` (clear memory, `pause()`);",
-              "- `awake`: the same bracket with safe_ckpt's `save_checkpoint`, asynchronous, its pinned pool as large as "
-              "the state (allocated before the round, as at startup);",
-              "- `asleep`: what slime's actor does with `--ckpt-backend safe`: the RNG state taken, the state dict built "
-              "and written in the background from the CPU backup, while a rollout stand-in (another process) fills 80 % "
-              "of the freed GPU memory and runs matmuls; then the next `wake_up`'s wait for the save.",
-              "", "Loop held: from `save_model`'s call until the next step may start (for `asleep`: `save_model`'s own "
-              "time plus what `wake_up` waited after the rollout). Neither bracket includes slime's process-group "
-              "teardown and rebuild, which only add to `stock` and `awake`. Peak extra GPU: NVML's used bytes above "
-              "the asleep state's, less the rollout stand-in's. Pinned host: torch's pinned allocator and "
-              "safe_ckpt's pool. Write ceiling: the same bytes written by 8 and by 16 threads with fsync into the "
-              "same target before each round, the faster. Command: `python benchmarks/slime_loop_bench.py --targets "
-              "/dev/shm/...,/tmp/... --rounds 2` (`bash benchmarks/gpu_suite.sh slimeloop`).", ""]
-    if out.get("from_log"):
-        lines += [f"Rebuilt from the run's log, `{out['from_log']}` (the run was stopped before it wrote its "
-                  "JSON; rounds it did not finish are left out).", ""]
-    prof = next((r for r in out["rounds"] if r["profiled"]), None)
-    if prof:
-        p = prof["asleep_profile"]
-        lines += [f"Profiled asleep save (no rollout beside it): {p['HtoD']} host-to-device copies, {p['kernels']} "
-                  f"kernels, {p['nccl']} NCCL calls, {p['DtoH']} device-to-host copies; bytes by residence "
-                  f"{prof['asleep']['bytes_by_residence']}.", ""]
-    if out.get("tweaks"):
-        lines += ["Asleep saves with one setting changed (no rollout beside them, one each, same target as the "
-                  "profiled save):", "", "| setting | time to durable (s) | planning (s) | writing (s) |", "|---|---|---|---|"]
-        lines += [f"| {t['tweak']} | {t['durable_s']:.2f} | {t['timings']['plan_s']:.3f} | {t['timings']['write_s']:.2f} |"
-                  for t in out["tweaks"]]
-        lines.append("")
-    for target in dict.fromkeys(r["target"] for r in out["rounds"] if not r["profiled"]):
-        rows = [r for r in out["rounds"] if r["target"] == target and not r["profiled"] and all(v in r for v in VARIANTS)]
-        if not rows:
-            continue
-        med = lambda v, k: statistics.median(r[v][k] for r in rows)  # noqa: E731
-        has = lambda v, k: all(k in r[v] for r in rows)  # noqa: E731
-        ceiling = statistics.median(r["ceiling"]["seconds"] for r in rows)
-        lines += [f"## {target} ({len(rows)} rounds, medians; write ceiling {ceiling:.2f} s = "
-                  f"{out['state_bytes'] / ceiling / 1e9:.2f} GB/s)", "",
-                  "| variant | loop held (s) | save_model (s) | wake_up waited (s) | peak extra GPU (GiB, most) "
-                  "| pinned host (GiB, most) | time to durable (s) | ceiling / durable |",
-                  "|---|---|---|---|---|---|---|---|"]
-        for v in VARIANTS:
-            sm = f"{med(v, 'save_model_s'):.3f}" if v == "asleep" and has(v, "save_model_s") else "-"
-            ww = f"{med(v, 'wake_wait_s'):.3f}" if v == "asleep" and has(v, "wake_wait_s") else "-"
-            most = lambda k: max(r[v][k] for r in rows) / 2**30  # noqa: E731
-            lines.append(f"| {v} | {med(v, 'held_s'):.3f} | {sm} | {ww} | {most('gpu_extra_bytes'):.2f} | "
-                         f"{most('pinned_bytes'):.2f} | {med(v, 'durable_s'):.2f} | "
-                         f"{statistics.median(r[v]['ttd_over_ceiling'] for r in rows):.2f} |")
-        a = rows[0]["asleep"]
-        lines += [""]
-        if "rollout_bytes" in a:
-            lines += [f"Rollout stand-in beside the asleep save: {a['rollout_bytes'] / 2**30:.1f} GiB of the freed "
-                      "GPU memory, matmuls for the rollout time.", ""]
-    compare = next((r["compare"] for r in out["rounds"] if "compare" in r), None)
-    if compare:
-        for name, c in compare.items():
-            lines.append(f"- {name}: {c.get('tensors')} tensors and {c.get('objects')} objects compared, "
-                         f"differ {c.get('differ')}, only in one {c.get('only_ours')} {c.get('only_stock')}")
-    return "\n".join(lines) + "\n"
 
 
 def main() -> None:
@@ -522,15 +421,6 @@ def main() -> None:
     if status != "ok":
         raise SystemExit(f"the run failed: {out}")
     write_report(out, ns.out, ns.label)
-
-
-def write_report(out: dict, prefix: str, label: str) -> None:
-    with open(prefix + ".json", "w") as f:
-        json.dump(out, f, indent=1, default=str)
-    text = report(out, label)
-    with open(prefix + ".md", "w") as f:
-        f.write(text)
-    print(text)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,229 @@
+"""The report of slime_loop_bench.py: a run's rows (its JSON, or its log when the run was cut short)
+turned into the markdown table and the notes that say what each figure does and does not cover.
+
+It only reads rows and writes text: no torch, no GPU, so a committed log can be rebuilt anywhere
+(`python benchmarks/slime_loop_bench.py --rebuild-log LOG --out PREFIX --label LABEL`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import statistics
+
+VARIANTS = ("asleep", "awake", "stock")
+
+
+def summary_line(row) -> str:
+    """One round on one line (the log's human-readable record; the `row` line beside it is the full one)."""
+    parts = [f"{row['target']} r{row['round']} ceiling {row['ceiling']['seconds']:.2f}s"]
+    for v in VARIANTS:
+        x = row[v]
+        paused = f" paused {x['sampler_paused_s']:.2f}s" if "sampler_paused_s" in x else ""
+        parts.append(f"{v}: held {x['held_s']:.3f}s durable {x['durable_s']:.2f}s ({x['ttd_over_ceiling']:.2f} of "
+                     f"ceiling) gpu+{x['gpu_extra_bytes'] / 2**30:.2f}GiB{paused} pinned {x['pinned_bytes'] / 2**30:.2f}GiB")
+    return " | ".join(parts)
+
+
+# The optional "paused" group: logs written before the sampler's pause was recorded lack it.
+SUMMARY_VARIANT = re.compile(r"(\w+): held ([\d.]+)s durable ([\d.]+)s \(([\d.]+) of ceiling\) "
+                             r"gpu\+([\d.]+)GiB(?: paused ([\d.]+)s)? pinned ([\d.]+)GiB")
+
+
+def rounds_from_log(path: str) -> dict:
+    """A run's rows from its log (for a run cut short before it wrote its JSON): the profiled
+    save and the tweaks as printed, each round from its `row` line or, in logs written before
+    those lines existed, from its summary line (held, durable, ratio, GPU and pinned GiB)."""
+    out = {"rounds": [], "tweaks": [], "from_log": os.path.basename(path)}
+    for line in open(path, errors="replace"):
+        if "number of parameters on" in line and "params" not in out:
+            out["params"] = int(line.rsplit(":", 1)[1])
+        elif line.startswith("profiled asleep save: "):
+            row = json.loads(line.split(": ", 1)[1])
+            out["rounds"].append(row)
+            out["state_bytes"] = row["asleep"]["bytes"]
+        elif line.startswith("tweak "):
+            out["tweaks"].append(json.loads(line[len("tweak "):]))
+        elif line.startswith("row "):
+            row = json.loads(line[len("row "):])
+            out["rounds"] = [r for r in out["rounds"] if (r["target"], r["round"]) != (row["target"], row["round"])]
+            out["rounds"].append(row)
+        elif " ceiling " in line and "| asleep: held" in line:
+            head, *parts = line.strip().split(" | ")
+            target, rnd, _, ceiling = head.split()[:4]
+            if any((r["target"], r["round"]) == (target, int(rnd[1:])) for r in out["rounds"]):
+                continue
+            row = {"target": target, "round": int(rnd[1:]), "profiled": False,
+                   "ceiling": {"seconds": float(ceiling.rstrip("s"))}}
+            for part in parts:
+                m = SUMMARY_VARIANT.match(part)
+                row[m.group(1)] = {"held_s": float(m.group(2)), "durable_s": float(m.group(3)),
+                                   "ttd_over_ceiling": float(m.group(4)), "gpu_extra_bytes": float(m.group(5)) * 2**30,
+                                   "pinned_bytes": float(m.group(7)) * 2**30}
+                if m.group(6) is not None:
+                    row[m.group(1)]["sampler_paused_s"] = float(m.group(6))
+            out["rounds"].append(row)
+    return out
+
+
+def spread(values: list, fmt: str) -> str:
+    """median [min-max]; one value alone (with two rounds the median is their mean: the range says more)."""
+    if len(values) == 1:
+        return format(values[0], fmt)
+    return f"{format(statistics.median(values), fmt)} [{format(min(values), fmt)}-{format(max(values), fmt)}]"
+
+
+def header(out: dict, label: str) -> list:
+    model = (f"GPTModel of {out['params'] / 1e6:.0f} M parameters" if "params" in out else "GPTModel")
+    return [f"# {label}", "",
+            (f"{out['gpu']}, torch {out['torch']}, megatron-core {out['megatron_core']}; " if "gpu" in out else "") +
+            f"{model} with the distributed optimizer (bf16, fp32 main parameters and Adam moments): "
+            f"{out['state_bytes'] / 1e9:.2f} GB per checkpoint, the whole training state in one "
+            "torch_memory_saver region with a CPU backup.", "",
+            "- `stock`: slime's own path: `wake_up` (torch_memory_saver `resume()`, clear memory), Megatron's "
+            "`save_checkpoint` (synchronous, as slime saves without `--async-save`), `sleep` (clear memory, `pause()`);",
+            "- `awake`: the same bracket with safe_ckpt's `save_checkpoint`, asynchronous, its pinned pool as large as "
+            "the state (allocated before the round, as at startup);",
+            "- `asleep`: what slime's actor does with `--ckpt-backend safe`: the RNG state taken, the state dict built "
+            "and written in the background from the CPU backup, while a rollout stand-in (another process) fills 80 % "
+            "of the freed GPU memory and runs matmuls; then the next `wake_up`'s wait for the save.",
+            "", "Loop held: from `save_model`'s call until the next step may start (for `asleep`: `save_model`'s own "
+            "time plus what `wake_up` waited after the rollout). Neither bracket includes slime's process-group "
+            "teardown and rebuild, which only add to `stock` and `awake`. Peak extra GPU: NVML's used bytes above "
+            "the asleep state's, less the rollout stand-in's. Pinned host: torch's pinned allocator and "
+            "safe_ckpt's pool. Write ceiling: the same bytes written by 8 and by 16 threads with fsync into the "
+            "same target before each round, the faster. Held and durable times are the median and [min-max] of the "
+            "target's rounds; the other timed columns are medians, the byte columns the most of any round. "
+            "Command: `python benchmarks/slime_loop_bench.py --targets /dev/shm/...,/tmp/... --rounds 2` "
+            "(`bash benchmarks/gpu_suite.sh slimeloop`).", ""]
+
+
+def not_measured() -> list:
+    return ["Not measured: work in the training process beside the asleep save's background build and writes. "
+            "In slime the training process goes on with its own work (`update_weights`) while the save's threads "
+            "read the CPU backup and write; this bench runs no CPU-bound stand-in in the main thread, only the "
+            "rollout in another process. So the cost the asleep path moves off the loop into the background (its CPU time, "
+            "memory bandwidth and the GIL shared with that work) is not shown: its loop-held figure is the time "
+            "the loop waits, not what the save costs the work beside it.", ""]
+
+
+def pinned_cell(out: dict, rows: list, v: str) -> str:
+    """Pinned bytes of one variant on one target. Rows measured with the peak stat say what the save
+    had checked out; older rows read the bytes torch's allocator held after the save less before,
+    which is 0 once the blocks are cached: the run's most is then what the path holds."""
+    here = [r[v]["pinned_bytes"] / 2**30 for r in rows]
+    if all(r[v].get("pinned_method") == "peak" for r in rows):
+        return f"{max(here):.2f}"
+    run = [r[v]["pinned_bytes"] / 2**30 for r in out["rounds"] if not r["profiled"] and v in r]
+    if max(run) == max(here) and min(here) == max(here):
+        return f"{max(here):.2f}"
+    return f"{max(run):.2f} (read per round: {', '.join(f'{x:.2f}' for x in here)})"
+
+
+def gpu_cell(prof: dict | None, rows: list, v: str) -> str:
+    most = max(r[v]["gpu_extra_bytes"] for r in rows) / 2**30
+    if v != "asleep" or prof is None:
+        return f"{most:.2f}"
+    return f"{prof['asleep']['gpu_extra_bytes'] / 2**30:.2f} profiled (timed: {most:.2f}, partial)"
+
+
+def target_table(out: dict, prof: dict | None, target: str, rows: list) -> list:
+    med = lambda v, k: statistics.median(r[v][k] for r in rows)  # noqa: E731
+    has = lambda v, k: all(k in r[v] for r in rows)  # noqa: E731
+    ceiling = statistics.median(r["ceiling"]["seconds"] for r in rows)
+    n = len(rows)
+    lines = [f"## {target} ({n} round{'s' if n != 1 else ''}; write ceiling {ceiling:.2f} s = "
+             f"{out['state_bytes'] / ceiling / 1e9:.2f} GB/s{', median' if n > 1 else ''})", "",
+             "| variant | loop held (s) | save_model (s) | wake_up waited (s) | peak extra GPU (GiB, most) "
+             "| pinned host (GiB, most) | time to durable (s) | ceiling / durable |",
+             "|---|---|---|---|---|---|---|---|"]
+    for v in VARIANTS:
+        sm = f"{med(v, 'save_model_s'):.3f}" if v == "asleep" and has(v, "save_model_s") else "-"
+        ww = f"{med(v, 'wake_wait_s'):.3f}" if v == "asleep" and has(v, "wake_wait_s") else "-"
+        lines.append(f"| {v} | {spread([r[v]['held_s'] for r in rows], '.3f')} | {sm} | {ww} | "
+                     f"{gpu_cell(prof, rows, v)} | {pinned_cell(out, rows, v)} | "
+                     f"{spread([r[v]['durable_s'] for r in rows], '.2f')} | {med(v, 'ttd_over_ceiling'):.2f} |")
+    lines.append("")
+    a = rows[0]["asleep"]
+    if "rollout_bytes" in a:
+        lines += [f"Rollout stand-in beside the asleep save: {a['rollout_bytes'] / 2**30:.1f} GiB of the freed "
+                  "GPU memory, matmuls for the rollout time.", ""]
+    if has("asleep", "sampler_paused_s"):
+        paused = [r["asleep"]["sampler_paused_s"] for r in rows]
+        durable = [r["asleep"]["durable_s"] for r in rows]
+        lines += [f"GPU sampler paused while the rollout stand-in started: {spread(paused, '.2f')} s per asleep "
+                  f"round, against the save's {spread(durable, '.2f')} s to durable.", ""]
+    return lines
+
+
+def notes(out: dict, prof: dict | None, timed: list) -> list:
+    lines = []
+    if prof is not None:
+        paused = [r["asleep"]["sampler_paused_s"] for r in timed if "sampler_paused_s" in r.get("asleep", {})]
+        when = (f"here {spread(paused, '.2f')} s" if paused else
+                "not recorded in this run; it spans the child's Python start, torch import, CUDA init and "
+                "allocation, typically longer than the tmpfs save")
+        lines += [f"- Peak extra GPU of `asleep`: from the profiled save ({prof['asleep']['gpu_extra_bytes'] / 2**30:.2f} "
+                  "GiB; no rollout beside it, the whole save sampled; it ran on the first target, and the asleep save's "
+                  "GPU use does not depend on where it writes). The timed rounds' figure is partial: the sampler is "
+                  "paused from the rollout stand-in's start until it reports ready, because its allocation is not yet "
+                  f"known to be discounted ({when}). It covers only the time outside that start: a save durable "
+                  "before the stand-in is ready (the tmpfs one, under 1 s, can be) is not seen at all, and its timed "
+                  "figure is not a measurement.", ]
+    legacy = [r[v] for r in timed for v in VARIANTS if v in r and r[v].get("pinned_method") != "peak"]
+    if legacy:
+        stock_first = next((r["stock"]["pinned_bytes"] for r in timed if r["stock"]["pinned_bytes"] > 0), 0)
+        lines += ["- Pinned host in this run: the bytes torch's pinned allocator held after the save less before. "
+                  "Torch caches freed pinned blocks, so a path's later saves read 0 for the same use"
+                  + (f": `stock`'s {stock_first / 2**30:.2f} GiB were allocated in its first save and kept cached by "
+                     "torch for the later ones" if stock_first else "") +
+                  ". The figure shown is the most over the run's rounds (what the path holds); the per-round "
+                  "readings follow it. Later runs take the peak of the bytes checked out during the save instead.", ]
+    peak = [r[v] for r in timed for v in VARIANTS if v in r and r[v].get("pinned_method") == "peak"]
+    if peak:
+        lines += ["- Pinned host: the peak of the bytes torch's pinned allocator had checked out during the save "
+                  "(peak stats reset before it) less those checked out before, plus safe_ckpt's pool; cached blocks "
+                  "reused by a later save count in it again (torch keeps its peaks per block size: an approximation).", ]
+    return lines + ([""] if lines else [])
+
+
+def report(out: dict, label: str) -> str:
+    lines = header(out, label)
+    if out.get("from_log"):
+        lines += [f"Rebuilt from the run's log, `{out['from_log']}` (the run was stopped before it wrote its "
+                  "JSON; rounds it did not finish are left out).", ""]
+    prof = next((r for r in out["rounds"] if r["profiled"]), None)
+    if prof:
+        p = prof["asleep_profile"]
+        lines += [f"Profiled asleep save (no rollout beside it, the GPU sampled throughout): {p['HtoD']} host-to-device "
+                  f"copies, {p['kernels']} kernels, {p['nccl']} NCCL calls, {p['DtoH']} device-to-host copies; peak "
+                  f"extra GPU {prof['asleep']['gpu_extra_bytes'] / 2**30:.2f} GiB; durable after "
+                  f"{prof['asleep']['durable_s']:.2f} s (under the profiler); bytes by residence "
+                  f"{prof['asleep']['bytes_by_residence']}.", ""]
+    if out.get("tweaks"):
+        lines += ["Asleep saves with one setting changed (no rollout beside them, one each, same target as the "
+                  "profiled save):", "", "| setting | time to durable (s) | planning (s) | writing (s) |", "|---|---|---|---|"]
+        lines += [f"| {t['tweak']} | {t['durable_s']:.2f} | {t['timings']['plan_s']:.3f} | {t['timings']['write_s']:.2f} |"
+                  for t in out["tweaks"]]
+        lines.append("")
+    timed = [r for r in out["rounds"] if not r["profiled"] and all(v in r for v in VARIANTS)]
+    for target in dict.fromkeys(r["target"] for r in timed):
+        lines += target_table(out, prof, target, [r for r in timed if r["target"] == target])
+    lines += notes(out, prof, timed)
+    lines += not_measured()
+    compare = next((r["compare"] for r in out["rounds"] if "compare" in r), None)
+    if compare:
+        for name, c in compare.items():
+            lines.append(f"- {name}: {c.get('tensors')} tensors and {c.get('objects')} objects compared, "
+                         f"differ {c.get('differ')}, only in one {c.get('only_ours')} {c.get('only_stock')}")
+    return "\n".join(lines) + "\n"
+
+
+def write_report(out: dict, prefix: str, label: str) -> None:
+    with open(prefix + ".json", "w") as f:
+        json.dump(out, f, indent=1, default=str)
+    text = report(out, label)
+    with open(prefix + ".md", "w") as f:
+        f.write(text)
+    print(text)
