@@ -137,4 +137,6 @@ def load_data_parallel(rank, world, path) -> dict:
                                     saved_tp=1) for empty in (True, False))
     for state in (target, expected):
         state.pop("rank_info")
-    return {"mismatches": compare_loaded(dist_checkpointing.load(target, path), expected)}
+    pieces = sum(len(v) if isinstance(v, list) else 1 for v in expected["optimizer"]["distributed"].values())
+    return {"mismatches": compare_loaded(dist_checkpointing.load(target, path), expected),
+            "optimizer_entries": pieces, "model_keys": len(expected["model"])}

@@ -113,8 +113,10 @@ def _silent_endpoint():
     return s, f"http://127.0.0.1:{s.getsockname()[1]}"
 
 
-# The default-deadline case waits out the 30 s default by design: it runs with --slow (and on
-# the GPU machine's CPU part); the silent case checks the same path with a 5 s deadline.
+# The default-deadline case (nothing listening: connections refused, retried until the 30 s
+# default runs out) waits that long by design: it runs with --slow (and on the GPU machine's
+# CPU part). The silent case (a port that accepts and never answers) checks the request
+# deadline itself, with 5 s, in every run.
 @pytest.mark.parametrize("kind", [pytest.param("refused_default_deadline", marks=pytest.mark.slow), "silent"])
 def test_unreachable_store_every_rank_raises_within_the_deadline(s3_server, tmp_path, kind):
     if kind == "silent":

@@ -339,5 +339,6 @@ def test_real_slime_save_model_saves_asleep_and_stock_megatron_resumes(tmp_path,
         assert out["world_destroyed_asleep"] and out["world_backend_asleep"] == "gloo", evidence
         assert out["world_backend_awake"] == "nccl", evidence
     assert out["weights_equal_after_wake"], evidence
+    assert out["freed_bytes_kept"], evidence  # the memory sleep freed stayed free through the save
     assert resumed["start_iteration"] == g.FIRST, evidence
     assert resumed["losses"] == uninterrupted["losses"][g.FIRST:], evidence
