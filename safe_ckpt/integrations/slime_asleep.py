@@ -32,7 +32,9 @@ outlives the reload, but the backup does not outlive the resume). Nothing else w
 `update_weights()` (which reloads and destroys the process groups, and reads the rollout weights
 from slime's own host copy) and the rollout run beside the save. A save that failed raises its
 `CheckpointError` from that `wake_up()` (or from the next `save_model`, or a forced sync), as
-Megatron's async saves raise at finalize.
+Megatron's async saves raise at finalize: one rollout and `update_weights()` after the failure,
+which is logged at once. The ranks vote on their state-dict builds before planning, so a build
+that fails on one rank fails every rank with the same error.
 
 "Asleep" is what the actor's own code did last: slime calls `self.sleep()` at the end of `init`,
 `train` and `save_model` and `self.wake_up()` at the start of `train` (and in `update_weights` when
