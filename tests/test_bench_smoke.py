@@ -122,7 +122,9 @@ def test_bench_ranks_of_one_host_with_torchrun_on_library_defaults(tmp_path, wor
     assert {g["goal"] for g in report["goals"] if g["peer"] == "safe_async"} >= {
         "async stall per rank", "peak extra host memory per rank"}
     md = (tmp_path / "bench.md").read_text()
-    assert f"Goals, {world} rank(s)" in md and "safe_ckpt by rank, gpu (library defaults)" in md
+    assert f"Goals, {world} rank(s)" in md and "safe_ckpt by rank, gpu: io_threads" in md
+    assert meta["budget_gib"] is None and "(library default), staging pool MiB" in md
+    assert "(library default), checksum_threads" in md
 
 
 @pytest.mark.slow

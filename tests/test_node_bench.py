@@ -13,8 +13,10 @@ GB = 10**9
 
 def _node_parts(rank, world, root):
     """On a real gloo world: the concurrent copy (a host copy standing in for the device one,
-    which the GPU machine runs), the shared source, and a row gathered with one rank failing."""
-    import time
+    which the GPU machine runs), the shared source, the fallback where /dev/shm has no room,
+    and a row gathered with one rank failing."""
+    import datetime
+    import errno
 
     import torch
     import torch.distributed as dist
@@ -22,20 +24,15 @@ def _node_parts(rank, world, root):
     from safe_ckpt.bench.run import _everyone
 
     group = dist.new_group(backend="gloo")
+    copying = dist.new_group([0, 1], backend="gloo", timeout=datetime.timedelta(seconds=30))
     everyone = lambda mine: _everyone(mine, group)  # noqa: E731
     out = {}
 
     def copy():
-        # the copies overlap only if every rank started them together: each waits (bounded)
-        # until the copies of every rank with GPU bytes (0 and 1) have begun
-        open(os.path.join(root, f"started{rank}_{len(out.setdefault('copies', []))}"), "w").close()
-        n = len(out["copies"])
-        deadline = time.monotonic() + 30
-        while not all(os.path.exists(os.path.join(root, f"started{r}_{n}")) for r in (0, 1)):
-            if time.monotonic() > deadline:
-                raise AssertionError(f"rank {rank}: copy {n} ran alone")
-            time.sleep(0.001)
-        out["copies"].append(n)
+        # the copies overlap only if every rank with GPU bytes (0 and 1) runs its n-th copy in
+        # the same round: each waits (bounded) inside its copy until the other has begun its own
+        dist.monitored_barrier(copying, timeout=datetime.timedelta(seconds=30))
+        out.setdefault("copies", []).append(len(out.get("copies", [])))
 
     out["share"] = node.d2h_share(copy if rank != 2 else None, (rank + 1) << 20, everyone, dist.barrier)
 
@@ -45,6 +42,16 @@ def _node_parts(rank, world, root):
     dist.barrier()  # every rank has returned: the creator has unlinked its file
     pid = everyone(os.getpid())[0]
     out["left"] = [f for f in os.listdir("/dev/shm") if f.startswith(f"safe_ckpt_bench_source_{pid}_")]
+    source.close()
+
+    def full(fd, offset, length):  # /dev/shm without room for the source
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    node.os.posix_fallocate = full
+    source = node.host_source((rank + 1) << 20, rank, everyone, dist.barrier)
+    dist.barrier()
+    out["full"] = {"shared": source.shared, "len": len(source.view),
+                   "left": [f for f in os.listdir("/dev/shm") if f.startswith(f"safe_ckpt_bench_source_{pid}_")]}
     source.close()
 
     ok = {"stall_s": 0.1 * (rank + 1), "total_s": 1.0 + rank, "io_threads": 4, "staging_budget_bytes": 1 << 30,
@@ -73,6 +80,8 @@ def test_node_parts_on_three_ranks(tmp_path):
         assert len({v["source"]["head"] for v in values}) == 1
         assert [v["source"]["len"] for v in values] == [1 << 20, 2 << 20, 3 << 20]
     assert all(v["left"] == [] for v in values)  # the file is unlinked once every rank has mapped it
+    if os.path.isdir("/dev/shm"):  # no room: each rank its own buffer, and the file is gone
+        assert [v["full"] for v in values] == [{"shared": False, "len": n << 20, "left": []} for n in (1, 2, 3)]
     row = values[0]["row"]
     assert all(v["row"] == row for v in values)
     assert row["stall_s"] == pytest.approx(0.3) and row["total_s"] == 3.0  # the slowest rank's
@@ -117,7 +126,7 @@ def _meta(fs="tmpfs", target="/shm", shares=(20.0, 10.0)):
                                    "device_bytes": [4 * GB] * n, "aggregate_gbps": 8 / max(4 / s for s in shares)}},
             "safe_options": {"gpu": {"io_threads": [8] * n, "staging_budget_bytes": [1 << 30] * n,
                                      "checksum_threads": [0] * n}},
-            "staging_pool": {"gpu": {"bytes": 1 << 30, "pinned": True}}}
+            "staging_pool": {"gpu": {"staging_budget_bytes": 1 << 30, "pinned": True}}}
 
 
 def _by(results, peer, goal):
@@ -212,3 +221,35 @@ def test_a_save_reports_what_it_resolved(tmp_path):
     assert 1 <= result.extra["io_threads"] <= cpu.MAX_DEFAULT_IO_THREADS
     assert 0 < result.extra["staging_budget_bytes"] <= cpu.MAX_DEFAULT_STAGING_BYTES
     safe_ckpt.release_staging_pool()
+
+
+def _safe_line(meta):
+    return next(line for line in report._rank_lines(meta) if line.startswith("safe_ckpt by rank"))
+
+
+def test_the_report_says_who_set_the_writers_and_who_the_pool():
+    # --threads 0 leaves the writers to the library, while --budget-gib still sets the pool
+    meta = {**_meta(), "threads": 0, "safe_defaults": True, "peer_threads": 8, "budget_gib": 4.55}
+    assert _safe_line(meta) == ("safe_ckpt by rank, gpu: io_threads [8, 8] (library default), staging pool MiB "
+                                "[1024, 1024] (set by --budget-gib 4.55), checksum_threads [0, 0] (library default); "
+                                "other savers and the ceiling 8 threads each")
+    assert "MiB [1024, 1024] (library default)" in _safe_line({**meta, "budget_gib": None})
+    given = _safe_line({**meta, "threads": 8, "safe_defaults": False, "budget_gib": None})
+    assert "io_threads [8, 8] (--threads 8)" in given and "(the bench's: the GPU bytes + 0.25 GiB" in given
+
+
+def test_rebuild_reads_a_meta_recorded_before_the_budget_was_kept(tmp_path):
+    import json
+
+    from safe_ckpt.bench import run
+
+    meta = {**_meta(), "threads": 0, "safe_defaults": True, "peer_threads": 8, "label": "old run"}
+    meta["staging_pool"]["gpu"] = {"bytes": 1 << 30, "pinned": True}  # its key before it ended in _bytes
+    prefix = str(tmp_path / "old")
+    with open(prefix + ".meta.json", "w") as f:
+        json.dump(meta, f)
+    with open(prefix + ".rows.jsonl", "w") as f:
+        f.write(json.dumps(_row("safe_sync", 0, [1.0, 1.0], [1.0, 1.0], [0, 0])) + "\n")
+    md = run.rebuild(prefix)
+    assert "# old run (rebuilt from 1 recorded rows)" in md
+    assert "staging pool MiB [1024, 1024] (how it was set not recorded)" in md  # not called the library's

@@ -105,9 +105,13 @@ def _private(nbytes: int) -> HostSource:
 def host_source(nbytes: int, rank: int, everyone, barrier, limit_bytes: int = 32 << 30) -> HostSource:
     """The write ceilings' source: ``nbytes`` (this rank's state; up to ``limit_bytes``) on
     every rank. The lowest rank of each host writes the largest of its host's sizes into a
-    /dev/shm file, every rank of the host maps it, and the file is unlinked once all have
-    (nothing is left behind, whatever happens later). Where /dev/shm cannot be used, each
-    rank builds its own buffer, as a single rank does."""
+    /dev/shm file, every rank of the host maps it, and the file is unlinked once all have, or
+    as soon as anything fails on the way. Where /dev/shm cannot be used (too small: its pages
+    are reserved before the fill, so that fails as ENOSPC, not as SIGBUS in the fill), each
+    rank builds its own buffer, as a single rank does. A run killed between the file's
+    creation and its unlink (during the fill, or while the other ranks map it) leaves
+    ``/dev/shm/safe_ckpt_bench_source_<pid>_<microseconds>`` holding up to ``limit_bytes`` of
+    memory until it is removed by hand; once unlinked, the memory goes with the last mapping."""
     mine = host_key()
     peers = everyone({"host": mine, "rank": rank, "bytes": min(nbytes, limit_bytes)})
     local = [p for p in peers if p["host"] == mine]
@@ -117,24 +121,26 @@ def host_source(nbytes: int, rank: int, everyone, barrier, limit_bytes: int = 32
         everyone(None)
         everyone(None)
         return _private(min(nbytes, limit_bytes))
-    path, note, mapping = None, None, None
-    if rank == creator:
-        path = os.path.join(_SHM, f"safe_ckpt_bench_source_{os.getpid()}_{int(time.time() * 1e6)}")
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            try:
-                os.ftruncate(fd, size)
-                mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-            finally:
-                os.close(fd)
-            t = torch.frombuffer(mapping, dtype=torch.uint8)
-            fill(t)
-            del t
-        except OSError as exc:  # e.g. /dev/shm too small: every rank falls back alike
-            note = f"{type(exc).__name__}: {exc}"
-    made = everyone({"host": mine, "path": path, "note": note})
-    mine_made = next(m for m in made if m["host"] == mine and m["path"])
+    path, note, mapping, created = None, None, None, False
     try:
+        if rank == creator:
+            path = os.path.join(_SHM, f"safe_ckpt_bench_source_{os.getpid()}_{int(time.time() * 1e6)}")
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+                created = True
+                try:
+                    # ftruncate reserves nothing on tmpfs: a full /dev/shm would only show in the fill
+                    os.posix_fallocate(fd, 0, size)
+                    mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+                finally:
+                    os.close(fd)
+                t = torch.frombuffer(mapping, dtype=torch.uint8)
+                fill(t)
+                del t
+            except OSError as exc:  # e.g. /dev/shm too small: every rank falls back alike
+                note = f"{type(exc).__name__}: {exc}"
+        made = everyone({"host": mine, "path": path, "note": note})
+        mine_made = next(m for m in made if m["host"] == mine and m["path"])
         failed = any(m["note"] for m in made)
         if not failed and rank != creator:
             try:
@@ -147,7 +153,7 @@ def host_source(nbytes: int, rank: int, everyone, barrier, limit_bytes: int = 32
                 note = f"{type(exc).__name__}: {exc}"
         failed = any(everyone(note))  # every rank has mapped it (or one could not)
     finally:
-        if rank == creator and path:
+        if created:
             try:
                 os.unlink(path)
             except OSError:

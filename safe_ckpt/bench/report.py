@@ -188,13 +188,26 @@ def _rank_lines(meta: dict) -> list[str]:
             lines.append(f"Device-to-host share by rank, {residence}, every rank copying at once after a barrier "
                          f"(median of {share['reps']}): {[None if g is None else round(g, 2) for g in share['gbps']]} "
                          f"GB/s; aggregate {share['aggregate_gbps']:.2f} GB/s")
+    writers = "library default" if meta.get("safe_defaults") else f"--threads {meta.get('threads')}"
     for residence, opts in (meta.get("safe_options") or {}).items():
-        lines.append(f"safe_ckpt by rank, {residence} ({'library defaults' if meta.get('safe_defaults') else '--threads'}"
-                     f"): io_threads {opts['io_threads']}, staging pool MiB "
-                     f"{[None if b is None else round(b / 2**20) for b in opts['staging_budget_bytes']]}, "
-                     f"checksum_threads {opts['checksum_threads']}; other savers and the ceiling "
-                     f"{meta.get('peer_threads')} threads each")
+        lines.append(f"safe_ckpt by rank, {residence}: io_threads {opts['io_threads']} ({writers}), staging pool MiB "
+                     f"{[None if b is None else round(b / 2**20) for b in opts['staging_budget_bytes']]} "
+                     f"({pool_origin(meta)}), checksum_threads {opts['checksum_threads']} (library default); "
+                     f"other savers and the ceiling {meta.get('peer_threads')} threads each")
     return [""] + lines if lines else []
+
+
+def pool_origin(meta: dict) -> str:
+    """Who set the safe_ckpt savers' staging pool (`run._prepare_safe`): ``--budget-gib``, the
+    library, or with ``--threads`` above 0 the bench's own size; a run recorded before the
+    budget was kept in its meta does not say."""
+    if "budget_gib" not in meta:
+        return "how it was set not recorded"
+    if meta["budget_gib"]:
+        return f"set by --budget-gib {meta['budget_gib']}"
+    if meta.get("safe_defaults"):
+        return "library default"
+    return "the bench's: the GPU bytes + 0.25 GiB, at least 2 GiB"
 
 
 def to_png(summary: list[dict], path: str) -> bool:

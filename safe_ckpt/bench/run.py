@@ -80,7 +80,8 @@ def run(args) -> str:
     meta.update(label=args.label, world_size=world, reps=args.reps, peer_reps=args.peer_reps, preset=args.preset,
                 threads=args.threads, peer_threads=args.peer_threads, ranks_on_host=local, launcher=launcher,
                 backend=dist.get_backend(), ranks_on_gpu0=sharing,
-                safe_defaults=args.threads == 0)  # the safe_ckpt peers on the library's per-host defaults
+                safe_defaults=args.threads == 0,  # the safe_ckpt peers on the library's per-host defaults
+                budget_gib=args.budget_gib or None)  # None: the pool left to the library, or the bench's rule
     if rank == 0:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)) or ".", exist_ok=True)
         open(args.out + ".rows.jsonl", "w").close()  # this run's rows only
@@ -222,7 +223,8 @@ def _prepare_safe(residence, state, target, chosen, args, meta, rank, group):
     shutil.rmtree(f"{target}/warmup", ignore_errors=True)
     per_rank = _everyone({k: resolved.get(k) for k in peers.RESOLVED}, group)
     meta.setdefault("safe_options", {})[residence] = {k: [r[k] for r in per_rank] for k in peers.RESOLVED}
-    meta.setdefault("staging_pool", {})[residence] = {"bytes": resolved["staging_budget_bytes"], "alloc_s": alloc_s,
+    meta.setdefault("staging_pool", {})[residence] = {"staging_budget_bytes": resolved["staging_budget_bytes"],
+                                                      "alloc_s": alloc_s,
                                                       "pinned": torch.cuda.is_available()}
     if rank == 0:
         print(f"safe_ckpt resolved per rank ({residence}): {meta['safe_options'][residence]}", flush=True)
