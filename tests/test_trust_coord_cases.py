@@ -197,6 +197,10 @@ def interrupts(rank, world, root) -> dict:
     from safe_ckpt import pipeline
 
     a = full(5, world)
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        # a test run started in the background (`cmd &` in a script) inherits SIGINT ignored,
+        # and Python then leaves it so: give this rank the handler an interactive run has
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     out = {"sigint_handler_is_default": signal.getsignal(signal.SIGINT) is signal.default_int_handler}
 
     class InterruptingSink(HookedSink):
