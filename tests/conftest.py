@@ -8,8 +8,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device (run on the GPU machine)")
     config.addinivalue_line("markers", "soak: long randomized fault soak (off by default; --soak)")
-    config.addinivalue_line("markers", "slow: the benchmark harness launched through torchrun or Ray actors, and waits "
-                                       "that last a default deadline "
+    config.addinivalue_line("markers", "slow: the benchmark harness as a whole command (alone, through torchrun or "
+                                       "as Ray actors), and waits that last a default deadline "
                                        "(off by default, to keep the suite within CI's time; --slow)")
 
 

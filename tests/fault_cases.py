@@ -78,4 +78,4 @@ def read_only_target(rank, world, root) -> dict:
 
 
 KILL = {"after_bytes": 20_000, "kill_signal": signal.SIGKILL}
-STALL = {"after_bytes": 20_000, "stall_s": 25.0}
+STALL = {"after_bytes": 20_000, "stall_s": 15.0}  # well past the tests' 6 s timeout, which the survivor must hit

@@ -8,6 +8,7 @@ import sys
 import pytest
 
 
+@pytest.mark.slow  # the whole bench command (~20 s); its parts are tested in the default run
 def test_bench_harness_smoke(tmp_path):
     out = tmp_path / "bench"
     cmd = [sys.executable, "-m", "safe_ckpt.bench", "--gib", "0.03", "--reps", "2", "--peer-reps", "1",
