@@ -4,7 +4,8 @@
 #   gputests every GPU test (tests/test_gpu*.py: round trips per residence, profiler counts, unmapped
 #            memory, torch_memory_saver, pool reuse, real GPTModel resume, slime actors);
 #   asleep   the asleep-save GPU tests (GPU_K), then slimeloop;
-#   slimeloop benchmarks/slime_loop_bench.py: stock, awake and asleep saves in slime's loop, tmpfs and disk;
+#   slimeloop benchmarks/slime_loop_bench.py: stock, awake and asleep saves in slime's loop, tmpfs and disk
+#            (LOOP_TARGETS, REPS rounds, TWEAKS: the asleep save with one setting changed, LOOP_TAG);
 #   slimereal slime's own save_model (SLIME_SRC=.slime, from scripts/export_slime.sh) on a real GPTModel;
 #   smoke    a 1 GiB benchmark of every peer with memcpy counts, and the same as one Ray actor;
 #   bench    the 8+ GB benchmark, all on the GPU, tmpfs and disk, beside stock Megatron, DCP and ceilings
@@ -123,9 +124,9 @@ part_slimereal() {
 }
 
 part_slimeloop() {
-  $PY benchmarks/slime_loop_bench.py --targets "$SHM/slime_loop,$DISK/slime_loop" --rounds ${REPS:-2} \
-    --out "$RES/slime_loop" > "$RES/slime_loop.log" 2>&1
-  echo "slime_loop_bench rc $?"; grep -v "^ \|^\[" "$RES/slime_loop.log" | tail -40 | cut -c1-600
+  $PY benchmarks/slime_loop_bench.py --targets "${LOOP_TARGETS:-$SHM/slime_loop,$DISK/slime_loop}" --rounds ${REPS:-2} \
+    ${TWEAKS+--tweaks "$TWEAKS"} --out "$RES/slime_loop${LOOP_TAG:+_$LOOP_TAG}" > "$RES/slime_loop${LOOP_TAG:+_$LOOP_TAG}.log" 2>&1
+  echo "slime_loop_bench rc $?"; grep -v "^ \|^\[" "$RES/slime_loop${LOOP_TAG:+_$LOOP_TAG}.log" | tail -40 | cut -c1-600
 }
 
 part_gil() {

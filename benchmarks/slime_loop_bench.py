@@ -237,6 +237,15 @@ def body(rank, world, opts) -> dict:
     peak = GpuPeak()
     state_bytes = None
     source = None
+
+    def tweak_source():
+        nonlocal source
+        if source is None:
+            from safe_ckpt.bench import ceilings
+
+            source = ceilings.source_buffer(state_bytes)
+        return source
+
     first_compare = None
 
     def asleep(save_dir, profiled):
@@ -327,15 +336,12 @@ def body(rank, world, opts) -> dict:
                 shutil.rmtree(dirs["asleep"], ignore_errors=True)
                 out["rounds"].append(row)
                 print("profiled asleep save:", json.dumps(row), flush=True)
-                out["tweaks"] = tweaked_asleep_saves(opts["tweaks"], args, lambda: asleep(dirs["asleep"], True),
-                                                     dirs["asleep"])
+                out["tweaks"] = tweaked_asleep_saves(
+                    opts["tweaks"], args, lambda: asleep(dirs["asleep"], True), dirs["asleep"],
+                    lambda: write_ceiling_s(target, state_bytes, tweak_source(), opts["threads"]))
                 continue
-            if source is None:
-                from safe_ckpt.bench import ceilings
-
-                source = ceilings.source_buffer(state_bytes)
             os.sync()
-            row["ceiling"] = write_ceiling_s(target, state_bytes, source, opts["threads"])
+            row["ceiling"] = write_ceiling_s(target, state_bytes, tweak_source(), opts["threads"])
             for variant in VARIANTS:
                 os.sync()
                 row[variant] = asleep(dirs[variant], False) if variant == "asleep" else \
@@ -363,27 +369,42 @@ def body(rank, world, opts) -> dict:
     return out
 
 
-def tweaked_asleep_saves(names: list, args, save, save_dir) -> list:
+def tweaked_asleep_saves(names: list, args, save, save_dir, ceiling=None) -> list:
     """The asleep save again with one setting changed each (no rollout beside it): ``threads16``: 16
-    writers; ``nice0``: writers at the caller's priority; ``no_recheck``: backup bytes hashed once."""
-    from safe_ckpt import pipeline
+    writers; ``nice0``: writers at the caller's priority; ``no_recheck``: backup bytes hashed once;
+    ``nosum``: no checksums (what hashing the backup costs); ``pieceNk``: the backup hashed and
+    written in pieces of N KiB (where hashing a piece leaves it in the core's cache for its write);
+    ``ceiling``: the write ceiling into the same target, measured here (``ceiling()``)."""
+    import dataclasses
+
+    from safe_ckpt import item_writes, pipeline
+    from safe_ckpt.megatron import training
 
     rows = []
     for name in names:
+        if name == "ceiling":
+            rows.append({"tweak": name, "ceiling": ceiling()})
+            print("tweak", json.dumps(rows[-1]), flush=True)
+            continue
         saved = (getattr(args, "safe_ckpt_io_threads", None), getattr(args, "safe_ckpt_writer_nice", None),
-                 pipeline.HOST_RESIDENCES)
+                 pipeline.HOST_RESIDENCES, item_writes.FUSED_PIECE_BYTES, training.options_from_args)
         if name == "threads16":
             args.safe_ckpt_io_threads = 16
         elif name == "nice0":
             args.safe_ckpt_writer_nice = 0
         elif name == "no_recheck":
             pipeline.HOST_RESIDENCES = tuple(r for r in saved[2] if r != "offload_backup")
+        elif name == "nosum":
+            training.options_from_args = lambda a, _f=saved[4]: dataclasses.replace(_f(a), checksums=False)
+        elif name.startswith("piece") and name.endswith("k"):
+            item_writes.FUSED_PIECE_BYTES = int(name[5:-1]) << 10
         elif name != "default":
             raise SystemExit(f"unknown tweak {name}")
         try:
             row = save()
         finally:
-            args.safe_ckpt_io_threads, args.safe_ckpt_writer_nice, pipeline.HOST_RESIDENCES = saved
+            (args.safe_ckpt_io_threads, args.safe_ckpt_writer_nice, pipeline.HOST_RESIDENCES,
+             item_writes.FUSED_PIECE_BYTES, training.options_from_args) = saved
         shutil.rmtree(save_dir, ignore_errors=True)
         rows.append({"tweak": name, "durable_s": row["durable_s"], "timings": row["timings"]})
         print("tweak", json.dumps(rows[-1]), flush=True)

@@ -205,7 +205,9 @@ def report(out: dict, label: str) -> str:
         lines += ["Asleep saves with one setting changed (no rollout beside them, one each, same target as the "
                   "profiled save):", "", "| setting | time to durable (s) | planning (s) | writing (s) |", "|---|---|---|---|"]
         lines += [f"| {t['tweak']} | {t['durable_s']:.2f} | {t['timings']['plan_s']:.3f} | {t['timings']['write_s']:.2f} |"
-                  for t in out["tweaks"]]
+                  for t in out["tweaks"] if "ceiling" not in t]
+        lines += [f"| write ceiling ({t['ceiling']['threads']} threads, fsync; measured between these saves) | "
+                  f"{t['ceiling']['seconds']:.2f} | - | - |" for t in out["tweaks"] if "ceiling" in t]
         lines.append("")
     timed = [r for r in out["rounds"] if not r["profiled"] and all(v in r for v in VARIANTS)]
     for target in dict.fromkeys(r["target"] for r in timed):
