@@ -338,7 +338,8 @@ def body(rank, world, opts) -> dict:
                 print("profiled asleep save:", json.dumps(row), flush=True)
                 out["tweaks"] = tweaked_asleep_saves(
                     opts["tweaks"], args, lambda: asleep(dirs["asleep"], True), dirs["asleep"],
-                    lambda: write_ceiling_s(target, state_bytes, tweak_source(), opts["threads"]))
+                    lambda: {**write_ceiling_s(target, state_bytes, tweak_source(), opts["threads"]),
+                             "target": target, "bytes": state_bytes})
                 continue
             os.sync()
             row["ceiling"] = write_ceiling_s(target, state_bytes, tweak_source(), opts["threads"])
@@ -381,9 +382,27 @@ def tweaked_asleep_saves(names: list, args, save, save_dir, ceiling=None) -> lis
     from safe_ckpt.megatron import training
 
     rows = []
+    queried: list = []  # the device tensors whose backups the traced save read
     for name in names:
-        if name == "ceiling":
-            rows.append({"tweak": name, "ceiling": ceiling()})
+        if name == "ceiling" or name.startswith("ceil_"):
+            rows.append({"tweak": name, "ceiling": ceiling() if name == "ceiling" else
+                         backup_writes_ceiling(name[5:], ceiling, queried)})
+            print("tweak", json.dumps(rows[-1]), flush=True)
+            continue
+        if name == "trace":
+            from diag.backup_writes import WriteTrace
+            from safe_ckpt import residence
+
+            real = residence._cpu_backup
+            residence._cpu_backup = lambda t, _real=real: (queried.append(t), _real(t))[1]
+            try:
+                with WriteTrace() as trace:
+                    row = save()
+            finally:
+                residence._cpu_backup = real
+            shutil.rmtree(save_dir, ignore_errors=True)
+            rows.append({"tweak": name, "durable_s": row["durable_s"], "timings": row["timings"],
+                         "trace": trace.summary()})
             print("tweak", json.dumps(rows[-1]), flush=True)
             continue
         saved = (getattr(args, "safe_ckpt_io_threads", None), getattr(args, "safe_ckpt_writer_nice", None),
@@ -409,6 +428,41 @@ def tweaked_asleep_saves(names: list, args, save, save_dir, ceiling=None) -> lis
         rows.append({"tweak": name, "durable_s": row["durable_s"], "timings": row["timings"]})
         print("tweak", json.dumps(rows[-1]), flush=True)
     return rows
+
+
+def backup_writes_ceiling(kind: str, ceiling, queried: list) -> dict:
+    """The write ceiling's loop from other memory (`benchmarks/diag/backup_writes.py`): ``hostalloc``,
+    ``registered`` or ``pageable`` bytes as many as the state, or ``backup`` / ``backup2m``: the
+    CPU backup of the tensors the traced save read (asleep now, so their backups exist), in 64 / 2
+    MiB pieces. Threads: the ceiling's best (``ceiling()``'s record)."""
+    import torch
+    from diag import backup_writes
+    from safe_ckpt import residence
+
+    best = ceiling()
+    target, threads, nbytes = best["target"], best["threads"], best["bytes"]
+    if kind.startswith("backup"):
+        seen, views = set(), []
+        for t in queried:
+            key = (t.data_ptr(), t.numel() * t.element_size())
+            if key in seen or not key[1]:
+                continue
+            seen.add(key)
+            b = residence._cpu_backup(t)
+            if b is not None:
+                views.append(b.contiguous().view(-1).view(torch.uint8).numpy())
+        piece = 2 << 20 if kind == "backup2m" else 64 << 20
+        s = backup_writes.write_views_seconds(target, views, threads, piece)
+        out = {"seconds": s, "threads": threads, "bytes": sum(v.nbytes for v in views), "ceiling_s": best["seconds"]}
+        del views
+        return out
+    buf, free = backup_writes.source_of(kind, nbytes)
+    try:
+        s = backup_writes.write_views_seconds(target, [buf.numpy()], threads)
+    finally:
+        del buf
+        free()
+    return {"seconds": s, "threads": threads, "bytes": nbytes, "ceiling_s": best["seconds"]}
 
 
 def main() -> None:

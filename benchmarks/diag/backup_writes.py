@@ -1,0 +1,141 @@
+"""Where a save from torch_memory_saver's CPU backup loses time on tmpfs: the same write loop as
+the write ceiling (`safe_ckpt.bench.ceilings.write_seconds`: one file per thread, 64 MiB pwrites,
+fsync), run from different host memory, and a trace of the save's own item writes.
+
+- `source_of(kind, nbytes)`: seeded random bytes in pageable memory (``pageable``, the ceiling's
+  own source), in memory from ``cudaHostAlloc`` (``hostalloc``: what torch_memory_saver's pinned
+  CPU backup and torch's pinned tensors are), or in pageable memory page-locked with
+  ``cudaHostRegister`` (``registered``: what safe_ckpt's staging pool is);
+- `write_views_seconds`: the ceiling's loop over a list of buffers (the backup's own bytes);
+- `WriteTrace`: each item write's thread, start, end and bytes during one save.
+
+Used by `benchmarks/slime_loop_bench.py --tweaks ceil_*,trace`. Must not: be imported by the
+library.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import threading
+import time
+
+import torch
+
+from safe_ckpt.bench.ceilings import run_lanes
+
+
+def source_of(kind: str, nbytes: int):
+    """(uint8 tensor of ``nbytes`` seeded random bytes in ``kind`` memory, a function that frees it)."""
+    if kind == "hostalloc":
+        buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    else:
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+    buf.random_(generator=torch.Generator().manual_seed(5))
+    if kind == "registered":
+        err = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 0)
+        if int(err) != 0:
+            raise RuntimeError(f"cudaHostRegister failed: {int(err)}")
+
+    def free():
+        if kind == "registered":
+            torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
+        if kind == "hostalloc":
+            torch.cuda.synchronize()
+            torch._C._host_emptyCache()
+
+    return buf, free
+
+
+def write_views_seconds(target: str, views: list, threads: int, piece_bytes: int = 64 << 20) -> float:
+    """Write every byte of ``views`` (buffers) with ``threads`` threads, one file each, in
+    ``piece_bytes`` pwrites, then fsync: the threads take equal runs of the concatenated bytes."""
+    flat = [memoryview(v).cast("B") for v in views]
+    total = sum(len(v) for v in flat)
+    per = -(-total // threads)
+    runs: list[list] = [[] for _ in range(threads)]  # per thread: its (view, start, end) pieces
+    lane, room = 0, per
+    for v in flat:
+        pos = 0
+        while pos < len(v):
+            take = min(len(v) - pos, room)
+            runs[lane].append((v, pos, pos + take))
+            pos += take
+            room -= take
+            if room == 0 and lane < threads - 1:
+                lane, room = lane + 1, per
+    d = os.path.join(target, ".backup_writes")
+    os.makedirs(d, exist_ok=True)
+
+    def work(i):
+        fd = os.open(os.path.join(d, f"f{i}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            off = 0
+            for v, start, end in runs[i]:
+                while start < end:
+                    n = min(piece_bytes, end - start)
+                    off += os.pwrite(fd, v[start:start + n], off)
+                    start += n
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    try:
+        return run_lanes(work, threads)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+class WriteTrace:
+    """While entered, every `ItemWrites.write` of a save is timed: thread, start, end, bytes."""
+
+    def __init__(self) -> None:
+        self.rows: list = []
+        self._lock = threading.Lock()
+
+    def __enter__(self):
+        from safe_ckpt import item_writes
+
+        self._cls = item_writes.ItemWrites
+        self._orig = self._cls.write
+        trace = self
+
+        def write(writes, handle, item, buffers, recheck=False):
+            t0 = time.perf_counter()
+            try:
+                return trace._orig(writes, handle, item, buffers, recheck)
+            finally:
+                with trace._lock:
+                    trace.rows.append((threading.get_ident(), t0, time.perf_counter(), item.length_bytes,
+                                       item.relative_path))
+
+        self._cls.write = write
+        return self
+
+    def __exit__(self, *exc):
+        self._cls.write = self._orig
+
+    def summary(self) -> dict:
+        if not self.rows:
+            return {}
+        start = min(r[1] for r in self.rows)
+        end = max(r[2] for r in self.rows)
+        by_thread: dict = {}
+        for tid, t0, t1, n, _ in self.rows:
+            busy = by_thread.setdefault(tid, [0.0, 0, t0, t1])
+            busy[0] += t1 - t0
+            busy[1] += n
+            busy[2], busy[3] = min(busy[2], t0), max(busy[3], t1)
+        busy_s = [b[0] for b in by_thread.values()]
+        rates = [b[1] / b[0] / 1e9 for b in by_thread.values() if b[0] > 0]
+        sizes = sorted(r[3] for r in self.rows)
+        return {
+            "items": len(self.rows), "files": len({r[4] for r in self.rows}), "threads": len(by_thread),
+            "span_s": end - start, "bytes": sum(sizes), "largest_item_bytes": sizes[-1],
+            "median_item_bytes": statistics.median(sizes),
+            "busy_s_min_median_max": [min(busy_s), statistics.median(busy_s), max(busy_s)],
+            "first_start_s_max": max(b[2] for b in by_thread.values()) - start,
+            "last_end_s_min": min(b[3] for b in by_thread.values()) - start,
+            "thread_gbps_min_median_max": [min(rates), statistics.median(rates), max(rates)],
+        }
