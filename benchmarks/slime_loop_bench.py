@@ -372,8 +372,9 @@ def body(rank, world, opts) -> dict:
 
 def tweaked_asleep_saves(names: list, args, save, save_dir, ceiling=None) -> list:
     """The asleep save again with one setting changed each (no rollout beside it): ``threads16``: 16
-    writers; ``nice0``: writers at the caller's priority; ``no_recheck``: backup bytes hashed once;
-    ``nosum``: no checksums (what hashing the backup costs); ``pieceNk``: the backup hashed and
+    writers; ``nice0``: writers at the caller's priority; ``recheck``: backup bytes hashed again after
+    they are written (as host tensors of an async save are); ``nosum``: no checksums (what hashing
+    the backup costs); ``pieceNk``: the backup hashed and
     written in pieces of N KiB (where hashing a piece leaves it in the core's cache for its write);
     ``ceiling``: the write ceiling into the same target, measured here (``ceiling()``)."""
     import dataclasses
@@ -406,13 +407,13 @@ def tweaked_asleep_saves(names: list, args, save, save_dir, ceiling=None) -> lis
             print("tweak", json.dumps(rows[-1]), flush=True)
             continue
         saved = (getattr(args, "safe_ckpt_io_threads", None), getattr(args, "safe_ckpt_writer_nice", None),
-                 pipeline.HOST_RESIDENCES, item_writes.FUSED_PIECE_BYTES, training.options_from_args)
+                 pipeline.RECHECKED_RESIDENCES, item_writes.FUSED_PIECE_BYTES, training.options_from_args)
         if name == "threads16":
             args.safe_ckpt_io_threads = 16
         elif name == "nice0":
             args.safe_ckpt_writer_nice = 0
-        elif name == "no_recheck":
-            pipeline.HOST_RESIDENCES = tuple(r for r in saved[2] if r != "offload_backup")
+        elif name == "recheck":
+            pipeline.RECHECKED_RESIDENCES = (*saved[2], "offload_backup")
         elif name == "nosum":
             training.options_from_args = lambda a, _f=saved[4]: dataclasses.replace(_f(a), checksums=False)
         elif name.startswith("piece") and name.endswith("k"):
@@ -422,7 +423,7 @@ def tweaked_asleep_saves(names: list, args, save, save_dir, ceiling=None) -> lis
         try:
             row = save()
         finally:
-            (args.safe_ckpt_io_threads, args.safe_ckpt_writer_nice, pipeline.HOST_RESIDENCES,
+            (args.safe_ckpt_io_threads, args.safe_ckpt_writer_nice, pipeline.RECHECKED_RESIDENCES,
              item_writes.FUSED_PIECE_BYTES, training.options_from_args) = saved
         shutil.rmtree(save_dir, ignore_errors=True)
         rows.append({"tweak": name, "durable_s": row["durable_s"], "timings": row["timings"]})
@@ -475,7 +476,7 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--rollout-s", type=float, default=6.0)
     parser.add_argument("--threads", default="8,16", help="write-ceiling thread counts (best is the ceiling)")
-    parser.add_argument("--tweaks", default="default,threads16,nice0,no_recheck",
+    parser.add_argument("--tweaks", default="default,nosum,recheck,ceiling",
                         help="asleep saves with one setting changed each, after the profiled one ('' for none)")
     parser.add_argument("--label", default="slime's colocated loop on one GPU: three ways to save")
     parser.add_argument("--out", required=True, help="results prefix: PREFIX.json and PREFIX.md")

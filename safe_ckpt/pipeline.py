@@ -49,6 +49,14 @@ from .staging.views import chunk_view
 log = logging.getLogger(__name__)
 
 
+# Host sources an asynchronous save hashes twice (before and after writing) to catch a caller
+# changing them meanwhile. Not torch_memory_saver's CPU backup: the saver writes it only when it
+# pauses, which needs a resume first, and its resume frees the backup (unless it is told to keep
+# it); so while a save reads the backup it either cannot change or is already gone, which no
+# second hash can catch. The caller must keep the saver paused until the save ends (slime's
+# asleep save holds `wake_up` until then). The second pass read 9.2 GB once more on an H200 host.
+RECHECKED_RESIDENCES = (Residence.PINNED.value, Residence.PAGEABLE.value)
+
 # Device chunks at least this large on average: the writers start at once (see above).
 EARLY_WRITERS_MIN_CHUNK_BYTES = 16 << 20
 
@@ -350,7 +358,7 @@ class RankWriter:
             crc = torchzip.payload_crc32(payload) if self.crc32 else 0
             sums = staged.grid() if self.checksums else None
             residence = self.work.residences[chunk.local_index]
-            recheck = self._recheck and residence in HOST_RESIDENCES and staged.from_source_memory
+            recheck = self._recheck and residence in RECHECKED_RESIDENCES and staged.from_source_memory
             unchanged = True
             if sums is not None:
                 self._writes.write_gridded(handle, item, container.prefix, payload[0], sums, container.suffix(crc))
