@@ -336,6 +336,8 @@ def body(rank, world, opts) -> dict:
                 shutil.rmtree(dirs["asleep"], ignore_errors=True)
                 out["rounds"].append(row)
                 print("profiled asleep save:", json.dumps(row), flush=True)
+                from diag.backup_writes import tweaked_asleep_saves
+
                 out["tweaks"] = tweaked_asleep_saves(
                     opts["tweaks"], args, lambda: asleep(dirs["asleep"], True), dirs["asleep"],
                     lambda: {**write_ceiling_s(target, state_bytes, tweak_source(), opts["threads"]),
@@ -368,102 +370,6 @@ def body(rank, world, opts) -> dict:
             tms.pause(TAG)
     out["state_bytes"] = state_bytes
     return out
-
-
-def tweaked_asleep_saves(names: list, args, save, save_dir, ceiling=None) -> list:
-    """The asleep save again with one setting changed each (no rollout beside it): ``threads16``: 16
-    writers; ``nice0``: writers at the caller's priority; ``recheck``: backup bytes hashed again after
-    they are written (as host tensors of an async save are); ``nosum``: no checksums (what hashing
-    the backup costs); ``pieceNk``: the backup hashed and
-    written in pieces of N KiB (where hashing a piece leaves it in the core's cache for its write);
-    ``ceiling``: the write ceiling into the same target, measured here (``ceiling()``)."""
-    import dataclasses
-
-    from safe_ckpt import item_writes, pipeline
-    from safe_ckpt.megatron import training
-
-    rows = []
-    queried: list = []  # the device tensors whose backups the traced save read
-    for name in names:
-        if name == "ceiling" or name.startswith("ceil_"):
-            rows.append({"tweak": name, "ceiling": ceiling() if name == "ceiling" else
-                         backup_writes_ceiling(name[5:], ceiling, queried)})
-            print("tweak", json.dumps(rows[-1]), flush=True)
-            continue
-        if name == "trace":
-            from diag.backup_writes import WriteTrace
-            from safe_ckpt import residence
-
-            real = residence._cpu_backup
-            residence._cpu_backup = lambda t, _real=real: (queried.append(t), _real(t))[1]
-            try:
-                with WriteTrace() as trace:
-                    row = save()
-            finally:
-                residence._cpu_backup = real
-            shutil.rmtree(save_dir, ignore_errors=True)
-            rows.append({"tweak": name, "durable_s": row["durable_s"], "timings": row["timings"],
-                         "trace": trace.summary()})
-            print("tweak", json.dumps(rows[-1]), flush=True)
-            continue
-        saved = (getattr(args, "safe_ckpt_io_threads", None), getattr(args, "safe_ckpt_writer_nice", None),
-                 pipeline.RECHECKED_RESIDENCES, item_writes.FUSED_PIECE_BYTES, training.options_from_args)
-        if name == "threads16":
-            args.safe_ckpt_io_threads = 16
-        elif name == "nice0":
-            args.safe_ckpt_writer_nice = 0
-        elif name == "recheck":
-            pipeline.RECHECKED_RESIDENCES = (*saved[2], "offload_backup")
-        elif name == "nosum":
-            training.options_from_args = lambda a, _f=saved[4]: dataclasses.replace(_f(a), checksums=False)
-        elif name.startswith("piece") and name.endswith("k"):
-            item_writes.FUSED_PIECE_BYTES = int(name[5:-1]) << 10
-        elif name != "default":
-            raise SystemExit(f"unknown tweak {name}")
-        try:
-            row = save()
-        finally:
-            (args.safe_ckpt_io_threads, args.safe_ckpt_writer_nice, pipeline.RECHECKED_RESIDENCES,
-             item_writes.FUSED_PIECE_BYTES, training.options_from_args) = saved
-        shutil.rmtree(save_dir, ignore_errors=True)
-        rows.append({"tweak": name, "durable_s": row["durable_s"], "timings": row["timings"]})
-        print("tweak", json.dumps(rows[-1]), flush=True)
-    return rows
-
-
-def backup_writes_ceiling(kind: str, ceiling, queried: list) -> dict:
-    """The write ceiling's loop from other memory (`benchmarks/diag/backup_writes.py`): ``hostalloc``,
-    ``registered`` or ``pageable`` bytes as many as the state, or ``backup`` / ``backup2m``: the
-    CPU backup of the tensors the traced save read (asleep now, so their backups exist), in 64 / 2
-    MiB pieces. Threads: the ceiling's best (``ceiling()``'s record)."""
-    import torch
-    from diag import backup_writes
-    from safe_ckpt import residence
-
-    best = ceiling()
-    target, threads, nbytes = best["target"], best["threads"], best["bytes"]
-    if kind.startswith("backup"):
-        seen, views = set(), []
-        for t in queried:
-            key = (t.data_ptr(), t.numel() * t.element_size())
-            if key in seen or not key[1]:
-                continue
-            seen.add(key)
-            b = residence._cpu_backup(t)
-            if b is not None:
-                views.append(b.contiguous().view(-1).view(torch.uint8).numpy())
-        piece = 2 << 20 if kind == "backup2m" else 64 << 20
-        s = backup_writes.write_views_seconds(target, views, threads, piece)
-        out = {"seconds": s, "threads": threads, "bytes": sum(v.nbytes for v in views), "ceiling_s": best["seconds"]}
-        del views
-        return out
-    buf, free = backup_writes.source_of(kind, nbytes)
-    try:
-        s = backup_writes.write_views_seconds(target, [buf.numpy()], threads)
-    finally:
-        del buf
-        free()
-    return {"seconds": s, "threads": threads, "bytes": nbytes, "ceiling_s": best["seconds"]}
 
 
 def main() -> None:

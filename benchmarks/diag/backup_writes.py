@@ -7,14 +7,16 @@ fsync), run from different host memory, and a trace of the save's own item write
   CPU backup and torch's pinned tensors are), or in pageable memory page-locked with
   ``cudaHostRegister`` (``registered``: what safe_ckpt's staging pool is);
 - `write_views_seconds`: the ceiling's loop over a list of buffers (the backup's own bytes);
-- `WriteTrace`: each item write's thread, start, end and bytes during one save.
+- `WriteTrace`: each item write's thread, start, end and bytes during one save;
+- `tweaked_asleep_saves`: `benchmarks/slime_loop_bench.py`'s asleep save again with one setting
+  changed each (its `--tweaks`), and the loops above between them.
 
-Used by `benchmarks/slime_loop_bench.py --tweaks ceil_*,trace`. Must not: be imported by the
-library.
+Must not: be imported by the library.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import statistics
@@ -139,3 +141,96 @@ class WriteTrace:
             "last_end_s_min": min(b[3] for b in by_thread.values()) - start,
             "thread_gbps_min_median_max": [min(rates), statistics.median(rates), max(rates)],
         }
+
+
+def tweaked_asleep_saves(names: list, args, save, save_dir, ceiling=None) -> list:
+    """The asleep save again with one setting changed each (no rollout beside it): ``threads16``: 16
+    writers; ``nice0``: writers at the caller's priority; ``recheck``: backup bytes hashed again after
+    they are written (as host tensors of an async save are); ``nosum``: no checksums (what hashing
+    the backup costs); ``pieceNk``: the backup hashed and
+    written in pieces of N KiB (where hashing a piece leaves it in the core's cache for its write);
+    ``ceiling``: the write ceiling into the same target, measured here (``ceiling()``)."""
+    import dataclasses
+
+    from safe_ckpt import item_writes, pipeline
+    from safe_ckpt.megatron import training
+
+    rows = []
+    queried: list = []  # the device tensors whose backups the traced save read
+    for name in names:
+        if name == "ceiling" or name.startswith("ceil_"):
+            rows.append({"tweak": name, "ceiling": ceiling() if name == "ceiling" else
+                         backup_writes_ceiling(name[5:], ceiling, queried)})
+            print("tweak", json.dumps(rows[-1]), flush=True)
+            continue
+        if name == "trace":
+            from safe_ckpt import residence
+
+            real = residence._cpu_backup
+            residence._cpu_backup = lambda t, _real=real: (queried.append(t), _real(t))[1]
+            try:
+                with WriteTrace() as trace:
+                    row = save()
+            finally:
+                residence._cpu_backup = real
+            shutil.rmtree(save_dir, ignore_errors=True)
+            rows.append({"tweak": name, "durable_s": row["durable_s"], "timings": row["timings"],
+                         "trace": trace.summary()})
+            print("tweak", json.dumps(rows[-1]), flush=True)
+            continue
+        saved = (getattr(args, "safe_ckpt_io_threads", None), getattr(args, "safe_ckpt_writer_nice", None),
+                 pipeline.RECHECKED_RESIDENCES, item_writes.FUSED_PIECE_BYTES, training.options_from_args)
+        if name == "threads16":
+            args.safe_ckpt_io_threads = 16
+        elif name == "nice0":
+            args.safe_ckpt_writer_nice = 0
+        elif name == "recheck":
+            pipeline.RECHECKED_RESIDENCES = (*saved[2], "offload_backup")
+        elif name == "nosum":
+            training.options_from_args = lambda a, _f=saved[4]: dataclasses.replace(_f(a), checksums=False)
+        elif name.startswith("piece") and name.endswith("k"):
+            item_writes.FUSED_PIECE_BYTES = int(name[5:-1]) << 10
+        elif name != "default":
+            raise SystemExit(f"unknown tweak {name}")
+        try:
+            row = save()
+        finally:
+            (args.safe_ckpt_io_threads, args.safe_ckpt_writer_nice, pipeline.RECHECKED_RESIDENCES,
+             item_writes.FUSED_PIECE_BYTES, training.options_from_args) = saved
+        shutil.rmtree(save_dir, ignore_errors=True)
+        rows.append({"tweak": name, "durable_s": row["durable_s"], "timings": row["timings"]})
+        print("tweak", json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def backup_writes_ceiling(kind: str, ceiling, queried: list) -> dict:
+    """The write ceiling's loop (`write_views_seconds`) from other memory: ``hostalloc``,
+    ``registered`` or ``pageable`` bytes as many as the state, or ``backup`` / ``backup2m``: the
+    CPU backup of the tensors the traced save read (asleep now, so their backups exist), in 64 / 2
+    MiB pieces. Threads: the ceiling's best (``ceiling()``'s record)."""
+    from safe_ckpt import residence
+
+    best = ceiling()
+    target, threads, nbytes = best["target"], best["threads"], best["bytes"]
+    if kind.startswith("backup"):
+        seen, views = set(), []
+        for t in queried:
+            key = (t.data_ptr(), t.numel() * t.element_size())
+            if key in seen or not key[1]:
+                continue
+            seen.add(key)
+            b = residence._cpu_backup(t)
+            if b is not None:
+                views.append(b.contiguous().view(-1).view(torch.uint8).numpy())
+        piece = 2 << 20 if kind == "backup2m" else 64 << 20
+        s = write_views_seconds(target, views, threads, piece)
+        out = {"seconds": s, "threads": threads, "bytes": sum(v.nbytes for v in views), "ceiling_s": best["seconds"]}
+        del views
+        return out
+    buf, free = source_of(kind, nbytes)
+    try:
+        s = write_views_seconds(target, [buf.numpy()], threads)
+    finally:
+        del buf
+        free()
+    return {"seconds": s, "threads": threads, "bytes": nbytes, "ceiling_s": best["seconds"]}
