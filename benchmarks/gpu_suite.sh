@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The whole GPU suite on the GPU machine (see benchmarks/README.md), in parts that each fit one call:
+# The whole GPU suite on the GPU machine (see benchmarks/README.md), in parts that each fit a 10-minute run:
 #   tests    gputests, then smoke;
 #   gputests every GPU test (tests/test_gpu*.py: round trips per residence, profiler counts, unmapped
 #            memory, torch_memory_saver, pool reuse, real GPTModel resume, slime actors);
@@ -40,8 +40,8 @@ RES=${RES:-/tmp/safe_ckpt_results}
 mkdir -p "$OUT" "$RES"
 export PYTHONUNBUFFERED=1
 SITE=/tmp/site; mkdir -p "$SITE"
-# Installed once per machine and set of carried files: a later call on a warm machine with
-# the same .whl/ skips it. Ray, too large for a wheel in one call, travels as an xz tarball
+# Installed once per machine and set of carried files: a later run on the same machine with
+# the same .whl/ skips it. Ray, too large for a wheel in one run's files, travels as an xz tarball
 # of the installed tree. The marker is written only once every step succeeded.
 SIG=$(stat -c '%n %s' .whl/* 2>/dev/null | sha1sum | cut -c1-40)
 if [ -d .whl ] && [ "$(cat "$SITE/.safe_ckpt_installed" 2>/dev/null)" != "$SIG" ]; then
@@ -175,7 +175,7 @@ part_diagvs() {
 }
 
 # TARGETS: the targets of one run (default both; tmpfs and disk with every peer at 3 runs and
-# the per-round ceilings take about 10 minutes, so run TARGETS=$SHM and TARGETS=$DISK as two calls).
+# the per-round ceilings take about 10 minutes, so run TARGETS=$SHM and TARGETS=$DISK separately).
 part_bench() {
   $BENCH --reps ${REPS:-5} --peer-reps ${PEER_REPS:-3} --targets "${TARGETS:-$SHM,$DISK}" --cache ${CACHE:-cold,warm} \
     --peer-cache cold --residences gpu --ceiling-each-rep --ceiling-beside-d2h --threads ${THREADS:-8} \
@@ -251,7 +251,7 @@ part_node() {
         fi
       fi
       grep -E '^(node|goals) N=' "$prefix.log" | cut -c1-700
-      tar -czf "$OUT/results.tgz" -C "$RES" .  # after each N: a call cut short keeps the runs before it
+      tar -czf "$OUT/results.tgz" -C "$RES" .  # after each N: a part cut short keeps the runs before it
     done
   done
 }

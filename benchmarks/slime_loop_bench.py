@@ -382,7 +382,7 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--rollout-s", type=float, default=6.0)
     parser.add_argument("--threads", default="8,16", help="write-ceiling thread counts (best is the ceiling)")
-    parser.add_argument("--tweaks", default="default,nosum,recheck,ceiling",
+    parser.add_argument("--tweaks", default="default,no_recheck,nosum+no_recheck,ceiling",
                         help="asleep saves with one setting changed each, after the profiled one ('' for none)")
     parser.add_argument("--label", default="slime's colocated loop on one GPU: three ways to save")
     parser.add_argument("--out", required=True, help="results prefix: PREFIX.json and PREFIX.md")

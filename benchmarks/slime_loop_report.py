@@ -204,10 +204,7 @@ def report(out: dict, label: str) -> str:
     if out.get("tweaks"):
         lines += ["Asleep saves with one setting changed (no rollout beside them, one each, same target as the "
                   "profiled save):", "", "| setting | time to durable (s) | planning (s) | writing (s) |", "|---|---|---|---|"]
-        lines += [f"| {t['tweak']} | {t['durable_s']:.2f} | {t['timings']['plan_s']:.3f} | {t['timings']['write_s']:.2f} |"
-                  for t in out["tweaks"] if "ceiling" not in t]
-        lines += [f"| {CEILING_ROWS.get(t['tweak'], t['tweak'])} ({t['ceiling']['threads']} threads, fsync; measured "
-                  f"between these saves) | {t['ceiling']['seconds']:.2f} | - | - |" for t in out["tweaks"] if "ceiling" in t]
+        lines += [tweak_row(t) for t in out["tweaks"]]  # in the order they ran
         lines.append("")
         lines += [f"- Item writes of the `trace` save: {json.dumps(t['trace'])}" for t in out["tweaks"] if t.get("trace")]
     timed = [r for r in out["rounds"] if not r["profiled"] and all(v in r for v in VARIANTS)]
@@ -224,13 +221,22 @@ def report(out: dict, label: str) -> str:
 
 
 CEILING_ROWS = {
-    "ceiling": "write ceiling",
+    "ceiling": "write ceiling, measured here",
     "ceil_pageable": "the ceiling's loop from new pageable memory",
     "ceil_hostalloc": "the ceiling's loop from cudaHostAlloc memory (as the CPU backup)",
     "ceil_registered": "the ceiling's loop from cudaHostRegister'ed memory (as the staging pool)",
     "ceil_backup": "the ceiling's loop from the CPU backup itself, 64 MiB writes",
     "ceil_backup2m": "the ceiling's loop from the CPU backup itself, 2 MiB writes",
 }
+
+
+def tweak_row(t: dict) -> str:
+    if "ceiling" not in t:
+        return f"| {t['tweak']} | {t['durable_s']:.2f} | {t['timings']['plan_s']:.3f} | {t['timings']['write_s']:.2f} |"
+    c = t["ceiling"]
+    beside = f"; the ceiling just before: {c['ceiling_s']:.2f} s" if "ceiling_s" in c else ""
+    return (f"| {CEILING_ROWS.get(t['tweak'], t['tweak'])} ({c['threads']} threads, fsync{beside}) | "
+            f"{c['seconds']:.2f} | - | - |")
 
 
 def write_report(out: dict, prefix: str, label: str) -> None:

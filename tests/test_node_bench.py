@@ -253,3 +253,37 @@ def test_rebuild_reads_a_meta_recorded_before_the_budget_was_kept(tmp_path):
     md = run.rebuild(prefix)
     assert "# old run (rebuilt from 1 recorded rows)" in md
     assert "staging pool MiB [1024, 1024] (how it was set not recorded)" in md  # not called the library's
+
+
+def _aligned_ceilings(rank, world, root):
+    """Each rank's repetitions take the times below: rank 0 is fast in its first, rank 1 in its
+    last. Repetitions that start together count at their slowest rank, so no repetition had
+    both ranks fast and the ceiling is the 5 s one; pairing each rank's own best would give 1 s."""
+    import types
+
+    import torch.distributed as dist
+
+    from safe_ckpt.bench import collective
+
+    group = dist.new_group(backend="gloo")
+    times = {0: [1.0, 5.0, 5.0], 1: [5.0, 5.0, 1.0]}[rank]
+    calls = []
+
+    def write_seconds(target, nbytes, threads, reps, source):
+        calls.append(reps)
+        return times[len(calls) - 1]
+
+    collective.ceilings.write_seconds = write_seconds
+    state = types.SimpleNamespace(nbytes=10 * GB)
+    rate = collective._ceiling_rate(root, state, 1, 3, None, rank, world, group)
+    return {"rate_gbps": rate, "reps_per_call": calls}
+
+
+def test_ceiling_repetitions_start_together_and_count_at_the_slowest_rank(tmp_path):
+    from tests.mp import run_world
+
+    results = run_world(2, _aligned_ceilings, (str(tmp_path),), timeout_s=120)
+    for status, out in results:
+        assert status == "ok", out
+        assert out["reps_per_call"] == [1, 1, 1]
+        assert out["rate_gbps"] == pytest.approx(2 * 10 / 5.0)

@@ -75,6 +75,49 @@ def test_async_save_detects_in_place_modification(tmp_path):
     assert bits_equal(_dcp_load(path, {"w": ((64, 256), torch.float32)})["w"], kept)
 
 
+def test_async_save_catches_a_cpu_backup_rewritten_in_place(tmp_path, monkeypatch):
+    """torch_memory_saver with its backup retained rewrites the backup in place at its next pause
+    (a cudaMemcpy into the same host block): no tensor's version counter moves, so only the
+    second hash of the written bytes can see it. No GPU here: the classifier reports a host
+    tensor as the paused tensor, with a host copy as its backup, written through numpy."""
+    import threading
+
+    from safe_ckpt import residence
+    from tests.hooked_sink import HookedSink
+
+    paused = torch.randn(64, 256, generator=torch.Generator().manual_seed(4))
+    backup = paused.clone()
+    real_classify = residence.classify
+
+    def classify(tensor, *, allow_cpu_backup=False):
+        if tensor.data_ptr() == paused.data_ptr() and allow_cpu_backup:
+            return residence.Classified(residence.Residence.OFFLOAD_BACKUP.value, "paused (test)", backup)
+        return real_classify(tensor, allow_cpu_backup=allow_cpu_backup)
+
+    monkeypatch.setattr(residence, "classify", classify)
+    entered, release = threading.Event(), threading.Event()
+
+    class Gate(HookedSink):
+        def open(self, relative_path, size_bytes):
+            self.data_file = relative_path.endswith(".distcp")  # not the small whole files
+            return super().open(relative_path, size_bytes)
+
+        def before_write(self):  # w's first piece is hashed; hold its write until the backup changed
+            if self.data_file and not entered.is_set():
+                entered.set()
+                assert release.wait(30)
+
+    opts = _opts(io_threads=1, unmapped_policy="cpu_backup", sink_factory=Gate)
+    path = str(tmp_path / "rewritten")
+    handle = safe_ckpt.async_save({"w": _st("w", paused)}, path, options=opts)
+    assert entered.wait(30)
+    backup.numpy()[:] += 1.0  # the next pause's copy into the retained backup
+    release.set()
+    with pytest.raises(safe_ckpt.SourceModifiedError, match="'w'"):
+        handle.wait(timeout=60)
+    assert not os.path.exists(path)
+
+
 def _save_slowly(path, ready):
     import safe_ckpt as sc
 

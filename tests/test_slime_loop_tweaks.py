@@ -32,13 +32,13 @@ def test_each_setting_holds_during_its_save_only(tmp_path):
         during.append(library_state(args))
         return {"durable_s": 1.0, "timings": {"plan_s": 0.1, "write_s": 0.8}}
 
-    rows = tweaked_asleep_saves(["default", "nosum", "piece512k", "recheck", "threads16", "nice0"], args, save,
+    rows = tweaked_asleep_saves(["default", "nosum", "piece512k", "no_recheck", "threads16", "nice0"], args, save,
                                 str(tmp_path / "gone"))
-    assert [r["tweak"] for r in rows] == ["default", "nosum", "piece512k", "recheck", "threads16", "nice0"]
+    assert [r["tweak"] for r in rows] == ["default", "nosum", "piece512k", "no_recheck", "threads16", "nice0"]
     assert during[0] == before
     assert during[1][2] is False
     assert during[2][1] == 512 << 10
-    assert "offload_backup" in during[3][0] and "offload_backup" not in before[0]
+    assert "offload_backup" not in during[3][0] and "offload_backup" in before[0]
     assert during[4][3] == 16 and during[5][4] == 0
     assert library_state(args) == before
 

@@ -40,10 +40,14 @@ def source_of(kind: str, nbytes: int):
         if int(err) != 0:
             raise RuntimeError(f"cudaHostRegister failed: {int(err)}")
 
+    box = {"buf": buf}  # free() drops this reference; the caller drops its own first
+
     def free():
+        held = box.pop("buf")
         if kind == "registered":
-            torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
-        if kind == "hostalloc":
+            torch.cuda.cudart().cudaHostUnregister(held.data_ptr())
+        del held
+        if kind == "hostalloc":  # the block goes back to torch's pinned cache: empty it
             torch.cuda.synchronize()
             torch._C._host_emptyCache()
 
@@ -145,9 +149,9 @@ class WriteTrace:
 
 def tweaked_asleep_saves(names: list, args, save, save_dir, ceiling=None) -> list:
     """The asleep save again with one setting changed each (no rollout beside it): ``threads16``: 16
-    writers; ``nice0``: writers at the caller's priority; ``recheck``: backup bytes hashed again after
-    they are written (as host tensors of an async save are); ``nosum``: no checksums (what hashing
-    the backup costs); ``pieceNk``: the backup hashed and
+    writers; ``nice0``: writers at the caller's priority; ``no_recheck``: backup bytes hashed once, not
+    again after they are written; ``nosum``: no checksums (with ``no_recheck``: what hashing the
+    backup costs); ``pieceNk``: the backup hashed and
     written in pieces of N KiB (where hashing a piece leaves it in the core's cache for its write);
     ``ceiling``: the write ceiling into the same target, measured here (``ceiling()``)."""
     import dataclasses
@@ -180,18 +184,21 @@ def tweaked_asleep_saves(names: list, args, save, save_dir, ceiling=None) -> lis
             continue
         saved = (getattr(args, "safe_ckpt_io_threads", None), getattr(args, "safe_ckpt_writer_nice", None),
                  pipeline.RECHECKED_RESIDENCES, item_writes.FUSED_PIECE_BYTES, training.options_from_args)
-        if name == "threads16":
-            args.safe_ckpt_io_threads = 16
-        elif name == "nice0":
-            args.safe_ckpt_writer_nice = 0
-        elif name == "recheck":
-            pipeline.RECHECKED_RESIDENCES = (*saved[2], "offload_backup")
-        elif name == "nosum":
-            training.options_from_args = lambda a, _f=saved[4]: dataclasses.replace(_f(a), checksums=False)
-        elif name.startswith("piece") and name.endswith("k"):
-            item_writes.FUSED_PIECE_BYTES = int(name[5:-1]) << 10
-        elif name != "default":
-            raise SystemExit(f"unknown tweak {name}")
+        for part in name.split("+"):  # "nosum+no_recheck": both at once
+            if part == "threads16":
+                args.safe_ckpt_io_threads = 16
+            elif part == "nice0":
+                args.safe_ckpt_writer_nice = 0
+            elif part == "no_recheck":
+                pipeline.RECHECKED_RESIDENCES = tuple(r for r in saved[2] if r != "offload_backup")
+            elif part == "nosum":
+                training.options_from_args = lambda a, _f=saved[4]: dataclasses.replace(_f(a), checksums=False)
+            elif part.startswith("piece") and part.endswith("k"):
+                item_writes.FUSED_PIECE_BYTES = int(part[5:-1]) << 10
+            elif part != "default":
+                (args.safe_ckpt_io_threads, args.safe_ckpt_writer_nice, pipeline.RECHECKED_RESIDENCES,
+                 item_writes.FUSED_PIECE_BYTES, training.options_from_args) = saved
+                raise SystemExit(f"unknown tweak {part}")
         try:
             row = save()
         finally:
@@ -213,18 +220,25 @@ def backup_writes_ceiling(kind: str, ceiling, queried: list) -> dict:
     best = ceiling()
     target, threads, nbytes = best["target"], best["threads"], best["bytes"]
     if kind.startswith("backup"):
-        seen, views = set(), []
+        if not queried:
+            raise SystemExit(f"ceil_{kind} needs a `trace` tweak before it (the tensors whose backups to write)")
+        seen, views, strided = set(), [], 0
         for t in queried:
             key = (t.data_ptr(), t.numel() * t.element_size())
             if key in seen or not key[1]:
                 continue
             seen.add(key)
             b = residence._cpu_backup(t)
-            if b is not None:
-                views.append(b.contiguous().view(-1).view(torch.uint8).numpy())
+            if b is None:
+                continue
+            if not b.is_contiguous():  # a copy would be new pageable memory, not the backup
+                strided += 1
+                continue
+            views.append(b.view(-1).view(torch.uint8).numpy())
         piece = 2 << 20 if kind == "backup2m" else 64 << 20
         s = write_views_seconds(target, views, threads, piece)
-        out = {"seconds": s, "threads": threads, "bytes": sum(v.nbytes for v in views), "ceiling_s": best["seconds"]}
+        out = {"seconds": s, "threads": threads, "bytes": sum(v.nbytes for v in views), "ceiling_s": best["seconds"],
+               "strided_views_left_out": strided}
         del views
         return out
     buf, free = source_of(kind, nbytes)

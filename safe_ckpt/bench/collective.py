@@ -86,10 +86,15 @@ def _d2h_share(residence, state, meta, rank, group) -> None:
 
 def _ceiling_rate(target, state, threads, reps, source, rank, world, group) -> float:
     """Aggregate write-ceiling rate (GB/s) of every rank writing its share at once, as the saves do.
-    Once per round of runs (``--ceiling-each-rep``), it shows drift of the target beside the best."""
-    dist.barrier()
-    seconds = ceilings.write_seconds(os.path.join(target, f"rank{rank}"), state.nbytes, threads, reps, source)
-    slowest = _max_over_ranks({"s": seconds}, group)["s"]
+    Once per round of runs (``--ceiling-each-rep``), it shows drift of the target beside the best.
+    Every repetition starts on every rank together and counts at its slowest rank; the best such
+    repetition is the ceiling (each rank's own best would pair runs that did not overlap)."""
+    slowest = None
+    for _ in range(reps):
+        dist.barrier()
+        seconds = ceilings.write_seconds(os.path.join(target, f"rank{rank}"), state.nbytes, threads, 1, source)
+        rep = _max_over_ranks({"s": seconds}, group)["s"]
+        slowest = rep if slowest is None else min(slowest, rep)
     return state.nbytes // threads * threads * world / slowest / 1e9
 
 
@@ -104,15 +109,22 @@ def _ceiling_beside_d2h(key, target, state, meta, source, rank, world, group) ->
         if ready.note or not ready.gpu:
             meta.setdefault("ceiling_notes", {})[key] = ready.note or "not measured: no GPU bytes in this state"
             return
-        dist.barrier()
-        best, note = None, None
-        try:
-            best = ceilings.write_beside_copy(os.path.join(target, f"rank{rank}"), state.nbytes, threads,
-                                              copy or (lambda: None), 3, source)
-        except Exception as exc:  # a ceiling that cannot be measured must not cost the run its rows
-            note = f"failed on rank {rank}: {type(exc).__name__}: {exc}"[:300]
+        # As in `_ceiling_rate`: repetitions start together (so the N copies overlap, as in a
+        # save) and count at their slowest rank; the best repetition is the ceiling.
+        best, note, slowest = None, None, None
+        for _ in range(3):
+            dist.barrier()
+            run = None
+            if note is None:
+                try:
+                    run = ceilings.write_beside_copy(os.path.join(target, f"rank{rank}"), state.nbytes, threads,
+                                                     copy or (lambda: None), 1, source)
+                except Exception as exc:  # a ceiling that cannot be measured must not cost the run its rows
+                    note = f"failed on rank {rank}: {type(exc).__name__}: {exc}"[:300]
+            rep = _max_over_ranks({"s": run.seconds if run else 0.0}, group)["s"]
+            if run is not None and (slowest is None or rep < slowest):
+                slowest, best = rep, run  # this rank's own run of the repetition that counts
         done = _gathered(note, True, group)
-        slowest = _max_over_ranks({"s": best.seconds if best else 0.0}, group)["s"]
         if done.note:
             meta.setdefault("ceiling_notes", {})[key] = done.note
             return

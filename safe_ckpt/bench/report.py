@@ -131,13 +131,24 @@ def _verified_lines(meta: dict) -> list[str]:
     return lines
 
 
+def _runs_line(summary: list[dict], meta: dict) -> str:
+    """Runs per row as asked, or, where a run was cut short, as recorded."""
+    asked = (meta.get("reps"), meta.get("peer_reps", meta.get("reps")))
+    done = [sorted({r.get("runs") for r in summary if r["peer"].startswith("safe_") == safe and r.get("runs")})
+            for safe in (True, False)]
+    if all(not d or d == [a] for d, a in zip(done, asked)):
+        return f"{asked[0]} runs per safe_ckpt row, {asked[1]} per stock peer"
+    said = ["0" if not d else str(d[0]) if d[0] == d[-1] else f"{d[0]}-{d[-1]}" for d in done]
+    return (f"{said[0]} run(s) per safe_ckpt row and {said[1]} per stock peer recorded "
+            f"({asked[0]} and {asked[1]} asked)")
+
+
 def to_markdown(summary: list[dict], meta: dict) -> str:
     c = meta["ceilings"]
     lines = [f"# {meta.get('label', 'benchmark')}", "", meta.get("machine_line", ""), "",
              "State: " + "; ".join((meta.get("states") or {"": meta.get("state", "")}).values())
              + f"; world size {meta.get('world_size', 1)} ({meta.get('launcher', '')}); "
-             f"{meta.get('reps')} runs per safe_ckpt row, {meta.get('peer_reps', meta.get('reps'))} per stock peer "
-             "(median, [min-max]).", "",
+             f"{_runs_line(summary, meta)} (median, [min-max]).", "",
              "Ceilings (same run): " + ", ".join(f"{k} {v:.2f}" for k, v in c.items() if v), "",
              *[f"Write ceiling by writer threads, {t}: "
                + ", ".join(f"{n} threads {r:.2f} GB/s" for n, r in by.items()) + " (the best is the ceiling); "
