@@ -223,8 +223,8 @@ def report(out: dict, label: str) -> str:
 CEILING_ROWS = {
     "ceiling": "write ceiling, measured here",
     "ceil_pageable": "the ceiling's loop from new pageable memory",
-    "ceil_hostalloc": "the ceiling's loop from cudaHostAlloc memory (as the CPU backup)",
-    "ceil_registered": "the ceiling's loop from cudaHostRegister'ed memory (as the staging pool)",
+    "ceil_hostalloc": "the ceiling's loop from newly allocated cudaHostAlloc memory (the backup's kind)",
+    "ceil_registered": "the ceiling's loop from newly cudaHostRegister'ed memory (the staging pool's kind)",
     "ceil_backup": "the ceiling's loop from the CPU backup itself, 64 MiB writes",
     "ceil_backup2m": "the ceiling's loop from the CPU backup itself, 2 MiB writes",
 }

@@ -370,6 +370,12 @@ class RankWriter:
             source = self.work.sources[chunk.local_index]
             if not unchanged or source._version != self.work.versions[chunk.local_index]:
                 how = "its bytes changed while they were written" if not unchanged else "its version counter moved"
+                if residence == Residence.OFFLOAD_BACKUP.value:
+                    raise SourceModifiedError(
+                        f"torch_memory_saver's CPU backup of {chunk.fqn!r} changed while it was being saved "
+                        f"({how}: the saver resumed and paused again during the save); the checkpoint would be "
+                        "torn, so it is not committed. Keep the saver paused until the save's handle has finished"
+                    )
                 raise SourceModifiedError(
                     f"host tensor {chunk.fqn!r} was modified in place while it was being saved ({how}); "
                     "the checkpoint would be torn, so it is not committed. Do not change host tensors "

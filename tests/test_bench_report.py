@@ -48,3 +48,18 @@ def test_a_run_without_round_names_reports_no_paired_ratio():
     assert "vs_write_ceiling_paired" not in s and s["vs_write_ceiling_median"] == pytest.approx(10 / 11)
     md = report.to_markdown([s], _meta([10.0, 12.0], None, best=12.0))
     assert f"| {s['vs_write_ceiling']:.0%} ({s['vs_write_ceiling_median']:.0%}) |" in md
+
+
+def test_runs_per_row_as_asked_or_as_recorded():
+    from safe_ckpt.bench.report import _runs_line
+
+    meta = {"reps": 3, "peer_reps": 1}
+    full = [{"peer": "safe_sync", "runs": 3}, {"peer": "safe_async", "runs": 3}, {"peer": "dcp_sync", "runs": 1}]
+    assert _runs_line(full, meta) == "3 runs per safe_ckpt row, 1 per stock peer"
+    assert _runs_line([], meta) == "3 runs per safe_ckpt row, 1 per stock peer"
+    cut = [{"peer": "safe_sync", "runs": 1}, {"peer": "safe_async", "runs": 2}, {"peer": "dcp_sync", "runs": 1}]
+    assert _runs_line(cut, meta) == "1-2 of 3 runs per safe_ckpt row, 1 of 1 per stock peer recorded"
+    failed = [{"peer": "safe_sync", "runs": 0}]
+    assert _runs_line(failed, meta) == "0 of 3 runs per safe_ckpt row recorded"
+    no_runs_field = [{"peer": "safe_sync"}, {"peer": "megatron_sync", "runs": 1}]
+    assert _runs_line(no_runs_field, meta) == "0 of 3 runs per safe_ckpt row, 1 of 1 per stock peer recorded"

@@ -255,10 +255,12 @@ def test_rebuild_reads_a_meta_recorded_before_the_budget_was_kept(tmp_path):
     assert "staging pool MiB [1024, 1024] (how it was set not recorded)" in md  # not called the library's
 
 
-def _aligned_ceilings(rank, world, root):
+def _aligned_ceilings(rank, world, root, fail_at):
     """Each rank's repetitions take the times below: rank 0 is fast in its first, rank 1 in its
     last. Repetitions that start together count at their slowest rank, so no repetition had
-    both ranks fast and the ceiling is the 5 s one; pairing each rank's own best would give 1 s."""
+    both ranks fast and the ceiling is the 5 s one; each rank's own best of 3 (what a call with
+    ``reps`` 3 returns) paired across ranks would give 1 s. ``fail_at``: rank 1 raises in that
+    repetition instead."""
     import types
 
     import torch.distributed as dist
@@ -267,23 +269,38 @@ def _aligned_ceilings(rank, world, root):
 
     group = dist.new_group(backend="gloo")
     times = {0: [1.0, 5.0, 5.0], 1: [5.0, 5.0, 1.0]}[rank]
-    calls = []
+    used = []
 
     def write_seconds(target, nbytes, threads, reps, source):
-        calls.append(reps)
-        return times[len(calls) - 1]
+        if rank == 1 and len(used) == fail_at:
+            raise OSError(28, "No space left on device")
+        mine = times[len(used):len(used) + reps]
+        used.extend(mine)
+        return min(mine)
 
     collective.ceilings.write_seconds = write_seconds
     state = types.SimpleNamespace(nbytes=10 * GB)
-    rate = collective._ceiling_rate(root, state, 1, 3, None, rank, world, group)
-    return {"rate_gbps": rate, "reps_per_call": calls}
+    try:
+        rate = collective._ceiling_rate(root, state, 1, 3, None, rank, world, group)
+    except RuntimeError as exc:
+        return {"error": str(exc), "repetitions": len(used)}
+    return {"rate_gbps": rate, "repetitions": len(used)}
 
 
 def test_ceiling_repetitions_start_together_and_count_at_the_slowest_rank(tmp_path):
     from tests.mp import run_world
 
-    results = run_world(2, _aligned_ceilings, (str(tmp_path),), timeout_s=120)
+    results = run_world(2, _aligned_ceilings, (str(tmp_path), None), timeout_s=120)
     for status, out in results:
         assert status == "ok", out
-        assert out["reps_per_call"] == [1, 1, 1]
-        assert out["rate_gbps"] == pytest.approx(2 * 10 / 5.0)
+        assert out["rate_gbps"] == pytest.approx(2 * 10 / 5.0) and out["repetitions"] == 3
+
+
+def test_a_ceiling_failing_on_one_rank_fails_every_rank_at_once(tmp_path):
+    from tests.mp import run_world
+
+    results = run_world(2, _aligned_ceilings, (str(tmp_path), 1), timeout_s=120)
+    outs = [out for status, out in results if status == "ok"]
+    assert len(outs) == 2, results
+    assert all("failed on rank 1" in o["error"] and "No space left" in o["error"] for o in outs)
+    assert [o["repetitions"] for o in outs] == [2, 1]  # rank 0 stopped after the failed repetition

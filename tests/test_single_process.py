@@ -113,7 +113,7 @@ def test_async_save_catches_a_cpu_backup_rewritten_in_place(tmp_path, monkeypatc
     assert entered.wait(30)
     backup.numpy()[:] += 1.0  # the next pause's copy into the retained backup
     release.set()
-    with pytest.raises(safe_ckpt.SourceModifiedError, match="'w'"):
+    with pytest.raises(safe_ckpt.SourceModifiedError, match="CPU backup of 'w'.*Keep the saver paused"):
         handle.wait(timeout=60)
     assert not os.path.exists(path)
 

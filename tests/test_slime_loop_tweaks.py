@@ -82,3 +82,13 @@ def test_the_ceiling_loop_writes_every_byte_of_every_buffer(tmp_path):
 def test_unknown_setting_is_refused(tmp_path):
     with pytest.raises(SystemExit, match="unknown tweak"):
         tweaked_asleep_saves(["fast"], types.SimpleNamespace(), lambda: {}, str(tmp_path))
+
+
+def test_bad_names_are_refused_before_any_save(tmp_path):
+    args = types.SimpleNamespace()
+    before = library_state(args)
+    saves = []
+    for names in (["default", "no_recheck+pieceabck"], ["default", "piece0k"], ["ceil_backup", "trace"]):
+        with pytest.raises(SystemExit):
+            tweaked_asleep_saves(names, args, lambda: saves.append(1), str(tmp_path))
+    assert saves == [] and library_state(args) == before

@@ -147,18 +147,37 @@ class WriteTrace:
         }
 
 
+def _piece_bytes(part: str) -> int:
+    """``pieceNk`` -> N KiB (N >= 4), else 0."""
+    digits = part[5:-1] if part.startswith("piece") and part.endswith("k") else ""
+    return int(digits) << 10 if digits.isdigit() and int(digits) >= 4 else 0
+
+
 def tweaked_asleep_saves(names: list, args, save, save_dir, ceiling=None) -> list:
-    """The asleep save again with one setting changed each (no rollout beside it): ``threads16``: 16
-    writers; ``nice0``: writers at the caller's priority; ``no_recheck``: backup bytes hashed once, not
-    again after they are written; ``nosum``: no checksums (with ``no_recheck``: what hashing the
-    backup costs); ``pieceNk``: the backup hashed and
-    written in pieces of N KiB (where hashing a piece leaves it in the core's cache for its write);
-    ``ceiling``: the write ceiling into the same target, measured here (``ceiling()``)."""
+    """The asleep save again with one setting changed each (no rollout beside it), in order:
+    ``threads16``: 16 writers; ``nice0``: writers at the caller's priority; ``no_recheck``: the
+    backup hashed once, not again after it is written; ``nosum``: no checksums recorded (the
+    backup is still hashed twice unless ``no_recheck`` too: ``nosum+no_recheck`` hashes
+    nothing); ``pieceNk``: the backup hashed and written in pieces of N KiB (where hashing a
+    piece leaves it in the core's cache for its write); ``ceiling``: the write ceiling into the
+    same target, measured here (``ceiling()``); ``trace``: the default save with its item writes
+    traced, keeping the tensors whose backups it read for ``ceil_backup*``; ``ceil_*``: see
+    `backup_writes_ceiling`. Every name is checked before the first save."""
     import dataclasses
 
     from safe_ckpt import item_writes, pipeline
     from safe_ckpt.megatron import training
 
+    settings = {"default", "threads16", "nice0", "no_recheck", "nosum"}
+    ceilings = {"ceiling", "ceil_pageable", "ceil_hostalloc", "ceil_registered", "ceil_backup", "ceil_backup2m"}
+    for i, name in enumerate(names):  # every name checked before the first save spends GPU time
+        if name in ceilings or name == "trace":
+            if name.startswith("ceil_backup") and "trace" not in names[:i]:
+                raise SystemExit(f"unknown tweak order: {name} needs a `trace` before it")
+            continue
+        bad = [p for p in name.split("+") if p not in settings and not _piece_bytes(p)]
+        if bad:
+            raise SystemExit(f"unknown tweak {bad[0]!r} in {name!r}")
     rows = []
     queried: list = []  # the device tensors whose backups the traced save read
     for name in names:
@@ -184,22 +203,18 @@ def tweaked_asleep_saves(names: list, args, save, save_dir, ceiling=None) -> lis
             continue
         saved = (getattr(args, "safe_ckpt_io_threads", None), getattr(args, "safe_ckpt_writer_nice", None),
                  pipeline.RECHECKED_RESIDENCES, item_writes.FUSED_PIECE_BYTES, training.options_from_args)
-        for part in name.split("+"):  # "nosum+no_recheck": both at once
-            if part == "threads16":
-                args.safe_ckpt_io_threads = 16
-            elif part == "nice0":
-                args.safe_ckpt_writer_nice = 0
-            elif part == "no_recheck":
-                pipeline.RECHECKED_RESIDENCES = tuple(r for r in saved[2] if r != "offload_backup")
-            elif part == "nosum":
-                training.options_from_args = lambda a, _f=saved[4]: dataclasses.replace(_f(a), checksums=False)
-            elif part.startswith("piece") and part.endswith("k"):
-                item_writes.FUSED_PIECE_BYTES = int(part[5:-1]) << 10
-            elif part != "default":
-                (args.safe_ckpt_io_threads, args.safe_ckpt_writer_nice, pipeline.RECHECKED_RESIDENCES,
-                 item_writes.FUSED_PIECE_BYTES, training.options_from_args) = saved
-                raise SystemExit(f"unknown tweak {part}")
         try:
+            for part in name.split("+"):  # "nosum+no_recheck": both at once
+                if part == "threads16":
+                    args.safe_ckpt_io_threads = 16
+                elif part == "nice0":
+                    args.safe_ckpt_writer_nice = 0
+                elif part == "no_recheck":
+                    pipeline.RECHECKED_RESIDENCES = tuple(r for r in saved[2] if r != "offload_backup")
+                elif part == "nosum":
+                    training.options_from_args = lambda a, _f=saved[4]: dataclasses.replace(_f(a), checksums=False)
+                elif _piece_bytes(part):
+                    item_writes.FUSED_PIECE_BYTES = _piece_bytes(part)
             row = save()
         finally:
             (args.safe_ckpt_io_threads, args.safe_ckpt_writer_nice, pipeline.RECHECKED_RESIDENCES,

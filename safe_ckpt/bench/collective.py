@@ -89,12 +89,20 @@ def _ceiling_rate(target, state, threads, reps, source, rank, world, group) -> f
     Once per round of runs (``--ceiling-each-rep``), it shows drift of the target beside the best.
     Every repetition starts on every rank together and counts at its slowest rank; the best such
     repetition is the ceiling (each rank's own best would pair runs that did not overlap)."""
-    slowest = None
+    slowest, note = None, None
     for _ in range(reps):
         dist.barrier()
-        seconds = ceilings.write_seconds(os.path.join(target, f"rank{rank}"), state.nbytes, threads, 1, source)
+        seconds = 0.0
+        if note is None:
+            try:
+                seconds = ceilings.write_seconds(os.path.join(target, f"rank{rank}"), state.nbytes, threads, 1, source)
+            except Exception as exc:  # every rank goes on through the same collectives, then all raise
+                note = f"the write ceiling failed on rank {rank}: {type(exc).__name__}: {exc}"[:300]
         rep = _max_over_ranks({"s": seconds}, group)["s"]
         slowest = rep if slowest is None else min(slowest, rep)
+        done = _gathered(note, True, group)
+        if done.note:  # the other ranks learn at once, not after their remaining repetitions
+            raise RuntimeError(done.note)
     return state.nbytes // threads * threads * world / slowest / 1e9
 
 
@@ -124,6 +132,8 @@ def _ceiling_beside_d2h(key, target, state, meta, source, rank, world, group) ->
             rep = _max_over_ranks({"s": run.seconds if run else 0.0}, group)["s"]
             if run is not None and (slowest is None or rep < slowest):
                 slowest, best = rep, run  # this rank's own run of the repetition that counts
+            if _gathered(note, True, group).note:
+                break  # every rank sees the same note, so every rank leaves here
         done = _gathered(note, True, group)
         if done.note:
             meta.setdefault("ceiling_notes", {})[key] = done.note

@@ -132,15 +132,17 @@ def _verified_lines(meta: dict) -> list[str]:
 
 
 def _runs_line(summary: list[dict], meta: dict) -> str:
-    """Runs per row as asked, or, where a run was cut short, as recorded."""
-    asked = (meta.get("reps"), meta.get("peer_reps", meta.get("reps")))
-    done = [sorted({r.get("runs") for r in summary if r["peer"].startswith("safe_") == safe and r.get("runs")})
-            for safe in (True, False)]
-    if all(not d or d == [a] for d, a in zip(done, asked)):
-        return f"{asked[0]} runs per safe_ckpt row, {asked[1]} per stock peer"
-    said = ["0" if not d else str(d[0]) if d[0] == d[-1] else f"{d[0]}-{d[-1]}" for d in done]
-    return (f"{said[0]} run(s) per safe_ckpt row and {said[1]} per stock peer recorded "
-            f"({asked[0]} and {asked[1]} asked)")
+    """Runs per row as asked, or, where fewer were recorded (a run cut short, runs that
+    failed), as recorded: "1 of 3"."""
+    asked = {True: meta.get("reps"), False: meta.get("peer_reps", meta.get("reps"))}
+    done = {side: sorted({int(r.get("runs") or 0) for r in summary if r["peer"].startswith("safe_") == side})
+            for side in (True, False)}
+    if not summary or all(done[side] in ([], [asked[side]]) for side in (True, False)):
+        return f"{asked[True]} runs per safe_ckpt row, {asked[False]} per stock peer"
+    said = {side: (str(d[0]) if d[0] == d[-1] else f"{d[0]}-{d[-1]}") for side, d in done.items() if d}
+    parts = [f"{said[True]} of {asked[True]} runs per safe_ckpt row"] if True in said else []
+    parts += [f"{said[False]} of {asked[False]} per stock peer"] if False in said else []
+    return ", ".join(parts) + " recorded"
 
 
 def to_markdown(summary: list[dict], meta: dict) -> str:
