@@ -215,10 +215,14 @@ part_bench2() {
 #   REPS (3), PEER_REPS (1), CEILING_REPS (tmpfs 3, disk 2), NODE_BESIDE (1 on tmpfs: the ceiling beside N
 #   device-to-host copies, which the tmpfs goal needs; 0 elsewhere), PEERS, NODE_PRESET (anchor, or
 #   qwen3-4b-dp8 at its own per-rank size: NODE_TOTAL_GIB is then ignored).
+#   NODE_ONE_RUN=1: one torchrun per N over every target of TARGETS (tmpfs and disk in one run, one start,
+#   one state; the ceiling beside the copies on tmpfs only); results $RES/node_tmpfs+disk_<N>ranks.*
 part_node() {
   local tgt n fs per size budget beside creps prefix t0 rc preset=${NODE_PRESET:-anchor} targets=${TARGETS:-$SHM}
-  for tgt in ${targets//,/ }; do
-    case "$tgt" in /dev/shm*) fs=tmpfs ;; *) fs=disk ;; esac
+  local runs=${targets//,/ }
+  [ "${NODE_ONE_RUN:-0}" = 1 ] && runs=$targets
+  for tgt in $runs; do
+    case "$tgt" in *,*) fs=tmpfs+disk ;; /dev/shm*) fs=tmpfs ;; *) fs=disk ;; esac
     for n in ${NODE_NS:-1 2 4 8}; do
       per=$(python3 -c "print(round(${NODE_TOTAL_GIB:-8.6} / $n, 4))")  # GiB per rank, all on the GPU
       size="--gib $per"
@@ -228,7 +232,7 @@ part_node() {
         state) budget="--budget-gib $(python3 -c "print(round($per + 0.25, 4))")" ;;
         *) budget="--budget-gib $NODE_BUDGET" ;;
       esac
-      beside=""; [ "${NODE_BESIDE:-$([ $fs = tmpfs ] && echo 1 || echo 0)}" = 1 ] && beside="--ceiling-beside-d2h"
+      beside=""; [ "${NODE_BESIDE:-$([ $fs = disk ] && echo 0 || echo 1)}" = 1 ] && beside="--ceiling-beside-d2h tmpfs"
       creps=${CEILING_REPS:-$([ $fs = tmpfs ] && echo 3 || echo 2)}
       prefix="$RES/node_${fs}_${n}ranks${NODE_TAG:+_$NODE_TAG}"
       t0=$(date +%s)

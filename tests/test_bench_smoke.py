@@ -619,3 +619,35 @@ def test_diag_pipe_lanes_fail_their_case():
     with pytest.raises(OSError, match="No space left"):
         pipes.run_guarded(lane, 3)
     assert sorted(ran) == [0, 1, 2]  # the other lanes still ran to the end
+
+
+@pytest.mark.slow
+def test_one_run_over_tmpfs_and_disk_measures_the_beside_ceiling_on_tmpfs_only(tmp_path):
+    """One run over a tmpfs and a disk target: the ceiling beside the copies is asked for
+    tmpfs only (the disk's own write binds there), and the log and report say when each phase
+    ended, so a run cut short shows where its time went."""
+    import os
+    import shutil
+
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm")
+    shm = f"/dev/shm/safe_ckpt_test_{os.getpid()}"
+    out = tmp_path / "bench"
+    cmd = [sys.executable, "-m", "safe_ckpt.bench", "--gib", "0.005", "--reps", "1", "--targets",
+           f"{shm},{tmp_path / 'disk'}", "--peers", "safe_sync", "--verify", "none", "--ceiling-beside-d2h",
+           "tmpfs", "--out", str(out)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    meta = json.loads((tmp_path / "bench.json").read_text())["meta"]
+    notes = meta.get("ceiling_notes", {})
+    disk_key = f"write_beside_d2h_gbps[gpu {tmp_path / 'disk'}]"
+    assert notes[disk_key].startswith("not measured: ") and notes[disk_key].endswith(", not tmpfs")
+    assert f"write_beside_d2h_gbps[gpu {shm}]" in {**notes, **meta["ceilings"]}
+    phases = meta["at_s"]
+    assert phases["state gpu"] <= phases[f"ceiling {shm}"] <= phases["pool gpu"]
+    rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
+    assert [r["at_s"] for r in rows] == sorted(r["at_s"] for r in rows) and rows[0]["at_s"] >= phases["pool gpu"]
+    assert "s] ceiling write" in proc.stdout

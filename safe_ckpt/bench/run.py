@@ -66,7 +66,17 @@ def _init_dist() -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
+def _at(args, meta: dict | None = None, phase: str | None = None) -> str:
+    """Seconds since the run began, as a log prefix; with ``phase``, also kept in
+    ``meta["at_s"]`` so a report shows where a long run spent its time."""
+    elapsed = time.perf_counter() - args.t0
+    if meta is not None and phase:
+        meta.setdefault("at_s", {})[phase] = round(elapsed, 1)
+    return f"[{elapsed:7.1f} s]"
+
+
 def run(args) -> str:
+    args.t0 = time.perf_counter()
     rank, world = _init_dist()
     group = dist.new_group(backend="gloo") if world > 1 else None
     everyone = lambda mine: _everyone(mine, group)  # noqa: E731
@@ -97,7 +107,7 @@ def run(args) -> str:
         meta.setdefault("states", {})[residence] = state.description
         meta.setdefault("device_bytes_by_rank", {})[residence] = everyone(state.device_bytes)
         if rank == 0:
-            print(f"state: {state.description}", flush=True)
+            print(f"{_at(args, meta, f'state {residence}')} state: {state.description}", flush=True)
         if "d2h_gbps" not in meta["ceilings"]:  # one rank alone, the others waiting: the link uncontended
             dist.barrier()
             alone = ceilings.d2h_gbps(min(max(state.device_bytes, 1 << 28), 8 << 30)) if rank == 0 else None
@@ -105,6 +115,7 @@ def run(args) -> str:
             meta["ceilings"]["d2h_gbps"] = everyone(alone)[0]
             meta["ceilings"]["memcpy_gbps"] = ceilings.memcpy_gbps()
         _d2h_share(residence, state, meta, rank, group)
+        _at(args, meta, f"d2h share {residence}")
         for target in targets:  # every ceiling before any pool is pinned: they never hold memory together
             os.makedirs(target, exist_ok=True)
             key = f"write_gbps[{target}]"
@@ -121,10 +132,16 @@ def run(args) -> str:
                 meta.setdefault("ceiling_threads", {})[target] = max(by_threads, key=by_threads.get)
                 meta["ceilings"][key] = max(by_threads.values())
                 if rank == 0:
-                    print(f"ceiling write {target}: {meta['ceilings'][key]:.2f} GB/s (by threads: "
+                    print(f"{_at(args, meta, f'ceiling {target}')} ceiling write {target}: "
+                          f"{meta['ceilings'][key]:.2f} GB/s (by threads: "
                           f"{ {n: round(r, 2) for n, r in by_threads.items()} })", flush=True)
             if args.ceiling_beside_d2h and beside not in meta["ceilings"]:
-                _ceiling_beside_d2h(beside, target, state, meta, source.view, rank, world, group)
+                if args.ceiling_beside_d2h == "all" or meta["targets"][target] == args.ceiling_beside_d2h:
+                    _ceiling_beside_d2h(beside, target, state, meta, source.view, rank, world, group)
+                    _at(args, meta, f"ceiling beside copies {target}")
+                else:
+                    meta.setdefault("ceiling_notes", {})[beside] = (
+                        f"not measured: {meta['targets'][target]}, not {args.ceiling_beside_d2h}")
         if not args.ceiling_each_rep and source is not None:
             source.close()  # the savers should not run beside a state-sized buffer they never read
             source = None
@@ -147,10 +164,11 @@ def run(args) -> str:
                         if stock and (rep >= args.peer_reps or cache not in args.peer_cache.split(",")):
                             continue
                         row = _one(peer, state, target, cache, residence, args, budget, group)
-                        row.update(rep=rep, bytes=state.nbytes * world, device_bytes=state.device_bytes)
+                        row.update(rep=rep, bytes=state.nbytes * world, device_bytes=state.device_bytes,
+                                   at_s=round(time.perf_counter() - args.t0, 1))
                         rows.append(row)
                         if rank == 0:
-                            print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()
+                            print(_at(args), {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()
                                    if k != "by_rank"}, flush=True)
                             with open(args.out + ".rows.jsonl", "a") as f:  # survives an interrupted run
                                 f.write(json.dumps(row) + "\n")
@@ -227,7 +245,8 @@ def _prepare_safe(residence, state, target, chosen, args, meta, rank, group):
                                                       "alloc_s": alloc_s,
                                                       "pinned": torch.cuda.is_available()}
     if rank == 0:
-        print(f"safe_ckpt resolved per rank ({residence}): {meta['safe_options'][residence]}", flush=True)
+        print(f"{_at(args, meta, f'pool {residence}')} safe_ckpt resolved per rank ({residence}): "
+              f"{meta['safe_options'][residence]}", flush=True)
     return budget
 
 
@@ -242,7 +261,8 @@ def _verify(peer, state, target, residence, args, budget, meta, rank, group) -> 
                                 lambda mine: _everyone(mine, group), rank, peers.Unavailable)
     meta.setdefault("verified", {})[f"{peer} {residence} {target}"] = entry
     if rank == 0:
-        print(f"verify {peer} {residence} {target}: {entry}", flush=True)
+        print(f"{_at(args, meta, f'verify {peer} {residence} {target}')} verify {peer} {residence} {target}: {entry}",
+              flush=True)
         _save_meta(args.out, meta)  # a run cut short later still reports it (--rebuild)
 
 
@@ -322,8 +342,10 @@ def main(argv=None) -> int:
     ap.add_argument("--count-h2d", action="store_true", help="count memcpy events per peer with the profiler")
     ap.add_argument("--ceiling-each-rep", action="store_true",
                     help="also measure the write ceiling once per round of runs (reports its median beside the best)")
-    ap.add_argument("--ceiling-beside-d2h", action="store_true",
-                    help="also measure the write ceiling with the state's GPU bytes copied device-to-host beside it")
+    ap.add_argument("--ceiling-beside-d2h", nargs="?", const="all", default=None, metavar="FSTYPE",
+                    help="also measure the write ceiling with the state's GPU bytes copied device-to-host beside it; "
+                         "with FSTYPE (e.g. tmpfs) only on targets of that filesystem (a disk's write, not the "
+                         "copies, sets its bound, so this saves a disk-sized write per repetition there)")
     ap.add_argument("--verify", default="safe_sync,safe_async",
                     help="after each target's timed runs, one more save by each of these safe_ckpt peers, loaded "
                          "back with stock Megatron and compared bit for bit on every rank; a mismatch fails the "
