@@ -18,7 +18,6 @@ def _node_parts(rank, world, root):
     import datetime
     import errno
 
-    import torch
     import torch.distributed as dist
 
     from safe_ckpt.bench.run import _everyone
@@ -304,3 +303,47 @@ def test_a_ceiling_failing_on_one_rank_fails_every_rank_at_once(tmp_path):
     assert len(outs) == 2, results
     assert all("failed on rank 1" in o["error"] and "No space left" in o["error"] for o in outs)
     assert [o["repetitions"] for o in outs] == [2, 1]  # rank 0 stopped after the failed repetition
+
+
+def _fresh_on_ranks(rank, world, root):
+    """Each rank empties and makes the same save directory, then puts a file of its own in it;
+    the last rank is late: it waits (bounded) for rank 0's file before its own ``_fresh``."""
+    import datetime
+    import shutil
+
+    import torch.distributed as dist
+
+    from safe_ckpt.bench import peers
+
+    removed = []
+    real = shutil.rmtree
+    peers.shutil.rmtree = lambda path, **kw: (removed.append(path), real(path, **kw))
+    store = dist.distributed_c10d._get_default_store()
+    path = os.path.join(root, "ck_megatron_sync")
+    if rank == world - 1:
+        try:  # rank 0 cannot get this far before every rank has reached _fresh: the wait runs out
+            store.wait(["made_0"], datetime.timedelta(seconds=2))
+        except Exception:
+            pass
+    d = peers._fresh(path, make=True)
+    with open(os.path.join(d, f"rank{rank}"), "w") as f:
+        f.write("x")
+    store.set(f"made_{rank}", "1")
+    dist.barrier()
+    return {"removed": removed, "files": sorted(os.listdir(d))}
+
+
+def test_only_the_first_rank_empties_a_save_directory_and_every_rank_waits_for_it(tmp_path):
+    """Ranks of a host share its filesystem: a rank that removed the directory for itself took
+    away what another had begun (or failed to make it and left the others waiting in stock
+    Megatron's collectives for ever)."""
+    from tests.mp import run_world
+
+    stale = tmp_path / "ck_megatron_sync"
+    stale.mkdir()
+    (stale / "from_an_earlier_run").write_text("old")
+    results = run_world(3, _fresh_on_ranks, (str(tmp_path),), timeout_s=120)
+    assert [status for status, _ in results] == ["ok"] * 3, results
+    values = [v for _, v in results]
+    assert values[0]["removed"] == [str(stale)] and values[1]["removed"] == values[2]["removed"] == []
+    assert all(v["files"] == ["rank0", "rank1", "rank2"] for v in values)

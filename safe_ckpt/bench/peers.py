@@ -41,9 +41,19 @@ class Unavailable(Exception):
     """The peer cannot run in this environment (reason in the message)."""
 
 
-def _fresh(path: str) -> str:
-    shutil.rmtree(path, ignore_errors=True)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+def _fresh(path: str, make: bool = False) -> str:
+    """``path`` emptied for a save, the same on every rank of a run; with ``make``, also
+    created (stock Megatron wants the directory to exist). Ranks of one host share the
+    filesystem, so only the host's first rank removes, and every rank waits for it before
+    going on: where each rank removed and created for itself, one rank could take away the
+    directory another had just made, or fail to create it because another had, and then stop
+    short of a collective the others were already waiting in, for ever."""
+    ranks = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    if ranks == 1 or int(os.environ.get("LOCAL_RANK", torch.distributed.get_rank())) == 0:
+        shutil.rmtree(path, ignore_errors=True)
+    if ranks > 1:
+        torch.distributed.barrier()
+    os.makedirs(path if make else os.path.dirname(path), exist_ok=True)  # nothing is removed past the barrier
     return path
 
 
@@ -104,8 +114,7 @@ def megatron_sync(state, target, threads, budget_bytes):
     _need_cuda("megatron_sync")
     from megatron.core import dist_checkpointing
 
-    d = _fresh(target)
-    os.makedirs(d)
+    d = _fresh(target, make=True)
     sd = state.make_sharded()
     t0 = time.perf_counter()
     dist_checkpointing.save(sd, d, async_sharded_save=False)
@@ -118,8 +127,7 @@ def megatron_async(state, target, threads, budget_bytes):
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
-    d = _fresh(target)
-    os.makedirs(d)
+    d = _fresh(target, make=True)
     kwargs = {}
     if "async_strategy" in inspect.signature(dist_checkpointing.save).parameters:
         kwargs["async_strategy"] = "mcore"
