@@ -85,6 +85,45 @@ def wake_up_waits_for_the_asleep_save(rank, world, save_dir):
             "mismatches": mismatches[:5], "iteration": iteration, "calls": actor.call_counts()}
 
 
+def resume_waits_for_the_asleep_save(rank, world, save_dir):
+    """sleep -> save_model (writes held at a gate) -> torch_memory_saver.resume() in a thread, as
+    slime's original wake_up calls it when the driver's `onload()` reaches an actor through the
+    method Ray resolved at creation (not hooked): the resume must wait until the save is
+    committed, and the next save must take slime's wake-up path."""
+    import torch.distributed as dist
+
+    from safe_ckpt.integrations.slime_asleep import installed
+
+    tms_dir = os.path.join(REPO, "tests", "stand_ins_tms")
+    if tms_dir not in sys.path:
+        sys.path.insert(0, tms_dir)
+    from torch_memory_saver import torch_memory_saver  # as slime's actor module imports it
+
+    actor = _actor(rank, world, save_dir)
+    saves = installed(type(actor))
+    actor.gate_writes()
+    actor.sleep()
+    actor.save_model(9)
+    assert actor.writes_reached.wait(BOUND_S), "no write reached the gate"
+    resumed = threading.Thread(target=torch_memory_saver.resume, name="onload")
+    resumed.start()
+    assert saves.waiting.wait(BOUND_S), "torch_memory_saver.resume did not wait for the asleep save"
+    during = {"resumes": torch_memory_saver.calls.count(("resume", None)), "tracker": _tracker(save_dir),
+              "thread_alive": resumed.is_alive(), "asleep": saves.asleep}
+    actor.release_writes()
+    resumed.join(BOUND_S)
+    after = {"resumes": torch_memory_saver.calls.count(("resume", None)), "thread_alive": resumed.is_alive(),
+             "asleep": saves.asleep}
+    dist.barrier()
+    after["tracker"] = _tracker(save_dir)
+    actor.save_model(10)  # awake now: slime's own path, its wake_up and sleep called
+    dist.barrier()
+    after["next"] = {"tracker": _tracker(save_dir), "wake_up_calls": actor.calls["wake_up"],
+                     "sleep_calls": actor.calls["sleep"]}
+    mismatches, iteration = actor.check_load(10)
+    return {"during": during, "after": after, "mismatches": mismatches[:5], "iteration": iteration}
+
+
 def detached_group_survives_the_cycles(rank, world, save_dir, cycles=2):
     """The asleep save's group works before, during and after slime's destroy/reload cycles; a gloo group made with `new_group` before sleep does not survive one."""
     import torch.distributed as dist

@@ -3,8 +3,6 @@ mirrored train actor (tests/slime_mirror, slime 624b824a): wake_up waits for the
 (gated writes, no sleeps), and the save's group survives slime's destroy/reload cycles.
 The Ray-driven cases are in tests/test_slime_integration.py."""
 
-import os
-
 import pytest
 
 from safe_ckpt.integrations.slime_asleep import awake_reason
@@ -19,6 +17,17 @@ def test_wake_up_waits_for_the_asleep_save_then_it_loads(tmp_path):
         assert out["during"] == {"wake_up_calls": 0, "tracker": None, "thread_alive": True, "asleep": True}, out
         assert out["after"] == {"thread_alive": False, "wake_up_calls": 1, "asleep": False, "tracker": "9"}, out
         assert out["mismatches"] == [] and out["iteration"] == 9, out
+
+
+def test_a_resume_from_outside_the_hooks_waits_for_the_asleep_save(tmp_path):
+    for out in values(run_world(2, cases.resume_waits_for_the_asleep_save, (str(tmp_path),), timeout_s=300)):
+        # held: the saver not resumed, nothing committed, the actor still asleep
+        assert out["during"] == {"resumes": 0, "tracker": None, "thread_alive": True, "asleep": True}, out
+        assert out["after"]["resumes"] == 1 and not out["after"]["thread_alive"], out
+        assert out["after"]["asleep"] is False and out["after"]["tracker"] == "9", out
+        # the next save_model wakes up and sleeps as slime does (sleep: once before the asleep save, once now)
+        assert out["after"]["next"] == {"tracker": "10", "wake_up_calls": 1, "sleep_calls": 2}, out
+        assert out["mismatches"] == [] and out["iteration"] == 10, out
 
 
 def test_detached_group_survives_destroy_and_reload_cycles(tmp_path):
@@ -78,3 +87,37 @@ def test_a_failed_build_raises_at_wake_up_and_publishes_nothing(tmp_path, failin
         assert out["after_failure"]["tracker"] is None, out
         assert not any("0000005" in e for e in out["after_failure"]["entries"]), out
         assert out["mismatches"] == [] and out["iteration"] == 6, out
+
+
+def test_the_resume_guard_imports_nothing_wraps_once_and_replaces_an_earlier_install(monkeypatch):
+    import sys
+    import types
+
+    from safe_ckpt.integrations.slime_resume_guard import guard_resume
+
+    class Saves:
+        def __init__(self):
+            self.before = 0
+
+        def before_resume(self):
+            self.before += 1
+
+    monkeypatch.delitem(sys.modules, "torch_memory_saver", raising=False)
+    assert guard_resume(Saves()) is False and "torch_memory_saver" not in sys.modules  # never imported here
+    resumed = []
+
+    class Saver:  # the real singleton's class: resume(tag=None)
+        def resume(self, tag=None):
+            resumed.append(tag)
+            return "resumed"
+
+    module = types.ModuleType("torch_memory_saver")
+    module.torch_memory_saver = saver = Saver()
+    monkeypatch.setitem(sys.modules, "torch_memory_saver", module)
+    first, second = Saves(), Saves()
+    assert guard_resume(first) and guard_resume(first)  # the same install twice: one guard
+    assert saver.resume("train") == "resumed" and first.before == 1 and resumed == ["train"]
+    assert guard_resume(second)  # a later install replaces the earlier guard, not wraps it
+    assert saver.resume() == "resumed" and (first.before, second.before) == (1, 1) and resumed == ["train", None]
+    assert not hasattr(vars(Saver)["resume"], "_safe_ckpt_asleep")  # the class is left as it was:
+    assert Saver().resume() == "resumed" and second.before == 1  # another instance is not guarded

@@ -40,8 +40,9 @@ that fails on one rank fails every rank with the same error.
 `train` and `save_model` and `self.wake_up()` at the start of `train` (and in `update_weights` when
 it reconnects a non-colocated critic); those calls are hooked. A call the driver sends through Ray
 (`RayTrainGroup.offload()` / `onload()`) runs the method Ray resolved when it created the actor
-and is not seen: an `offload()` leaves the next save on slime's wake-up path (safe), an `onload()`
-would not wait for an asleep save (slime's train loops make neither call).
+and is not seen: an `offload()` leaves the next save on slime's wake-up path (safe); an `onload()`
+reaches `torch_memory_saver.resume()`, which is guarded (`slime_resume_guard`): it waits for the
+asleep save like a hooked `wake_up()`, and the next save takes slime's wake-up path.
 
 Must not: wake the actor, touch paused device memory, use NCCL, or change slime's behaviour with
 `--ckpt-backend megatron` or `--safe-ckpt-save-awake`.
@@ -62,6 +63,7 @@ from .. import compat
 from .. import dist as safe_dist
 from ..errors import CheckpointError, ValidationError, failure_from_exception
 from . import slime_groups
+from .slime_resume_guard import guard_resume
 
 log = logging.getLogger("safe_ckpt")
 
@@ -287,6 +289,13 @@ class AsleepSaves:
             raise failure
         training.finalize_async_saves(blocking=True)
 
+    def before_resume(self) -> None:
+        """torch_memory_saver is about to copy the backup back (and free or reuse it), from any
+        caller: the save in flight finishes first, and the actor counts as awake after."""
+        if self.inflight is not None:
+            self.finish_inflight("torch_memory_saver.resume")
+        self.asleep = False
+
     def wake_up(self, actor, original, caller, *args, **kwargs):
         if _is_save_model_body(caller, self.actor_file):
             reason = awake_reason(actor.args, self.asleep, getattr(actor, "role", None))
@@ -315,6 +324,7 @@ class AsleepSaves:
         snapshot = slime_groups.snapshot_groups(self.reloadable_module)  # before sleep destroys them
         result = original(actor, *args, **kwargs)
         self.snapshot, self.asleep = snapshot, True
+        guard_resume(self)  # slime has imported torch_memory_saver by now, if it uses it
         return result
 
     def routing(self, awake_save_checkpoint):
@@ -387,6 +397,7 @@ def install_on_actor(args, actor_module: str | None = None) -> AsleepSaves | Non
         for method in ("sleep", "wake_up"):
             if method in vars(target):
                 _wrap(target, method, saves)
+    guard_resume(saves)
     log.info("safe_ckpt: %s.%s saves asleep without waking up (--safe-ckpt-save-awake turns it off)",
              name, ACTOR_CLASS)
     return saves
