@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -64,16 +65,20 @@ def _forget(group) -> None:
             del _groups[key]
 
 
+# Keyed by the group object itself, held weakly: a group that is gone takes its counts with
+# it. Keyed by id(group), a new group that happened to get a dead one's address on one rank
+# only would continue its counts there and start afresh on the others, and every save on it
+# would then fail as cross-paired.
 _counts_lock = threading.Lock()
-_sequences: dict = {}  # group -> number of collectives issued on it by safe_ckpt
-_saves: dict = {}  # group -> number of saves this process started on it
-_last_arrival: dict = {}  # group -> this rank's arrival key of its latest collective on it
+_sequences = weakref.WeakKeyDictionary()  # group -> number of collectives issued on it by safe_ckpt
+_saves = weakref.WeakKeyDictionary()  # group -> number of saves this process started on it
+_last_arrival = weakref.WeakKeyDictionary()  # group -> this rank's arrival key of its latest collective on it
 
 
-def _next(counts: dict, group) -> int:
+def _next(counts, group) -> int:
     with _counts_lock:
-        counts[id(group)] = counts.get(id(group), 0) + 1
-        return counts[id(group)]
+        counts[group] = counts.get(group, 0) + 1
+        return counts[group]
 
 
 @dataclass(frozen=True)
@@ -188,8 +193,8 @@ class Coordinator:
         or an earlier one): every peer took part in the collective just completed, so none can
         still be waiting in the one before it."""
         with _counts_lock:
-            previous = _last_arrival.get(id(self.group))
-            _last_arrival[id(self.group)] = key
+            previous = _last_arrival.get(self.group)
+            _last_arrival[self.group] = key
         if store is None or previous is None:
             return
         try:
