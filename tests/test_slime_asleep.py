@@ -121,3 +121,56 @@ def test_the_resume_guard_imports_nothing_wraps_once_and_replaces_an_earlier_ins
     assert saver.resume() == "resumed" and (first.before, second.before) == (1, 1) and resumed == ["train", None]
     assert not hasattr(vars(Saver)["resume"], "_safe_ckpt_asleep")  # the class is left as it was:
     assert Saver().resume() == "resumed" and second.before == 1  # another instance is not guarded
+
+
+def test_a_resume_that_finishes_waiting_last_does_not_forget_the_next_save(monkeypatch):
+    """Two callers wait for the same asleep save: a guarded `resume()` in another thread and
+    `save_model`'s hooked wake-up in the actor's thread. The wake-up sees the save done first
+    and starts the next asleep save; the resume, returning from its wait afterwards, must not
+    take that new save off the books and resume over its reads of the CPU backup."""
+    import sys
+    import threading
+    import types
+
+    from safe_ckpt.integrations.slime_asleep import AsleepSaves
+    from safe_ckpt.integrations.slime_resume_guard import guard_resume
+
+    class Handle:  # a save's handle: done once its writes are committed
+        def __init__(self):
+            self.finished = threading.Event()
+            self.returns = threading.Event()  # when a wait() that is under way returns
+
+        def done(self):
+            return self.finished.is_set()
+
+        def wait(self, timeout=None):
+            if not self.returns.wait(timeout):
+                raise TimeoutError
+
+    seen = []
+
+    class Saver:
+        def resume(self, tag=None):
+            seen.append(saves.inflight is second and second.done())
+
+    module = types.ModuleType("torch_memory_saver")
+    module.torch_memory_saver = saver = Saver()
+    monkeypatch.setitem(sys.modules, "torch_memory_saver", module)
+    saves = AsleepSaves(group=None)
+    assert guard_resume(saves)
+    first, second = Handle(), Handle()
+    saves.inflight, saves.inflight_iteration = first, 9
+    onload = threading.Thread(target=saver.resume, name="onload")
+    onload.start()
+    assert saves.waiting.wait(60), "resume did not wait for the asleep save"
+    first.finished.set()  # save 9 committed: the actor's thread sees it first ...
+    saves.finish_inflight("save_model")
+    saves.inflight, saves.inflight_iteration = second, 10  # ... and starts save 10, as routing does
+    first.returns.set()  # only now does the resume's wait return
+    onload.join(5)
+    alive = onload.is_alive()
+    second.finished.set()
+    second.returns.set()
+    onload.join(60)
+    # the resume must not run while save 10 still reads the backup, nor lose track of it
+    assert alive or seen == [True], (alive, seen, saves.inflight)
