@@ -230,3 +230,35 @@ def test_a_rank_with_explicit_writers_beside_ranks_with_the_default_is_refused_n
         assert err is not None and "ValidationError" in err["mro"], err
         assert "SaveOptions.io_threads" in err["message"]
     assert not os.path.exists(ckpt)
+
+
+def test_a_new_group_at_a_dead_groups_address_exchanges_its_own_reports(monkeypatch):
+    """A group without a name (the slime integration's detached gloo backend has none) is known
+    by its object: one that is gone must not lend its reports to a new group given its address
+    on one rank only, or that rank would skip the "host report" exchange the others make, and
+    every save on the new group would fail as cross-paired."""
+    import gc
+
+    monkeypatch.setattr(cpu, "_group_reports", {})
+    reports = _reports(("a", [range(16)] * 4, 64 * GiB))
+
+    class Backend:  # no group_name, as a bare ProcessGroupGloo backend
+        pass
+
+    old = Backend()
+    cpu.settle(safe_ckpt.SaveOptions(), _Coordinator(old, 0, reports))
+    address = id(old)
+    del old
+    gc.collect()
+    kept, new = [], None
+    for _ in range(10_000):  # the allocator hands the freed address out again, sooner or later
+        candidate = Backend()
+        if id(candidate) == address:
+            new = candidate
+            break
+        kept.append(candidate)
+    if new is None:
+        pytest.skip("this interpreter did not reuse the freed address")
+    coord = _Coordinator(new, 0, reports)
+    cpu.settle(safe_ckpt.SaveOptions(), coord)
+    assert [stage for stage, _ in coord.exchanges] == ["host report"]
