@@ -232,7 +232,9 @@ part_node() {
         state) budget="--budget-gib $(python3 -c "print(round($per + 0.25, 4))")" ;;
         *) budget="--budget-gib $NODE_BUDGET" ;;
       esac
-      beside=""; [ "${NODE_BESIDE:-$([ $fs = disk ] && echo 0 || echo 1)}" = 1 ] && beside="--ceiling-beside-d2h tmpfs"
+      beside=""  # by default beside the copies on tmpfs only (where they bind); NODE_BESIDE=1: every target
+      [ -z "${NODE_BESIDE:-}" ] && [ $fs != disk ] && beside="--ceiling-beside-d2h tmpfs"
+      [ "${NODE_BESIDE:-}" = 1 ] && beside="--ceiling-beside-d2h"
       creps=${CEILING_REPS:-$([ $fs = tmpfs ] && echo 3 || echo 2)}
       prefix="$RES/node_${fs}_${n}ranks${NODE_TAG:+_$NODE_TAG}"
       t0=$(date +%s)

@@ -18,6 +18,7 @@ import os
 import socket
 import sys
 import threading
+import weakref
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
@@ -231,7 +232,11 @@ def resolve(options, reports: list, rank: int):
 
 _reports_lock = threading.Lock()
 _own_report: list = []  # this process's report, read once: the pool it sizes lowers MemAvailable later
-_group_reports: dict = {}  # group name -> every rank's report
+_group_reports: dict = {}  # (group name, world size) -> every rank's report
+# An unnamed group (the slime asleep save's detached backend) is keyed by the object, held
+# weakly: keyed by its address, a new group given a dead one's address on one rank only would
+# skip the exchange there while the others made it.
+_unnamed_reports = weakref.WeakKeyDictionary()
 
 
 def settle(options, coord):
@@ -243,10 +248,12 @@ def settle(options, coord):
         if not _own_report:
             _own_report.append(host_report())
         own = _own_report[0]
-        key = (getattr(coord.group, "group_name", None) or id(coord.group), coord.world_size)
-        reports = _group_reports.get(key)
+        name = getattr(coord.group, "group_name", None)
+        cache, key = ((_group_reports, (name, coord.world_size)) if name or coord.group is None
+                      else (_unnamed_reports, coord.group))
+        reports = cache.get(key)
     if reports is None:
         reports = coord.exchange("host report", own) if coord.distributed else [own]
         with _reports_lock:
-            _group_reports[key] = reports
+            cache[key] = reports
     return resolve(options, reports, coord.rank)

@@ -44,10 +44,11 @@ class Unavailable(Exception):
 def _fresh(path: str, make: bool = False) -> str:
     """``path`` emptied for a save, the same on every rank of a run; with ``make``, also
     created (stock Megatron wants the directory to exist). Ranks of one host share the
-    filesystem, so only the host's first rank removes, and every rank waits for it before
-    going on: where each rank removed and created for itself, one rank could take away the
-    directory another had just made, or fail to create it because another had, and then stop
-    short of a collective the others were already waiting in, for ever."""
+    filesystem, so only the host's first rank (``LOCAL_RANK`` 0) removes, and every rank waits
+    for it before going on: where each rank removed and created for itself, one rank could take
+    away the directory another had just made, or fail to create it because another had, and
+    then stop short of a collective the others were already waiting in, for ever. (Ray actors
+    all have ``LOCAL_RANK`` 0: they all remove, still before the barrier, which is harmless.)"""
     ranks = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     if ranks == 1 or int(os.environ.get("LOCAL_RANK", torch.distributed.get_rank())) == 0:
         shutil.rmtree(path, ignore_errors=True)

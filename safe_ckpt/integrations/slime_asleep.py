@@ -277,7 +277,8 @@ class AsleepSaves:
                              why, self.inflight_iteration, time.monotonic() - start)
                 except Exception:  # its error is raised below, once it is taken off the pending list
                     break
-        self.inflight = None
+        if self.inflight is handle:  # a waiter in another thread may have moved on to a later save
+            self.inflight = None
         self.last_wake_wait_s = time.monotonic() - start
         self.waiting.clear()
         if self.last_wake_wait_s > 0.001:
@@ -292,7 +293,7 @@ class AsleepSaves:
     def before_resume(self) -> None:
         """torch_memory_saver is about to copy the backup back (and free or reuse it), from any
         caller: the save in flight finishes first, and the actor counts as awake after."""
-        if self.inflight is not None:
+        while self.inflight is not None:  # a save started while this one waited is waited for too
             self.finish_inflight("torch_memory_saver.resume")
         self.asleep = False
 

@@ -10,6 +10,10 @@ backup would read freed or changing memory. slime's own `wake_up()` calls are ho
 actor (the driver's `RayTrainGroup.onload()`) runs slime's original method, and any other code
 may call `resume()` directly: the guard sits below both.
 
+A `resume(tag)` of any tag waits the same and counts the actor as awake (the next save then
+takes slime's wake-up path): slower for a region the save does not read, never unsafe. A later
+install replaces an earlier guard rather than stacking on it.
+
 Must not: import torch_memory_saver (importing it fixes its hook mode; only the copy slime
 imported is guarded), guard a saver twice, or change `resume()`'s arguments, result or errors
 beyond the save's own error, which it raises before resuming, as the hooked `wake_up()` does.
