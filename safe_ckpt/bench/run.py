@@ -69,7 +69,10 @@ def _init_dist() -> tuple[int, int]:
 def _at(args, meta: dict | None = None, phase: str | None = None) -> str:
     """Seconds since the run began, as a log prefix; with ``phase``, also kept in
     ``meta["at_s"]`` so a report shows where a long run spent its time."""
-    elapsed = time.perf_counter() - args.t0
+    start = getattr(args, "t0", None)  # parts called on their own (tests) have no run clock
+    if start is None:
+        return "[      - s]"
+    elapsed = time.perf_counter() - start
     if meta is not None and phase:
         meta.setdefault("at_s", {})[phase] = round(elapsed, 1)
     return f"[{elapsed:7.1f} s]"
