@@ -237,7 +237,7 @@ def test_a_new_group_at_a_dead_groups_address_exchanges_its_own_reports(monkeypa
     by its object: one that is gone must not lend its reports to a new group given its address
     on one rank only, or that rank would skip the "host report" exchange the others make, and
     every save on the new group would fail as cross-paired."""
-    import gc
+    from tests.addresses import new_at_freed_address
 
     monkeypatch.setattr(cpu, "_group_reports", {})
     reports = _reports(("a", [range(16)] * 4, 64 * GiB))
@@ -249,14 +249,7 @@ def test_a_new_group_at_a_dead_groups_address_exchanges_its_own_reports(monkeypa
     cpu.settle(safe_ckpt.SaveOptions(), _Coordinator(old, 0, reports))
     address = id(old)
     del old
-    gc.collect()
-    kept, new = [], None
-    for _ in range(10_000):  # the allocator hands the freed address out again, sooner or later
-        candidate = Backend()
-        if id(candidate) == address:
-            new = candidate
-            break
-        kept.append(candidate)
+    new = new_at_freed_address(address, Backend)
     if new is None:
         pytest.skip("this interpreter did not reuse the freed address")
     coord = _Coordinator(new, 0, reports)

@@ -127,9 +127,8 @@ def test_a_new_group_at_a_dead_groups_address_starts_its_own_counts():
     take its numbers with it, or a new group given its address (on one rank, by chance) would
     go on counting from them there while the other ranks start at 1: every save on it would
     then fail as cross-paired."""
-    import gc
-
     from safe_ckpt import dist as safe_dist
+    from tests.addresses import new_at_freed_address
 
     class Group:  # any object a save's group can be; the counts only need it weakly
         pass
@@ -139,14 +138,7 @@ def test_a_new_group_at_a_dead_groups_address_starts_its_own_counts():
         safe_dist._next(safe_dist._sequences, old)
     address = id(old)
     del old
-    gc.collect()
-    kept, new = [], None
-    for _ in range(10_000):  # the allocator hands the freed address out again, sooner or later
-        candidate = Group()
-        if id(candidate) == address:
-            new = candidate
-            break
-        kept.append(candidate)
+    new = new_at_freed_address(address, Group)
     if new is None:
         pytest.skip("this interpreter did not reuse the freed address")
     assert safe_dist._next(safe_dist._sequences, new) == 1
