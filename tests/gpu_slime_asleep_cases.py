@@ -8,6 +8,12 @@ for bit. Needs CUDA, torch_memory_saver with CPU backup, and Megatron-LM's `mega
 The asleep save runs as slime's actor runs it (`slime_asleep.start_asleep_save` on the detached
 gloo group, with the ranks pinned to the groups as they were before sleep), under
 torch.profiler: host-to-device copies, kernels and NCCL calls during the save are counted.
+
+With ``resume_at_once`` the save starts through the actor's own route (`AsleepSaves.routing`, as
+slime's `save` reaches it) and `torch_memory_saver.resume()` is called right after, with no wait, as
+the driver's `onload()` would: the resume guard must hold it until the save is durable, and the
+checkpoint must still resume bit for bit (without the guard the resume copies the backup back and
+frees it while the writers read it).
 """
 
 from __future__ import annotations
@@ -53,7 +59,7 @@ def profile_counts(prof) -> dict:
     return {"HtoD": htod, "DtoH": dtoh, "kernels": kernels, "nccl": nccl, "kernel_names": kernel_names[:10]}
 
 
-def run(rank, world, root, variant) -> dict:
+def run(rank, world, root, variant, resume_at_once=False) -> dict:
     """Train FIRST in a pauseable region, pause, save asleep, fill the freed memory, resume, train SECOND."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -84,6 +90,13 @@ def run(rank, world, root, variant) -> dict:
     tms.pause(TAG)  # slime's sleep (its group teardown is the CPU tests' business)
     out["freed_bytes"] = torch.cuda.mem_get_info()[0] - free_awake
 
+    if resume_at_once:
+        out.update(_resume_at_once(tms, args, model, optimizer, scheduler, group, snapshot, g.FIRST))
+        with tms.region(tag=TAG, enable_cpu_backup=True):
+            out["losses_second"] = g._train(model, optimizer, scheduler, g.FIRST, g.FIRST + g.SECOND)
+        out["tracker"] = open(os.path.join(save_dir, "latest_checkpointed_iteration.txt")).read().strip()
+        return out
+
     start = time.monotonic()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         handle = slime_asleep.start_asleep_save(args, model, optimizer, scheduler, g.FIRST, group, snapshot)
@@ -108,3 +121,28 @@ def run(rank, world, root, variant) -> dict:
         out["losses_second"] = g._train(model, optimizer, scheduler, g.FIRST, g.FIRST + g.SECOND)
     out["tracker"] = open(os.path.join(save_dir, "latest_checkpointed_iteration.txt")).read().strip()
     return out
+
+
+def _resume_at_once(tms, args, model, optimizer, scheduler, group, snapshot, iteration) -> dict:
+    """Start the asleep save as slime's `save` does inside `save_model`, then resume at once."""
+    from safe_ckpt.integrations import slime_asleep, slime_resume_guard
+
+    saves = slime_asleep.AsleepSaves(group)
+    saves.snapshot, saves.asleep = snapshot, True
+    guarded = slime_resume_guard.guard_resume(saves)  # what install and every hooked sleep() do
+
+    def awake_save(*_a, **_k):
+        raise AssertionError("the save took the awake path")
+
+    start = time.monotonic()
+    saves.bracket = slime_asleep.Bracket(start, False)
+    inflight = saves.routing(awake_save)(iteration, model, optimizer, scheduler)
+    saves.bracket = None
+    held_s = time.monotonic() - start
+    in_flight_at_resume = not inflight.done()
+    tms.resume(TAG)  # the driver's onload(): not hooked, only the guard stands in its way
+    resumed_s = time.monotonic() - start
+    return {"guarded": guarded, "save_model_held_s": held_s, "resume_returned_s": resumed_s,
+            "done_when_resumed": inflight.done(),
+            "in_flight_at_resume": in_flight_at_resume, "resume_waited_s": saves.last_wake_wait_s,
+            "asleep_after": saves.asleep, "bytes_by_residence": dict(inflight.wait(0).bytes_by_residence)}

@@ -195,3 +195,36 @@ def test_asleep_save_of_a_real_gpt_resumes_bit_exact_with_no_device_work(tmp_pat
         assert r_resumed["start_iteration"] == g.FIRST
         assert diff_digests(r_asleep["opt_digest"], r_resumed["opt_digest"]) == [], r_resumed.get("adam_step_repair")
         assert r_resumed["losses"] == r_full["losses"][g.FIRST:], (r_resumed["losses"], r_full["losses"])
+
+
+@pytest.mark.skipif(not _have_megatron_training(), reason="needs Megatron-LM's megatron.training on the path")
+def test_asleep_save_holds_a_direct_resume_until_durable(tmp_path):
+    """The asleep save started through the actor's route, then torch_memory_saver.resume() at once
+    (the driver's onload(), which no hooked wake_up() sees): the guard holds the resume until the
+    checkpoint is durable; training goes on bit-exact and the checkpoint resumes bit-exact."""
+    import torch
+
+    from tests import gpu_megatron_cases as g
+    from tests import gpu_slime_asleep_cases as a
+    from tests.megatron_evidence import diff_digests
+
+    world = max(1, min(int(os.environ.get("SAFE_CKPT_GPU_WORLD", "2")), torch.cuda.device_count()))
+    root = str(tmp_path)
+    full = values(run_world(world, g.run, (root + "/full", "gpu", "full"), backend="nccl", timeout_s=400))
+    asleep = values(run_world(world, a.run, (root, "gpu", True), backend="nccl", timeout_s=400))
+    resumed = values(run_world(world, g.run, (root, "gpu", "resume"), backend="nccl", timeout_s=400))
+    for r in asleep:
+        print("resume at once: guarded", r["guarded"], "held", r["save_model_held_s"], "resume returned",
+              r["resume_returned_s"], "waited", r["resume_waited_s"], "residences", r["bytes_by_residence"])
+    for r_full, r_asleep, r_resumed in zip(full, asleep, resumed):
+        assert r_asleep["guarded"] is True
+        assert r_asleep["in_flight_at_resume"] is True  # else this run proves nothing about the guard
+        assert r_asleep["done_when_resumed"] is True  # the resume did not return before the save was durable
+        assert r_asleep["asleep_after"] is False
+        assert r_asleep["bytes_by_residence"].get("offload_backup", 0) > 0, r_asleep["bytes_by_residence"]
+        assert r_asleep["bytes_by_residence"].get("cuda", 0) == 0, r_asleep["bytes_by_residence"]
+        assert r_asleep["tracker"] == str(g.FIRST)
+        assert r_asleep["losses_second"] == r_full["losses"][g.FIRST:], (r_asleep["losses_second"], r_full["losses"])
+        assert r_resumed["start_iteration"] == g.FIRST
+        assert diff_digests(r_asleep["opt_digest"], r_resumed["opt_digest"]) == [], r_resumed.get("adam_step_repair")
+        assert r_resumed["losses"] == r_full["losses"][g.FIRST:], (r_resumed["losses"], r_full["losses"])
