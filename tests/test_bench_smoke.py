@@ -471,10 +471,12 @@ def test_verify_compare_names_every_difference():
 def test_bench_peer_with_its_own_thread_count(tmp_path, monkeypatch, capsys):
     """``NAME@T`` runs that saver with T writer threads beside the same saver at --threads, as
     a row of its own; a name that is no saver or a count that is no whole number >= 1 is
-    refused before anything runs, naming it."""
+    refused before anything runs, naming it, and so is a --ceiling-beside-d2h filesystem that
+    no target is on."""
     import socket
 
     from safe_ckpt.bench import peers, run
+    from safe_ckpt.bench.machine import fs_type
 
     seen = []
     real = peers.RUNNERS["dcp_sync"]
@@ -497,6 +499,10 @@ def test_bench_peer_with_its_own_thread_count(tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit):  # --verify names are checked the same way
         run.main(["--peers", "safe_sync", "--verify", "safe_sync@0", *small])
     assert "safe_sync@0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # a filesystem no target is on would measure no ceiling beside the copies
+        run.main(["--peers", "safe_sync", "--ceiling-beside-d2h", "tmfps", *small])
+    err = capsys.readouterr().err
+    assert "--ceiling-beside-d2h tmfps: no target is on it" in err and fs_type(str(tmp_path)) in err, err
     assert not seen and not (tmp_path / "never").exists()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

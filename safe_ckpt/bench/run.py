@@ -362,6 +362,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.threads < 0 or args.ceiling_reps < 1:
         ap.error("--threads must be 0 (library defaults) or more, --ceiling-reps 1 or more")
+    on = sorted({fs_type(t.rstrip("/")) for t in args.targets.split(",")})
+    if args.ceiling_beside_d2h not in (None, "all", *on):  # a typo would measure nothing, silently
+        ap.error(f"--ceiling-beside-d2h {args.ceiling_beside_d2h}: no target is on it; the targets are on "
+                 f"{', '.join(on)} (name one, or give the flag alone for every target)")
     if args.rebuild:
         print(rebuild(os.path.abspath(args.rebuild)))
         return 0
