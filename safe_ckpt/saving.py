@@ -47,7 +47,7 @@ from .options import SaveOptions
 from .pipeline import ItemWriteFailed, RankWork, RankWriter
 from .ballot import Ballot
 from .local_plan import plan_locally
-from .plan import GlobalPlan, Problem, build_global_plan
+from .plan import GlobalPlan, Problem, build_global_plan, validate
 from .plan.message import option_mismatches
 from .progress import Progress, human_bytes
 from .results import SaveResult, SaveTimings
@@ -118,9 +118,16 @@ class _Job:
         except CheckpointError:
             self._abort()
             raise
+        plans = [m.plan for m in messages]
+        mismatches = option_mismatches(messages)
         try:
-            global_plan = option_mismatches(messages) or build_global_plan(
-                [m.plan for m in messages], self.options.chunk_bytes, FILES_PER_WRITER * self.options.io_threads)
+            global_plan = mismatches or build_global_plan(
+                plans, self.options.chunk_bytes, FILES_PER_WRITER * self.options.io_threads)
+            if not mismatches and not isinstance(global_plan, GlobalPlan):
+                global_plan = self._placed_problems(plans, mine.message.plan) or global_plan
+        except CheckpointError:  # the places' exchange failed or timed out: as the plan exchange above
+            self._abort()
+            raise
         except Exception as exc:  # the same inputs on every rank: the same failure everywhere
             global_plan = [Problem("CheckpointError", "<planning>", tuple(range(self.coord.world_size)),
                                    f"internal error: {type(exc).__name__}: {exc}")]
@@ -142,6 +149,13 @@ class _Job:
             self._start_writes(mine.local, mine.residences, mine.sources)
         except BaseException as exc:
             self.note("writing", exc)
+
+    def _placed_problems(self, plans: list, own) -> list[Problem]:
+        """The planning's problems worded with where each shard sits in its caller's dict.
+        The plan exchange leaves those paths out (over half its bytes); every rank reaches
+        the same failed verdict from the same plans, so all of them ask here, together."""
+        paths = self.coord.exchange("planning places", own.paths())
+        return validate([plan.with_paths(p) for plan, p in zip(plans, paths)])
 
     def _start_writes(self, local, residences, sources) -> None:
         opts = self.options

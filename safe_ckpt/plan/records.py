@@ -89,21 +89,40 @@ class RankPlan:
     def __reduce__(self):
         # Every rank unpickles every rank's plan: shards as rows of plain values load about
         # twice as fast as ShardRef and Box objects restored field by field (1217 shards:
-        # 2.9 against 6.2 ms of CPU per plan), and pickle five times as fast.
+        # 2.9 against 6.2 ms of CPU per plan), and pickle five times as fast. A shard's
+        # ``path`` stays behind (over half of a plan's bytes, read only to word an error):
+        # received shards carry UNSENT_PATH, and a failed validation asks for the paths
+        # with `with_paths` before it words its errors.
         rows = [(s.key, s.rank, s.local_index, s.dtype, s.global_shape, s.box.offsets, s.box.sizes, s.is_main,
-                 s.residence, s.path) for s in self.shards]
+                 s.residence) for s in self.shards]
         return _plan_from_rows, (self.rank, rows, self.objects, self.problems)
+
+    def paths(self) -> list[str]:
+        """Where each shard sits in its caller's dict, in shard order (what pickling leaves out)."""
+        return [s.path for s in self.shards]
+
+    def with_paths(self, paths: list[str]) -> "RankPlan":
+        """This plan with its shards' paths put back (``paths`` from that rank's `paths`)."""
+        if len(paths) != len(self.shards):
+            raise ValueError(f"rank {self.rank} sent {len(paths)} paths for {len(self.shards)} shards")
+        shards = [ShardRef(s.key, s.rank, s.local_index, s.dtype, s.global_shape, s.box, s.is_main, s.residence, p)
+                  for s, p in zip(self.shards, paths)]
+        return RankPlan(self.rank, shards, self.objects, self.problems)
+
+
+UNSENT_PATH = "<path not exchanged>"
 
 
 def _plan_from_rows(rank: int, rows: list, objects: list, problems: list) -> RankPlan:
     new = object.__new__
     shards = []
-    for key, shard_rank, local_index, dtype, global_shape, offsets, sizes, is_main, residence, path in rows:
+    for key, shard_rank, local_index, dtype, global_shape, offsets, sizes, is_main, residence in rows:
         box = new(Box)
         box.__dict__.update(offsets=offsets, sizes=sizes)  # frozen: the fields as __init__ would set them
         shard = new(ShardRef)
         shard.__dict__.update(key=key, rank=shard_rank, local_index=local_index, dtype=dtype,
-                              global_shape=global_shape, box=box, is_main=is_main, residence=residence, path=path)
+                              global_shape=global_shape, box=box, is_main=is_main, residence=residence,
+                              path=UNSENT_PATH)
         shards.append(shard)
     return RankPlan(rank, shards, objects, problems)
 
