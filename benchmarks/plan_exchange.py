@@ -96,7 +96,7 @@ def _rank(rank: int, world: int, init_file: str, target: str, args, out_queue) -
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
         import safe_ckpt
-        from safe_ckpt import saving
+        from safe_ckpt import local_plan, saving
         from safe_ckpt.encoding.layout import lay_out
         from safe_ckpt.encoding.metadata import build_metadata, metadata_bytes
 
@@ -105,9 +105,9 @@ def _rank(rank: int, world: int, init_file: str, target: str, args, out_queue) -
         options = safe_ckpt.SaveOptions(io_threads=args.io_threads, chunk_bytes=args.chunk_mib << 20,
                                         staging_budget_bytes=args.chunk_mib << 20, progress_interval_s=0)
         timer = _Timer()
-        for name, owner, attr in (("collect", saving, "collect"), ("build_global_plan", saving, "build_global_plan"),
+        for name, owner, attr in (("collect", local_plan, "collect"), ("build_global_plan", saving, "build_global_plan"),
                                   ("lay_out_rank", saving, "lay_out_rank"),
-                                  ("classify", saving._Job, "_classify")):
+                                  ("classify", local_plan, "_classify")):
             setattr(owner, attr, timer.wrap(name, getattr(owner, attr)))
         sizes: dict = {}
         exchange = saving.dist.Coordinator.exchange
@@ -140,7 +140,7 @@ def _rank(rank: int, world: int, init_file: str, target: str, args, out_queue) -
                 metadata_bytes(build_metadata(job.global_plan, layouts, target, job.save_id))
                 row["index_s"], row["index_cpu_s"] = time.perf_counter() - t0, time.thread_time() - c0
             job._abort()
-            job.gc_hold.release()
+            job.release()  # the gc hold and the process's save slot, as a finished save would
             rows.append(row)
             dist.barrier()
         keep = rows[1:] if len(rows) > 1 else rows

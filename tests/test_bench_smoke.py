@@ -160,6 +160,27 @@ def test_item_overhead_benchmark_smoke(tmp_path):
     assert "| safe_ckpt |" in (tmp_path / "items.md").read_text()
 
 
+def test_plan_exchange_benchmark_times_every_phase_on_two_ranks():
+    """benchmarks/plan_exchange.py plans the qwen3-4b-dp8 layout on two gloo ranks through the
+    real `saving.start` twice in each process: every phase it wraps is timed, and the second
+    save's start is not held by the first (its slot and gc hold released)."""
+    import os
+
+    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "plan_exchange.py")
+    env = {**os.environ, "PYTHONPATH": os.path.join(os.path.dirname(__file__), "..")}
+    proc = subprocess.run([sys.executable, script, "--ranks", "2", "--reps", "2", "--io-threads", "2"],
+                          capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    out = json.loads(proc.stdout)
+    slowest = out["slowest_rank_median_s"]
+    for phase in ("collect", "classify", "exchange", "build_global_plan", "lay_out_rank"):
+        assert slowest[phase] > 0 and slowest[phase + "_cpu"] > 0, phase
+    assert slowest["plan_s"] >= slowest["exchange"] and slowest["index_s"] > 0
+    ranks = out["per_rank"]
+    assert [r["shards"] for r in ranks] == [1217, 1217] and all(r["chunks"] >= 1217 for r in ranks)
+    assert all(r["reps"] == 1 for r in ranks) and ranks[0]["message_bytes"] > 0
+
+
 def test_gil_handoffs_benchmark_smoke(tmp_path):
     """benchmarks/diag/gil_handoffs.py runs at a small size and reports every case, with and
     without writers, the writers at their priority and 5 nicer, and cleans its files up."""
