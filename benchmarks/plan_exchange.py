@@ -96,16 +96,17 @@ def _rank(rank: int, world: int, init_file: str, target: str, args, out_queue) -
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
         import safe_ckpt
-        from safe_ckpt import local_plan, saving
+        from safe_ckpt import agreement, local_plan, saving
         from safe_ckpt.encoding.layout import lay_out
         from safe_ckpt.encoding.metadata import build_metadata, metadata_bytes
 
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
         state = qwen_state(rank, world)
         options = safe_ckpt.SaveOptions(io_threads=args.io_threads, chunk_bytes=args.chunk_mib << 20,
+                                        collective_timeout_s=args.collective_timeout_s,
                                         staging_budget_bytes=args.chunk_mib << 20, progress_interval_s=0)
         timer = _Timer()
-        for name, owner, attr in (("collect", local_plan, "collect"), ("build_global_plan", saving, "build_global_plan"),
+        for name, owner, attr in (("collect", local_plan, "collect"), ("build_global_plan", agreement, "build_global_plan"),
                                   ("lay_out_rank", saving, "lay_out_rank"),
                                   ("classify", local_plan, "_classify")):
             setattr(owner, attr, timer.wrap(name, getattr(owner, attr)))
@@ -184,6 +185,8 @@ def main() -> None:
     ap.add_argument("--io-threads", type=int, default=2)
     ap.add_argument("--chunk-mib", type=int, default=64)
     ap.add_argument("--label", default="", help="what code ran (e.g. a commit), copied into the output")
+    ap.add_argument("--collective-timeout-s", type=float, default=600.0,
+                    help="SaveOptions.collective_timeout_s: how long a rank waits for its peers or its save slot")
     args = ap.parse_args()
     host = {**machine(), "load_avg_at_start": os.getloadavg(), "calibration_cpu_s_at_start": calibration_cpu_s()}
     ctx = mp.get_context("spawn")

@@ -154,6 +154,11 @@ class Coordinator:
         if self.interrupted is None:
             self.interrupted = exc
 
+    def interrupts_held(self):
+        """A block in which a SIGINT is held (then kept like one held during a collective):
+        for work between two collectives that every rank must reach together."""
+        return _interrupts_held(self._hold)
+
     def exchange(self, stage: str, obj) -> list:
         """Every rank's ``obj``, in rank order."""
         envelope = Envelope(self.save, self.save_id, stage, self.step, obj)

@@ -33,6 +33,7 @@ class LocalPlan:
     area: commit.StagingArea | None  # rank 0's staging directory, created here
     kv_sink: TensorStoreSink | None
     interrupt: BaseException | None  # a KeyboardInterrupt/SystemExit met here, raised after the exchange
+    paths: list[str]  # where each of this rank's shards sits in its state dict (the message leaves them out)
 
 
 def _classify(local: LocalState, options: SaveOptions):
@@ -96,6 +97,6 @@ def plan_locally(state: dict, rank: int, *, checkpoint_dir: str, options: SaveOp
         interrupt = interrupt or (exc if isinstance(exc, INTERRUPTS) else None)
         local, residences, sources = empty, [], []
         plan = rank_plan(empty, [], [_failed(rank, exc)])
-    message = PlanMessage(plan, area.staging_dir if area else None, save_id,
+    message = PlanMessage(plan.without_paths(), area.staging_dir if area else None, save_id,
                           layout_options(options.chunk_bytes, options.io_threads))
-    return LocalPlan(message, local, residences, sources, area, kv_sink, interrupt)
+    return LocalPlan(message, local, residences, sources, area, kv_sink, interrupt, plan.paths())

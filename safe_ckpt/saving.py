@@ -2,7 +2,8 @@
 
 Call order on every rank (each step after a collective sees the same data everywhere):
   1. plan: collect shards and objects, classify residences, rank 0 creates the
-     staging directory; exchange the rank plans; validate (same verdict everywhere);
+     staging directory; exchange the rank plans; agree on the global plan (`agreement`:
+     the same verdict everywhere; a refused plan takes one more exchange to word its errors);
   2. write: stage and write this rank's items into the staging directory, fsync;
   3. vote: every rank reports success or its failure; any failure fails all ranks;
   4. commit: rank 0 writes `.metadata` and `metadata.json`, publishes atomically;
@@ -47,8 +48,7 @@ from .options import SaveOptions
 from .pipeline import ItemWriteFailed, RankWork, RankWriter
 from .ballot import Ballot
 from .local_plan import plan_locally
-from .plan import GlobalPlan, Problem, build_global_plan, validate
-from .plan.message import option_mismatches
+from .agreement import agree
 from .progress import Progress, human_bytes
 from .results import SaveResult, SaveTimings
 from . import kvcommit
@@ -118,24 +118,15 @@ class _Job:
         except CheckpointError:
             self._abort()
             raise
-        plans = [m.plan for m in messages]
-        mismatches = option_mismatches(messages)
-        try:
-            global_plan = mismatches or build_global_plan(
-                plans, self.options.chunk_bytes, FILES_PER_WRITER * self.options.io_threads)
-            if not mismatches and not isinstance(global_plan, GlobalPlan):
-                global_plan = self._placed_problems(plans, mine.message.plan) or global_plan
-        except CheckpointError:  # the places' exchange failed or timed out: as the plan exchange above
-            self._abort()
-            raise
-        except Exception as exc:  # the same inputs on every rank: the same failure everywhere
-            global_plan = [Problem("CheckpointError", "<planning>", tuple(range(self.coord.world_size)),
-                                   f"internal error: {type(exc).__name__}: {exc}")]
+        with self.coord.interrupts_held():  # a SIGINT here must not leave the peers in a second exchange
+            agreement = agree(messages, mine.paths, self.options.chunk_bytes,
+                              FILES_PER_WRITER * self.options.io_threads, self.coord.exchange)
         self.ballot.keep_interrupt(self.ballot.take_held())
-        if not isinstance(global_plan, GlobalPlan):
+        if agreement.plan is None:
             self._abort()
             self.ballot.raise_interrupt()
-            raise problems_error("planning", global_plan)
+            raise problems_error("planning", agreement.problems) from agreement.cause
+        global_plan = agreement.plan
         self.awaits_vote = True
         self.global_plan = global_plan
         self.staging_dir = messages[0].staging_dir
@@ -149,13 +140,6 @@ class _Job:
             self._start_writes(mine.local, mine.residences, mine.sources)
         except BaseException as exc:
             self.note("writing", exc)
-
-    def _placed_problems(self, plans: list, own) -> list[Problem]:
-        """The planning's problems worded with where each shard sits in its caller's dict.
-        The plan exchange leaves those paths out (over half its bytes); every rank reaches
-        the same failed verdict from the same plans, so all of them ask here, together."""
-        paths = self.coord.exchange("planning places", own.paths())
-        return validate([plan.with_paths(p) for plan, p in zip(plans, paths)])
 
     def _start_writes(self, local, residences, sources) -> None:
         opts = self.options

@@ -168,8 +168,9 @@ def test_plan_exchange_benchmark_times_every_phase_on_two_ranks():
 
     script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "plan_exchange.py")
     env = {**os.environ, "PYTHONPATH": os.path.join(os.path.dirname(__file__), "..")}
-    proc = subprocess.run([sys.executable, script, "--ranks", "2", "--reps", "2", "--io-threads", "2"],
-                          capture_output=True, text=True, timeout=240, env=env)
+    # a save that still held the slot would stop the next one after 30 s, not hang
+    proc = subprocess.run([sys.executable, script, "--ranks", "2", "--reps", "2", "--io-threads", "2",
+                           "--collective-timeout-s", "30"], capture_output=True, text=True, timeout=240, env=env)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     out = json.loads(proc.stdout)
     slowest = out["slowest_rank_median_s"]

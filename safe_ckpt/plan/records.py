@@ -1,7 +1,8 @@
 """The frozen records the plan stage hands on, and that ranks exchange.
 
 Everything here is metadata only (no tensors), small and picklable, so the same
-objects travel over the gloo group and feed the later stages.
+objects travel over the gloo group and feed the later stages (a rank plan travels
+`without_paths`).
 """
 
 from __future__ import annotations
@@ -89,20 +90,23 @@ class RankPlan:
     def __reduce__(self):
         # Every rank unpickles every rank's plan: shards as rows of plain values load about
         # twice as fast as ShardRef and Box objects restored field by field (1217 shards:
-        # 2.9 against 6.2 ms of CPU per plan), and pickle five times as fast. A shard's
-        # ``path`` stays behind (over half of a plan's bytes, read only to word an error):
-        # received shards carry UNSENT_PATH, and a failed validation asks for the paths
-        # with `with_paths` before it words its errors.
+        # 2.9 against 6.2 ms of CPU per plan), and pickle five times as fast.
         rows = [(s.key, s.rank, s.local_index, s.dtype, s.global_shape, s.box.offsets, s.box.sizes, s.is_main,
-                 s.residence) for s in self.shards]
+                 s.residence, s.path) for s in self.shards]
         return _plan_from_rows, (self.rank, rows, self.objects, self.problems)
 
     def paths(self) -> list[str]:
-        """Where each shard sits in its caller's dict, in shard order (what pickling leaves out)."""
+        """Where each shard sits in its caller's dict, in shard order."""
         return [s.path for s in self.shards]
 
+    def without_paths(self) -> "RankPlan":
+        """This plan as it is exchanged: every shard's path the one UNSENT_PATH object, which
+        pickles once for the whole plan (the paths are most of a plan's bytes and are read only
+        to word the errors of a refused plan; `with_paths` puts them back)."""
+        return self.with_paths([UNSENT_PATH] * len(self.shards))
+
     def with_paths(self, paths: list[str]) -> "RankPlan":
-        """This plan with its shards' paths put back (``paths`` from that rank's `paths`)."""
+        """This plan with its shards' paths replaced by ``paths`` (that rank's `paths`)."""
         if len(paths) != len(self.shards):
             raise ValueError(f"rank {self.rank} sent {len(paths)} paths for {len(self.shards)} shards")
         shards = [ShardRef(s.key, s.rank, s.local_index, s.dtype, s.global_shape, s.box, s.is_main, s.residence, p)
@@ -116,13 +120,12 @@ UNSENT_PATH = "<path not exchanged>"
 def _plan_from_rows(rank: int, rows: list, objects: list, problems: list) -> RankPlan:
     new = object.__new__
     shards = []
-    for key, shard_rank, local_index, dtype, global_shape, offsets, sizes, is_main, residence in rows:
+    for key, shard_rank, local_index, dtype, global_shape, offsets, sizes, is_main, residence, path in rows:
         box = new(Box)
         box.__dict__.update(offsets=offsets, sizes=sizes)  # frozen: the fields as __init__ would set them
         shard = new(ShardRef)
         shard.__dict__.update(key=key, rank=shard_rank, local_index=local_index, dtype=dtype,
-                              global_shape=global_shape, box=box, is_main=is_main, residence=residence,
-                              path=UNSENT_PATH)
+                              global_shape=global_shape, box=box, is_main=is_main, residence=residence, path=path)
         shards.append(shard)
     return RankPlan(rank, shards, objects, problems)
 

@@ -4,7 +4,7 @@ One job: given every rank's shard and object records, find everything that would
 the checkpoint wrong (disagreeing dtypes or shapes, out-of-bounds or overlapping
 shards, gaps, duplicate main replicas, objects that do not tile their grid). It is a
 pure function of the gathered records, so every rank reaches the same verdict without
-another round of communication.
+another round of communication (only the wording of a refusal takes one: `agreement`).
 
 Must not: touch tensors, devices or files.
 """
