@@ -106,7 +106,8 @@ def _rank(rank: int, world: int, init_file: str, target: str, args, out_queue) -
                                         collective_timeout_s=args.collective_timeout_s,
                                         staging_budget_bytes=args.chunk_mib << 20, progress_interval_s=0)
         timer = _Timer()
-        for name, owner, attr in (("collect", local_plan, "collect"), ("build_global_plan", agreement, "build_global_plan"),
+        for name, owner, attr in (("collect", local_plan, "collect"),
+                                  ("build_global_plan", agreement, "build_global_plan"),
                                   ("lay_out_rank", saving, "lay_out_rank"),
                                   ("classify", local_plan, "_classify")):
             setattr(owner, attr, timer.wrap(name, getattr(owner, attr)))

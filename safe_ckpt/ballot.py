@@ -54,7 +54,7 @@ class Ballot:
             raise self.interrupt
 
     def take_held(self) -> BaseException | None:
-        """A SIGINT the coordinator held during the last collective (it fails the next step)."""
+        """A SIGINT the coordinator held during the last collective or hold (it fails the next step)."""
         held, self.coord.interrupted = self.coord.interrupted, None
         return held
 

@@ -125,7 +125,10 @@ class _Job:
         if agreement.plan is None:
             self._abort()
             self.ballot.raise_interrupt()
-            raise problems_error("planning", agreement.problems) from agreement.cause
+            error = problems_error("planning", agreement.problems)
+            if agreement.cause is None:
+                raise error  # not `from None`: that would hide an exception the caller is handling
+            raise error from agreement.cause
         global_plan = agreement.plan
         self.awaits_vote = True
         self.global_plan = global_plan

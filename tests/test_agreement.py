@@ -49,7 +49,7 @@ def test_a_rank_plan_travels_without_its_paths_and_copies_faithfully():
     assert copy.deepcopy(plan) == plan and pickle.loads(pickle.dumps(plan)) == plan
     sent = pickle.loads(pickle.dumps(plan.without_paths()))
     assert [s.path for s in sent.shards] == [UNSENT_PATH] * 40 and sent.with_paths(plan.paths()) == plan
-    # the one UNSENT_PATH object pickles once (at 1217 shards per rank: 231 against 79 KB)
+    # the one UNSENT_PATH object pickles once (at 1217 shards per rank: 231 against 81 KB)
     assert len(pickle.dumps(plan.without_paths())) < 0.6 * len(pickle.dumps(plan))
 
 
@@ -80,6 +80,26 @@ def test_a_lost_second_exchange_keeps_the_refusal_and_says_why_it_is_unworded():
     assert "ranks disagree on dtype" in got.problems[0].message
 
 
+def test_paths_that_do_not_fit_their_plans_keep_the_refusal_and_name_the_bug():
+    plans = [_plan(0), _plan(1, torch.bfloat16)]
+    got = agree(_messages(plans), plans[0].paths(), 1 << 20, 1, _Exchange([["one path"]]))
+    assert got.plan is None and isinstance(got.cause, ValueError) and "rank 1 sent 1 paths for 40" in str(got.cause)
+    assert "ranks disagree on dtype" in got.problems[0].message
+
+
+def test_a_check_failing_on_one_rank_still_meets_its_peers_in_the_second_exchange(monkeypatch):
+    from safe_ckpt import agreement
+
+    def out_of_memory(*args):
+        raise MemoryError("cannot cut the chunks")
+
+    monkeypatch.setattr(agreement, "build_global_plan", out_of_memory)
+    exchange = _Exchange([None])
+    got = agree(_messages([_plan(0), _plan(1)]), _plan(0).paths(), 1 << 20, 1, exchange)
+    assert exchange.calls == [(PLACES_STAGE, None)] and isinstance(got.cause, MemoryError)
+    assert got.problems[0].message == "internal error: MemoryError: cannot cut the chunks"
+
+
 def test_option_mismatches_fail_every_rank_and_a_failing_check_is_an_internal_error():
     plans = [_plan(0), _plan(1), _plan(2)]
     exchange = _Exchange([[], []])
@@ -90,7 +110,7 @@ def test_option_mismatches_fail_every_rank_and_a_failing_check_is_an_internal_er
     got = agree(_messages(plans, odd), [], 1 << 20, 1, exchange)
     assert got.plan is None and got.problems[0].ranks == (0, 1, 2)
     assert got.problems[0].message.startswith("internal error: TypeError"), got.problems[0].message
-    assert exchange.calls == []
+    assert exchange.calls == [(PLACES_STAGE, None)]  # every rank alike: they all meet there
 
 
 # ----------------------------------------------------------------- 2 gloo ranks
@@ -122,6 +142,11 @@ def _refused_save(rank, world, target, fault):
             return exchange(self, stage, obj)
 
         dist.Coordinator.exchange = dying
+    if rank == 1 and fault == "out_of_memory_on_one_rank":
+        def out_of_memory(*args, **kwargs):
+            raise MemoryError("cannot cut the chunks")
+
+        agreement.build_global_plan = out_of_memory
     if rank == 1 and fault == "sigint_while_agreeing":
         build = agreement.build_global_plan
 
@@ -153,3 +178,18 @@ def test_an_interrupt_while_agreeing_is_held_until_both_ranks_have_the_worded_re
     assert r0["type"] == "ValidationError" and r1["type"] == "KeyboardInterrupt", (r0, r1)
     assert "torch.bfloat16 at state['layers'][0]['w'] on rank 1" in r0["message"], r0
     assert r0["left"] == []  # rank 0 removes the staging directory before it raises
+
+
+def test_a_check_failing_on_one_rank_fails_both_at_once(tmp_path):
+    """Rank 0 refuses the plan and asks for the paths; rank 1's own check ran out of memory. Both
+    raise well before the 60 s collective timeout: rank 1 meets rank 0 in the second exchange."""
+    import time
+
+    target = str(tmp_path / "ck")
+    t0 = time.monotonic()
+    (s0, r0), (s1, r1) = run_world(2, _refused_save, (target, "out_of_memory_on_one_rank"), timeout_s=120)
+    assert time.monotonic() - t0 < 50
+    assert (s0, s1) == ("ok", "ok"), (r0, r1)
+    assert r0["type"] == "ValidationError" and "ranks disagree on dtype" in r0["message"], r0
+    assert r0["cause"] == "TypeError" and r0["left"] == [], r0  # rank 1 sent no paths: the refusal unworded
+    assert r1["type"] == "CheckpointError" and "internal error: MemoryError" in r1["message"], r1

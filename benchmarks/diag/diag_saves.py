@@ -272,7 +272,7 @@ def phased_save(state, target: str, budget: int, mode: str = "sync", **opts) -> 
     """A save with its fixed costs timed: each planning and commit step (when it first started,
     from the call, and its seconds over all calls) and when the first copy was issued, the first
     item handed to a writer and the first item written. Prints one ``phases`` line."""
-    from safe_ckpt import dist, gcfreeze, local_plan, pipeline, saving, slot
+    from safe_ckpt import agreement, dist, gcfreeze, local_plan, pipeline, saving, slot
     from safe_ckpt.sinks import posix
     from safe_ckpt.staging import dispatch, stager
 
@@ -299,7 +299,7 @@ def phased_save(state, target: str, budget: int, mode: str = "sync", **opts) -> 
         (slot, "acquire", "slot.acquire"), (gcfreeze, "Hold", "gc_hold"),
         (local_plan, "collect", "collect"), (local_plan, "_classify", "classify"),
         (saving.commit, "prepare", "commit.prepare"), (local_plan, "rank_plan", "rank_plan"),
-        (dist.Coordinator, "exchange", "exchange"), (saving, "build_global_plan", "build_global_plan"),
+        (dist.Coordinator, "exchange", "exchange"), (agreement, "build_global_plan", "build_global_plan"),
         (saving, "lay_out_rank", "lay_out_rank"), (saving, "shared_pool", "shared_pool"),
         (saving, "record_producer_fence", "producer_fence"), (saving, "Stager", "Stager()"),
         (saving, "RankWriter", "RankWriter()"), (pipeline.RankWriter, "start", "writer.start"),
