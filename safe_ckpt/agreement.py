@@ -36,7 +36,7 @@ class Agreement:
 
     plan: GlobalPlan | None
     problems: list[Problem] = field(default_factory=list)
-    cause: BaseException | None = None  # why the problems name no paths: the second exchange failed
+    cause: BaseException | None = None  # what the problems do not say: a lost second exchange, a bug
 
 
 def agree(messages: list[PlanMessage], own_paths: list[str], chunk_bytes: int, files_per_rank: int,
