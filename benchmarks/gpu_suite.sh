@@ -226,7 +226,7 @@ part_node() {
     for n in ${NODE_NS:-1 2 4 8}; do
       per=$(python3 -c "print(round(${NODE_TOTAL_GIB:-8.6} / $n, 4))")  # GiB per rank, all on the GPU
       size="--gib $per"
-      [ "$preset" = anchor ] || { size=""; per=6.5; }  # qwen3-4b-dp8: its own ~7 GB per rank
+      [ "$preset" = anchor ] || { size=""; per=6.56; }  # qwen3-4b-dp8: its own 7.04 GB (6.56 GiB) per rank
       case "${NODE_BUDGET:-state}" in
         lib) budget="" ;;
         state) budget="--budget-gib $(python3 -c "print(round($per + 0.25, 4))")" ;;
