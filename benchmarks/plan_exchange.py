@@ -26,13 +26,16 @@ size of one rank's plan message.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import pickle
 import platform
+import socket
 import statistics
 import sys
 import tempfile
+import threading
 import time
 
 import torch
@@ -72,6 +75,79 @@ def qwen_state(rank: int, world: int) -> dict:
     return out
 
 
+class _Sampler:
+    """While ``active`` is set, where the main thread is, every ``interval_s``: the innermost
+    frames' places, counted, and the longest gap between two samples (a gap well over the
+    interval: the sampler could not run, the GIL held elsewhere or the process off its core)."""
+
+    def __init__(self, interval_s: float) -> None:
+        self.interval_s = interval_s
+        self.active = threading.Event()
+        self.counts: dict = {}
+        self.max_gap_s = 0.0
+        self.main = threading.main_thread().ident
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        last = None
+        while True:
+            self.active.wait()
+            now = time.perf_counter()
+            if last is not None and now - last < 10 * self.interval_s + 0.5:
+                self.max_gap_s = max(self.max_gap_s, now - last)
+            last = now
+            frame = sys._current_frames().get(self.main)
+            places = []
+            while frame is not None and len(places) < 4:
+                places.append(f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}:{frame.f_code.co_name}")
+                frame = frame.f_back
+            key = " < ".join(places)
+            self.counts[key] = self.counts.get(key, 0) + 1
+            time.sleep(self.interval_s)
+            if not self.active.is_set():
+                last = None
+
+    def report(self) -> dict:
+        top = sorted(self.counts.items(), key=lambda kv: -kv[1])[:8]
+        return {"interval_s": self.interval_s, "max_gap_s": self.max_gap_s, "top": top}
+
+
+class _Collections:
+    """The cyclic collector's passes between `start` and `stop` (`gc.callbacks`): their seconds
+    in all, the longest, and the generation-2 passes, told apart by whether the save's heap
+    freeze (`gcfreeze`) was in place when they ran."""
+
+    def __init__(self) -> None:
+        self.active = False
+        self.passes: list = []
+        self._t0 = 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase, info) -> None:
+        if not self.active:
+            return
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            from safe_ckpt import gcfreeze
+
+            self.passes.append((info.get("generation"), time.perf_counter() - self._t0,
+                                gcfreeze.FREEZER.frozen_by_us))
+
+    def start(self) -> None:
+        self.passes, self.active = [], True
+
+    def stop(self) -> dict:
+        from safe_ckpt import gcfreeze
+
+        self.active = False
+        full = [(s, frozen) for g, s, frozen in self.passes if g == 2]
+        return {"gc_s": sum(s for _, s, _ in self.passes), "gc_longest_s": max((s for _, s, _ in self.passes), default=0.0),
+                "gc_full_passes": len(full), "gc_full_passes_unfrozen": sum(1 for _, f in full if not f),
+                "gc_full_s_unfrozen": sum(s for s, f in full if not f),
+                "heap_frozen_after_start": float(gcfreeze.FREEZER.frozen_by_us), "freeze_count": float(gc.get_freeze_count())}
+
+
 class _Timer:
     """Wraps the functions `saving` calls so each call's seconds land in ``times``."""
 
@@ -100,12 +176,13 @@ def _rank(rank: int, world: int, init_file: str, target: str, args, out_queue) -
         from safe_ckpt.encoding.layout import lay_out
         from safe_ckpt.encoding.metadata import build_metadata, metadata_bytes
 
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+        dist.init_process_group("gloo", init_method=init_file, rank=rank, world_size=world)
         state = qwen_state(rank, world)
         options = safe_ckpt.SaveOptions(io_threads=args.io_threads, chunk_bytes=args.chunk_mib << 20,
                                         collective_timeout_s=args.collective_timeout_s,
                                         staging_budget_bytes=args.chunk_mib << 20, progress_interval_s=0)
         timer = _Timer()
+        collections = _Collections()
         for name, owner, attr in (("collect", local_plan, "collect"),
                                   ("build_global_plan", agreement, "build_global_plan"),
                                   ("lay_out_rank", saving, "lay_out_rank"),
@@ -114,14 +191,29 @@ def _rank(rank: int, world: int, init_file: str, target: str, args, out_queue) -
         sizes: dict = {}
         exchange = saving.dist.Coordinator.exchange
 
+        gather = dist.all_gather_object
+        sampler = _Sampler(args.sample_ms / 1e3) if args.sample_ms else None
+
         def timed_exchange(self, stage, obj):
             if stage == "planning":
                 sizes["message_bytes"] = len(pickle.dumps(obj))
-                t0, c0 = time.perf_counter(), time.thread_time()
+                timer.times["exchange_entered_at"] = time.time()  # one clock for every rank of this host
+                tasks0 = _task_cpu()
+                t0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
+                dist.all_gather_object = timer.wrap("all_gather_object", gather)
+                if sampler is not None:
+                    sampler.active.set()
                 try:
                     return exchange(self, stage, obj)
                 finally:  # wall: includes the wait for the slowest rank to arrive
+                    if sampler is not None:
+                        sampler.active.clear()
+                    dist.all_gather_object = gather
                     timer.add("exchange", time.perf_counter() - t0, time.thread_time() - c0)
+                    timer.times["exchange_process_cpu"] = time.process_time() - p0  # every thread's, gloo's too
+                    for name, cpu_s in _task_cpu(tasks0).items():  # by thread name: which threads besides this one
+                        timer.times[f"exchange_thread_cpu[{name}]"] = cpu_s
+                    timer.times["exchange_left_at"] = time.time()
             return exchange(self, stage, obj)
 
         saving.dist.Coordinator.exchange = timed_exchange
@@ -131,8 +223,11 @@ def _rank(rank: int, world: int, init_file: str, target: str, args, out_queue) -
             timer.times = {}
             dist.barrier()
             c0 = time.thread_time()
+            collections.start()
             job = saving.start(state, target, options=options)  # the entry a save takes, collector hold included
-            row = {"plan_s": job.t_planned - job.t0, "plan_cpu_s": time.thread_time() - c0, **timer.times}
+            plan_cpu_s = time.thread_time() - c0
+            timer.times.update(collections.stop())  # (which walks the frozen heap: after the timing)
+            row = {"plan_s": job.t_planned - job.t0, "plan_cpu_s": plan_cpu_s, **timer.times}
             chunks = len(job.global_plan.chunks_of(rank))
             t0, c0 = time.perf_counter(), time.thread_time()
             layouts = lay_out(job.global_plan)  # every rank, for total_file_bytes; built while the writers write
@@ -146,8 +241,12 @@ def _rank(rank: int, world: int, init_file: str, target: str, args, out_queue) -
             rows.append(row)
             dist.barrier()
         keep = rows[1:] if len(rows) > 1 else rows
-        medians = {k: statistics.median(r.get(k, 0.0) for r in keep) for k in rows[0]}
+        medians = {k: statistics.median(r.get(k, 0.0) for r in keep) for k in rows[0] if not k.endswith("_at")}
         out_queue.put((rank, {"first": rows[0], "median": medians, "reps": len(keep),
+                              "exchange_at": [(r["exchange_entered_at"], r["exchange_left_at"]) for r in keep],
+                              "by_rep": {k: [round(r.get(k, 0.0), 4) for r in keep]
+                                         for k in ("plan_s", "plan_cpu_s", "exchange", "exchange_cpu", "gc_s", "gc_full_passes", "gc_full_passes_unfrozen", "gc_full_s_unfrozen", "heap_frozen_after_start", "freeze_count")},
+                              **({"samples": sampler.report()} if sampler is not None else {}),
                               "chunks": chunks, "shards": sum(1 for v in state.values() if hasattr(v, "local_shape")),
                               **sizes}))
         dist.destroy_process_group()
@@ -155,6 +254,34 @@ def _rank(rank: int, world: int, init_file: str, target: str, args, out_queue) -
         import traceback
 
         out_queue.put((rank, {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}))
+
+
+def _task_cpu(since: dict | None = None) -> dict:
+    """CPU seconds of each of this process's threads (Linux), by thread id; with ``since``,
+    the seconds each thread name spent since then."""
+    tick = os.sysconf("SC_CLK_TCK")
+    now = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        name = stat[stat.index("(") + 1:stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2:].split()
+        now[tid] = (name, (int(fields[11]) + int(fields[12])) / tick)
+    if since is None:
+        return now
+    out: dict = {}
+    for tid, (name, cpu_s) in now.items():
+        out[name] = out.get(name, 0.0) + cpu_s - since.get(tid, (name, 0.0))[1]
+    return {k: v for k, v in out.items() if v > 0}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def machine() -> dict:
@@ -188,12 +315,17 @@ def main() -> None:
     ap.add_argument("--label", default="", help="what code ran (e.g. a commit), copied into the output")
     ap.add_argument("--collective-timeout-s", type=float, default=600.0,
                     help="SaveOptions.collective_timeout_s: how long a rank waits for its peers or its save slot")
+    ap.add_argument("--store", choices=("file", "tcp"), default="file",
+                    help="the job's store: a FileStore in a temporary directory, or a TCPStore on rank 0 (as torchrun)")
+    ap.add_argument("--sample-ms", type=float, default=0.0,
+                    help="sample where each rank's main thread is during the planning exchange, every so many ms")
     args = ap.parse_args()
     host = {**machine(), "load_avg_at_start": os.getloadavg(), "calibration_cpu_s_at_start": calibration_cpu_s()}
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_rank, args=(r, args.ranks, os.path.join(tmp, "store"), os.path.join(tmp, "ck"),
+        init = f"file://{os.path.join(tmp, 'store')}" if args.store == "file" else f"tcp://127.0.0.1:{_free_port()}"
+        procs = [ctx.Process(target=_rank, args=(r, args.ranks, init, os.path.join(tmp, "ck"),
                                                  args, queue)) for r in range(args.ranks)]
         for p in procs:
             p.start()
@@ -204,10 +336,16 @@ def main() -> None:
     if errors:
         raise SystemExit(json.dumps(errors, indent=1))
     per_rank = [results[r] for r in range(args.ranks)]
+    # Per repetition: how far apart the ranks entered the exchange, and how long the last to
+    # enter stayed in it (what the collective itself took once every rank was there).
+    spans = list(zip(*(r["exchange_at"] for r in per_rank)))
+    arrival = {"arrival_spread_s": [max(e for e, _ in rep) - min(e for e, _ in rep) for rep in spans],
+               "after_last_arrival_s": [max(x for _, x in rep) - max(e for e, _ in rep) for rep in spans]}
     summary = {k: max(r["median"].get(k, 0.0) for r in per_rank) for k in per_rank[0]["median"]}
     host.update(load_avg_at_end=os.getloadavg(), calibration_cpu_s_at_end=calibration_cpu_s())
     print(json.dumps({"label": args.label, "machine": host, "ranks": args.ranks, "io_threads": args.io_threads,
-                      "chunk_bytes": args.chunk_mib << 20, "slowest_rank_median_s": summary,
+                      "chunk_bytes": args.chunk_mib << 20, "store": args.store, "slowest_rank_median_s": summary,
+                      "exchange_arrivals": arrival,
                       "per_rank": per_rank}, indent=1))
 
 

@@ -265,6 +265,14 @@ def common_state_payload(common_state: dict) -> bytes:
     return sharded_object_payload([common_state])
 
 
+def all_gather_into_tensor(output: torch.Tensor, input_tensor: torch.Tensor, group) -> None:
+    """Every rank's ``input_tensor``, in rank order, into ``output``. Called on the group itself:
+    torch.distributed's wrapper (`all_gather_into_tensor`, deprecated for `all_gather_single` in
+    newer releases) refuses a gloo backend that is not in torch's group registry, which the
+    asleep save's detached group (`integrations.slime_groups.DetachedGloo`) is by design."""
+    group._allgather_base(output, input_tensor).wait()
+
+
 def torch_dist_save_strategy_base():
     """The class a custom torch_dist save strategy must subclass (0.17+ replace any other)."""
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy

@@ -27,6 +27,7 @@ initialized it degrades to a single rank.
 from __future__ import annotations
 
 import logging
+import pickle
 import signal
 import threading
 import weakref
@@ -34,8 +35,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
+from . import compat
 from .errors import CoordinationError, RankFailure, ValidationError, combine
 
 log = logging.getLogger(__name__)
@@ -165,7 +168,6 @@ class Coordinator:
         self.step += 1
         if not self.distributed:
             return [obj]
-        out: list = [None] * self.world_size
         seq = _next(_sequences, self.group)
         store = self._store()
         key = self._arrival_key(seq, self.rank)
@@ -176,7 +178,7 @@ class Coordinator:
                 store = None
         try:
             with _interrupts_held(self._hold):
-                dist.all_gather_object(out, envelope, group=self.group)
+                out = _all_gather_objects(envelope, self.group, self.world_size)
         except Exception as exc:  # gloo raises RuntimeError/DistBackendError subclasses
             self.lost = True
             _forget(self.group)
@@ -215,6 +217,43 @@ class Coordinator:
         if failures:
             raise combine(stage, failures)
         return [r for _, r in ballots]
+
+
+# Words (int64) per rank in one gather: one below ATen's parallel grain (32768 elements), so
+# gloo's worker copies each rank's part out of its buffer on its own thread (see below).
+GATHER_WORDS = (1 << 15) - 1
+
+
+def _all_gather_objects(obj, group, world_size: int) -> list:
+    """Every rank's ``obj``, in rank order: pickled, padded to the longest, gathered as int64
+    words, at most `GATHER_WORDS` per rank per gather (a 1217-shard plan message, 81 KB, is one).
+
+    Not `torch.distributed.all_gather_object`: its gather of bytes has gloo's worker thread copy
+    each rank's part (one element per byte) out of a flat buffer with ATen's parallel copy, so
+    that thread starts an OpenMP team as large as the host's cores, whose threads spin after
+    every copy. At 8 ranks of an 81 KB plan message on a 16-core host those teams burned 1.1-1.2 s
+    of CPU per rank and held every rank 0.6-0.9 s in the exchange
+    (benchmarks/diag/gather_probe.py, benchmarks/plan_exchange.py). In parts of fewer elements
+    than the parallel grain the copies stay on gloo's thread; the padding and the reassembly
+    are done on the host without ATen, so no team starts on the caller's thread either.
+    """
+    payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    sizes = torch.zeros(world_size, dtype=torch.int64)
+    compat.all_gather_into_tensor(sizes, torch.tensor([len(payload)], dtype=torch.int64), group)
+    lengths = sizes.tolist()
+    words = -(-max(lengths) // 8)
+    mine = bytearray(words * 8)
+    mine[:len(payload)] = payload
+    source = torch.frombuffer(mine, dtype=torch.int64)
+    parts: list = [[] for _ in range(world_size)]
+    for start in range(0, words, GATHER_WORDS):
+        n = min(GATHER_WORDS, words - start)
+        gathered = torch.empty(world_size * n, dtype=torch.int64)
+        compat.all_gather_into_tensor(gathered, source[start:start + n], group)
+        raw = memoryview(gathered.numpy()).cast("B")
+        for r in range(world_size):
+            parts[r].append(raw[r * n * 8:(r + 1) * n * 8])
+    return [pickle.loads(b"".join(parts[r])[:length]) for r, length in enumerate(lengths)]
 
 
 def _check_same_step(envelopes: list[Envelope], stage: str) -> None:

@@ -170,7 +170,8 @@ def test_plan_exchange_benchmark_times_every_phase_on_two_ranks():
     env = {**os.environ, "PYTHONPATH": os.path.join(os.path.dirname(__file__), "..")}
     # a save that still held the slot would stop the next one after 30 s, not hang
     proc = subprocess.run([sys.executable, script, "--ranks", "2", "--reps", "2", "--io-threads", "2",
-                           "--collective-timeout-s", "30"], capture_output=True, text=True, timeout=240, env=env)
+                           "--collective-timeout-s", "30", "--store", "tcp", "--sample-ms", "2"],
+                          capture_output=True, text=True, timeout=240, env=env)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     out = json.loads(proc.stdout)
     slowest = out["slowest_rank_median_s"]
@@ -180,6 +181,27 @@ def test_plan_exchange_benchmark_times_every_phase_on_two_ranks():
     ranks = out["per_rank"]
     assert [r["shards"] for r in ranks] == [1217, 1217] and all(r["chunks"] >= 1217 for r in ranks)
     assert all(r["reps"] == 1 for r in ranks) and ranks[0]["message_bytes"] > 0
+    arrivals = out["exchange_arrivals"]
+    assert len(arrivals["arrival_spread_s"]) == 1 and 0 <= arrivals["after_last_arrival_s"][0] <= slowest["exchange"] + 1e-3
+    assert all(r["samples"]["top"] for r in ranks) and all(len(r["by_rep"]["gc_s"]) == 1 for r in ranks)
+    assert "gc_full_passes" in slowest and "exchange_process_cpu" in slowest
+
+
+def test_gather_probe_runs_every_case_on_two_ranks():
+    """benchmarks/diag/gather_probe.py times torch's object gather on the default and a second
+    gloo group and safe_ckpt's own, for every size, checking each gathered payload."""
+    import os
+
+    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "diag", "gather_probe.py")
+    env = {**os.environ, "PYTHONPATH": os.path.join(os.path.dirname(__file__), "..")}
+    proc = subprocess.run([sys.executable, script, "--ranks", "2", "--reps", "2"], capture_output=True, text=True,
+                          timeout=240, env=env)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    got = json.loads(proc.stdout)["runs"]["2ranks"]["slowest_rank_median"]
+    assert "errors" not in got, got
+    for case in ("all_gather_object_default_group", "all_gather_object_new_group", "safe_ckpt_gather_new_group"):
+        for size in (8, 80 << 10, 800 << 10):
+            assert got[f"{case}_{size}B_s"] > 0 and got[f"{case}_{size}B_other_threads_cpu_s"] >= 0
 
 
 def test_gil_handoffs_benchmark_smoke(tmp_path):
