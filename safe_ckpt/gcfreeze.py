@@ -8,9 +8,17 @@ every save of 2000 items met a 0.17-0.24 s generation-2 pause, none with the fre
 (benchmarks/gc_pauses.py). The
 collector still runs; it only skips what was already there, and garbage among those
 objects is collected after the save (for an async save, that can be some training steps
-later). Nothing is done if the collector is disabled or the process froze objects itself
-(fork-based data loaders do), before or during the save, since unfreezing would undo that;
-once a process is seen freezing objects itself, later saves leave the collector alone too.
+later). Nothing is done if the collector is disabled.
+
+A process that froze objects itself (fork-based data loaders do, inference engines do after
+warm-up, some library may at import), before or during a save, is not frozen or unfrozen by
+safe_ckpt from then on, since unfreezing would undo its freeze. Its saves hold off the
+collector's oldest generation instead: its threshold is raised for the save and put back
+after (where nobody changed it meanwhile), so no collection walks the whole heap during the
+save; the younger generations are still collected. Without this, such a process met a
+0.23-0.33 s full pass in the planning of one save in two, on some rank, at 8 ranks of
+qwen3-4b-dp8 on the H200 host, where 375 objects were frozen before the first save
+(benchmarks/results/plan_exchange_8ranks_qwen3-4b-dp8_2026-12-04.md).
 
 Must not: disable the collector, or leave objects frozen after the last save ends.
 """
@@ -22,6 +30,11 @@ import logging
 import threading
 
 log = logging.getLogger(__name__)
+
+
+# The oldest generation's threshold while a save holds it off: a count of younger-generation
+# passes no save reaches.
+HELD_THRESHOLD = 2**31 - 1
 
 
 class _Freezer:
@@ -38,26 +51,50 @@ class _Freezer:
         self._lock = threading.Lock()
         self._holders = 0
         self._sentinel: list | None = None
-        self._process_freezes = False  # once seen, safe_ckpt leaves the collector alone for good
+        self._process_freezes = False  # once seen, safe_ckpt never freezes or unfreezes again
+        self._threshold: tuple | None = None  # the thresholds we set (oldest generation held off)
+        self._threshold_before: tuple | None = None
 
     def acquire(self) -> None:
         with self._lock:
-            if self._holders == 0 and not self._process_freezes and gc.isenabled():
-                if gc.get_freeze_count() == 0:
+            if self._holders == 0 and gc.isenabled():
+                if not self._process_freezes and gc.get_freeze_count() == 0:
                     gc.freeze()
                     self._sentinel = [None]  # a list is tracked from birth, so it starts in generation 0
                     log.debug("safe_ckpt: froze the heap for the save")
                 else:
+                    if not self._process_freezes:
+                        log.debug("safe_ckpt: the process freezes objects itself; the save holds off "
+                                  "the collector's oldest generation instead")
                     self._process_freezes = True
-                    log.debug("safe_ckpt: the process freezes objects itself; gc_freeze does nothing")
+                    self._hold_oldest()
             self._holders += 1
+
+    def _hold_oldest(self) -> None:
+        before = gc.get_threshold()
+        self._threshold_before = before
+        self._threshold = (*before[:2], HELD_THRESHOLD)
+        gc.set_threshold(*self._threshold)
+
+    def _release_oldest(self) -> None:
+        held, before = self._threshold, self._threshold_before
+        self._threshold = self._threshold_before = None
+        if held is None:
+            return
+        if gc.get_threshold() == held:
+            gc.set_threshold(*before)
+        else:  # the process set its own thresholds meanwhile: theirs stand
+            log.debug("safe_ckpt: collector thresholds changed during the save; left as they are")
 
     def release(self) -> None:
         with self._lock:
             if self._holders == 0:
                 return
             self._holders -= 1
-            if self._holders == 0 and self._sentinel is not None:
+            if self._holders > 0:
+                return
+            self._release_oldest()
+            if self._sentinel is not None:
                 sentinel, self._sentinel = self._sentinel, None
                 # Frozen meanwhile by someone else (an async save spans training steps):
                 # unfreezing would undo their freeze, so leave it, and from now on stay out.

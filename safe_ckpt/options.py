@@ -68,7 +68,9 @@ class SaveOptions:
     progress_interval_s: period of progress log lines for long saves (0 disables).
     gc_freeze: during the save, keep Python's cyclic garbage collector off the objects that
         existed when it began (`gc.freeze()`, undone when the save ends), so collections the
-        save's own allocations trigger do not walk the whole training process's heap.
+        save's own allocations trigger do not walk the whole training process's heap. In a
+        process that freezes objects itself (before or during a save), its freeze is left
+        alone and the collector's oldest generation is held off for the save instead.
     writer_nice: how much nicer than the saving thread the writer threads run (their own
         threads only: the caller's priority never changes). None uses the measured default,
         `cpu.WRITER_NICE_INCREMENT` (5); 0 leaves them at the caller's priority.

@@ -380,8 +380,10 @@ def test_gc_freeze_holds_during_the_save_only(tmp_path, mode):
         else:
             safe_ckpt.save(state, str(tmp_path / "ck"), options=opts)
         assert seen
-        if mode in ("sync", "async", "fault"):
-            assert before == 0 and min(seen) > 0 and gc.get_freeze_count() == 0
+        # Some interpreters keep objects frozen that unfreeze() does not release (CPython 3.12.3 on
+        # the GPU host: 375): such a process counts as freezing objects itself.
+        if mode in ("sync", "async", "fault") and before == 0:
+            assert min(seen) > 0 and gc.get_freeze_count() == 0
         else:  # off, or the process's own freeze: left as it was
             assert set(seen) == {before} and gc.get_freeze_count() == before
     finally:
@@ -469,6 +471,46 @@ def test_gc_freeze_counts_frozen_objects_only_while_none_are_frozen(tmp_path, mo
             safe_ckpt.save(state, str(tmp_path / "s"), options=_opts())
         assert real() == 0
     assert answers == [0, 0], answers
+
+
+@pytest.mark.parametrize("gc_freeze", [True, False])
+def test_a_process_that_froze_objects_itself_meets_no_full_collection_during_a_save(tmp_path, gc_freeze):
+    """Where the process froze objects before its first save (a library at import, an engine
+    after warm-up), safe_ckpt leaves that freeze alone and holds the collector's oldest
+    generation off instead: the save's allocations start no collection of the whole heap, and
+    the thresholds are the process's own again afterwards. With gc_freeze off, the same
+    allocations do meet one (the control: the hold is what keeps it off)."""
+    import gc
+
+    gc.unfreeze()
+    kept = [[i] for i in range(1000)]
+    gc.freeze()  # the process's own freeze
+    thresholds = gc.get_threshold()
+    full, opened = [], []
+
+    class AllocatingSink(PosixSink):
+        def open(self, relative_path, size_bytes):
+            opened.append(relative_path)
+            kept.append([[i] for i in range(1_000_000)])  # survivors pile into the oldest generation
+            return super().open(relative_path, size_bytes)
+
+    def watch(phase, info):
+        if phase == "stop" and info["generation"] == 2:
+            full.append(info)
+
+    gc.callbacks.append(watch)
+    try:
+        safe_ckpt.save({"w": _st("w", torch.randn(8, 8))}, str(tmp_path / "ck"),
+                       options=_opts(gc_freeze=gc_freeze, sink_factory=lambda d: AllocatingSink(d)))
+    finally:
+        gc.callbacks.remove(watch)
+        gc.unfreeze()
+        del kept
+    assert opened and gc.get_threshold() == thresholds
+    if gc_freeze:
+        assert full == [], f"{len(full)} full collection(s) ran during the save"
+    else:
+        assert full, "the control saw no full collection: the test would pass without the hold"
 
 
 def _grid_on_host(monkeypatch, log: list | None = None):
