@@ -1,14 +1,17 @@
 """What one all-gather of a plan-sized message costs at N ranks on this host, alone.
 
 The planning exchange at 8 ranks held every rank of the H200 host 0.6-0.9 s against ~30 ms of
-CPU on its main thread. This times the gather alone, by message size and world size: torch's
+CPU on its saving thread. This times the gather alone, by message size and world size: torch's
 `all_gather_object` on the default (gloo) group and on a second gloo group made with
-`new_group` (as safe_ckpt's cached group is), and safe_ckpt's own gather of pickled objects
-into one tensor (`dist._all_gather_objects`) on that second group. Beside each case's wall
-time, the CPU seconds of the process's threads other than the caller's (gloo's worker
-threads, `pt_gloo_runloop`, and any OpenMP team they start, which takes their name): there
-the cause showed. Payloads are seeded random bytes. Each case: a barrier, then the
-operation, timed per rank; medians over the repetitions after the first; the slowest rank's.
+`new_group` (as safe_ckpt's cached group is), and safe_ckpt's own gather of pickled objects as
+int64 words (`dist._all_gather_objects`) on that second group. Beside each case's wall time, the
+CPU seconds of the process's threads other than the caller's (gloo's worker threads, and any
+OpenMP team they start, which takes their name). Payloads are seeded random bytes. Each case:
+a barrier, then the operation, timed per rank; medians over the repetitions after the first;
+the slowest rank's. With every rank entering together, neither gather showed the cost on the
+H200 host (80 KB at 8 ranks: 5.6-6.3 ms and 2.7 ms); it showed inside the planning, with the
+ranks a few ms apart and busy beside it (benchmarks/plan_exchange.py and its report,
+benchmarks/results/plan_exchange_8ranks_qwen3-4b-dp8_2026-12-04.md).
 
     PYTHONPATH=. python benchmarks/diag/gather_probe.py --ranks 2 8 --reps 15
 
