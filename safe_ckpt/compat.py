@@ -265,6 +265,16 @@ def common_state_payload(common_state: dict) -> bytes:
     return sharded_object_payload([common_state])
 
 
+def generational_gc() -> bool:
+    """Whether the cyclic collector's oldest generation runs when `gc.set_threshold`'s third
+    value says (CPython before 3.14, with the GIL): the incremental collector of 3.14 ignores
+    that value, and it does not pause on the whole heap the way the generational one does."""
+    import sys
+
+    gil = getattr(sys, "_is_gil_enabled", lambda: True)()
+    return sys.implementation.name == "cpython" and sys.version_info < (3, 14) and gil
+
+
 def all_gather_into_tensor(output: torch.Tensor, input_tensor: torch.Tensor, group) -> None:
     """Every rank's ``input_tensor``, in rank order, into ``output``. Called on the group itself:
     torch.distributed's wrapper (`all_gather_into_tensor`, deprecated for `all_gather_single` in

@@ -11,14 +11,18 @@ objects is collected after the save (for an async save, that can be some trainin
 later). Nothing is done if the collector is disabled.
 
 A process that froze objects itself (fork-based data loaders do, inference engines do after
-warm-up, some library may at import), before or during a save, is not frozen or unfrozen by
-safe_ckpt from then on, since unfreezing would undo its freeze. Its saves hold off the
-collector's oldest generation instead: its threshold is raised for the save and put back
-after (where nobody changed it meanwhile), so no collection walks the whole heap during the
-save; the younger generations are still collected. Without this, such a process met a
-0.23-0.33 s full pass in the planning of one save in two, on some rank, at 8 ranks of
-qwen3-4b-dp8 on the H200 host, where 375 objects were frozen before the first save
+warm-up; CPython 3.12 starts with 375 objects frozen), before or during a save, is not frozen
+or unfrozen by safe_ckpt from then on, since unfreezing would undo its freeze. Its saves hold
+off the collector's oldest generation instead (CPython before 3.14, where that generation
+exists): its threshold is raised for the save and put back after (unless the process set its
+own meanwhile), so no collection walks the whole heap during the save; the younger generations
+are still collected. Without this, such a process met a 0.23-0.33 s full pass inside the
+planning of a save on some rank, in 5 of 6 saves, at 8 ranks of qwen3-4b-dp8 on the H200 host
 (benchmarks/results/plan_exchange_8ranks_qwen3-4b-dp8_2026-12-04.md).
+
+Either way the pass is moved, not removed: cyclic garbage among the held objects waits for the
+save to end, and the first full pass after it walks the whole heap then (between saves, where
+a training loop meets such passes anyway).
 
 Must not: disable the collector, or leave objects frozen after the last save ends.
 """
@@ -28,6 +32,8 @@ from __future__ import annotations
 import gc
 import logging
 import threading
+
+from . import compat
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +58,7 @@ class _Freezer:
         self._holders = 0
         self._sentinel: list | None = None
         self._process_freezes = False  # once seen, safe_ckpt never freezes or unfreezes again
-        self._threshold: tuple | None = None  # the thresholds we set (oldest generation held off)
-        self._threshold_before: tuple | None = None
+        self._oldest_before: int | None = None  # the oldest generation's threshold we replaced
 
     def acquire(self) -> None:
         with self._lock:
@@ -71,20 +76,21 @@ class _Freezer:
             self._holders += 1
 
     def _hold_oldest(self) -> None:
-        before = gc.get_threshold()
-        self._threshold_before = before
-        self._threshold = (*before[:2], HELD_THRESHOLD)
-        gc.set_threshold(*self._threshold)
+        if not compat.generational_gc():
+            return
+        now = gc.get_threshold()
+        self._oldest_before = now[2]
+        gc.set_threshold(now[0], now[1], HELD_THRESHOLD)
 
     def _release_oldest(self) -> None:
-        held, before = self._threshold, self._threshold_before
-        self._threshold = self._threshold_before = None
-        if held is None:
+        before, self._oldest_before = self._oldest_before, None
+        if before is None:
             return
-        if gc.get_threshold() == held:
-            gc.set_threshold(*before)
-        else:  # the process set its own thresholds meanwhile: theirs stand
-            log.debug("safe_ckpt: collector thresholds changed during the save; left as they are")
+        now = gc.get_threshold()
+        if now[2] == HELD_THRESHOLD:  # the younger generations' values are whatever the process set meanwhile
+            gc.set_threshold(now[0], now[1], before)
+        else:  # the process set its own oldest threshold meanwhile: it stands
+            log.debug("safe_ckpt: the collector's oldest threshold changed during the save; left as it is")
 
     def release(self) -> None:
         with self._lock:

@@ -340,19 +340,24 @@ def _fresh_freezer(monkeypatch):
 
 
 class _FreezeProbe(PosixSink):
-    """Records the collector's frozen-object count while the save writes."""
+    """Records the collector's frozen-object count (and, given a list, its oldest generation's
+    threshold) while the save writes."""
 
     seen: list
+    oldest: list | None = None
 
     def open(self, relative_path, size_bytes):
-        self.seen.append(__import__("gc").get_freeze_count())
+        gc = __import__("gc")
+        self.seen.append(gc.get_freeze_count())
+        if self.oldest is not None:
+            self.oldest.append(gc.get_threshold()[2])
         return super().open(relative_path, size_bytes)
 
 
-def _probe_factory(seen):
+def _probe_factory(seen, oldest=None):
     def factory(root):
         sink = _FreezeProbe(root)
-        sink.seen = seen
+        sink.seen, sink.oldest = seen, oldest
         return sink
     return factory
 
@@ -361,15 +366,18 @@ def _probe_factory(seen):
 def test_gc_freeze_holds_during_the_save_only(tmp_path, mode):
     import gc
 
+    from safe_ckpt import compat, gcfreeze
+
     gc.unfreeze()
-    seen = []
-    factory = _probe_factory(seen)
+    seen, oldest = [], []
+    factory = _probe_factory(seen, oldest)
     if mode == "fault":
-        factory = lambda d: FaultySink(_probe_factory(seen)(d), Fault(after_bytes=1))  # noqa: E731
+        factory = lambda d: FaultySink(_probe_factory(seen, oldest)(d), Fault(after_bytes=1))  # noqa: E731
     opts = _opts(gc_freeze=mode != "off", sink_factory=factory)
     state = {"w": _st("w", torch.randn(64, 64)), "b": _st("b", torch.randn(300))}
     if mode == "user_froze":
         gc.freeze()
+    thresholds = gc.get_threshold()
     try:
         before = gc.get_freeze_count()
         if mode == "async":
@@ -380,12 +388,17 @@ def test_gc_freeze_holds_during_the_save_only(tmp_path, mode):
         else:
             safe_ckpt.save(state, str(tmp_path / "ck"), options=opts)
         assert seen
-        # Some interpreters keep objects frozen that unfreeze() does not release (CPython 3.12.3 on
-        # the GPU host: 375): such a process counts as freezing objects itself.
+        held = gcfreeze.HELD_THRESHOLD if compat.generational_gc() else thresholds[2]
+        # Objects still frozen after unfreeze() (seen on the GPU host, CPython 3.12.3: 375) make
+        # the process one that freezes objects itself.
         if mode in ("sync", "async", "fault") and before == 0:
-            assert min(seen) > 0 and gc.get_freeze_count() == 0
-        else:  # off, or the process's own freeze: left as it was
-            assert set(seen) == {before} and gc.get_freeze_count() == before
+            assert min(seen) > 0 and gc.get_freeze_count() == 0 and set(oldest) == {thresholds[2]}
+        elif mode == "off":
+            assert set(seen) == {before} and set(oldest) == {thresholds[2]}
+        else:  # the process's own freeze: left as it was, the oldest generation held off instead
+            assert set(seen) == {before} and set(oldest) == {held}
+        assert gc.get_freeze_count() == (0 if mode in ("sync", "async", "fault") and before == 0 else before)
+        assert gc.get_threshold() == thresholds
     finally:
         gc.unfreeze()
 
@@ -482,6 +495,11 @@ def test_a_process_that_froze_objects_itself_meets_no_full_collection_during_a_s
     allocations do meet one (the control: the hold is what keeps it off)."""
     import gc
 
+    from safe_ckpt import compat
+
+    if gc_freeze and not compat.generational_gc():
+        pytest.skip("no oldest generation to hold off: this interpreter's collector is incremental")
+    state = {"w": _st("w", torch.randn(8, 8))}  # built first: its first use imports megatron, which collects
     gc.unfreeze()
     kept = [[i] for i in range(1000)]
     gc.freeze()  # the process's own freeze
@@ -500,7 +518,7 @@ def test_a_process_that_froze_objects_itself_meets_no_full_collection_during_a_s
 
     gc.callbacks.append(watch)
     try:
-        safe_ckpt.save({"w": _st("w", torch.randn(8, 8))}, str(tmp_path / "ck"),
+        safe_ckpt.save(state, str(tmp_path / "ck"),
                        options=_opts(gc_freeze=gc_freeze, sink_factory=lambda d: AllocatingSink(d)))
     finally:
         gc.callbacks.remove(watch)
@@ -511,6 +529,34 @@ def test_a_process_that_froze_objects_itself_meets_no_full_collection_during_a_s
         assert full == [], f"{len(full)} full collection(s) ran during the save"
     else:
         assert full, "the control saw no full collection: the test would pass without the hold"
+
+
+@pytest.mark.parametrize("change", ["youngest", "oldest"])
+def test_a_held_oldest_generation_comes_back_whatever_the_process_set_meanwhile(change):
+    """The hold puts back only the oldest generation's threshold, and only if it is still the
+    held value: a process that sets the youngest one during an async save keeps it and gets its
+    oldest one back; one that sets the oldest one itself keeps that."""
+    import gc
+
+    from safe_ckpt import compat, gcfreeze
+
+    if not compat.generational_gc():
+        pytest.skip("no oldest generation to hold off: this interpreter's collector is incremental")
+    saved = gc.get_threshold()
+    freezer = gcfreeze._Freezer()
+    freezer._process_freezes = True  # as after seeing the process freeze objects itself
+    try:
+        freezer.acquire()
+        assert gc.get_threshold() == (saved[0], saved[1], gcfreeze.HELD_THRESHOLD)
+        if change == "youngest":
+            gc.set_threshold(50_000)
+        else:
+            gc.set_threshold(saved[0], saved[1], 77)
+        freezer.release()
+        expected = (50_000, saved[1], saved[2]) if change == "youngest" else (saved[0], saved[1], 77)
+        assert gc.get_threshold() == expected
+    finally:
+        gc.set_threshold(*saved)
 
 
 def _grid_on_host(monkeypatch, log: list | None = None):

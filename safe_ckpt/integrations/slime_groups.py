@@ -28,7 +28,6 @@ import contextlib
 import logging
 import os
 import sys
-import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -85,10 +84,9 @@ def coordinator_with_detached(original):
 
 def install_detached_support() -> None:
     """Idempotent: let `safe_ckpt.dist` take a `DetachedGloo` as a save's process group."""
+    # (safe_ckpt's exchange calls the backend itself, not through torch.distributed's functions,
+    # which warn when given a bare backend: nothing here silences warnings process-wide.)
     safe_dist.coordinator = coordinator_with_detached(safe_dist.coordinator)
-    # torch's object collectives take a bare backend but warn that it is not a ProcessGroup (a
-    # deprecated use, and the point here: a ProcessGroup would be in the registry slime clears).
-    warnings.filterwarnings("ignore", message="You are using a Backend", category=UserWarning)
 
 
 @dataclass(frozen=True)
