@@ -15,16 +15,18 @@ warm-up; CPython 3.12 starts with 375 objects frozen), before or during a save, 
 or unfrozen by safe_ckpt from then on, since unfreezing would undo its freeze. Its saves hold
 off the collector's oldest generation instead (CPython before 3.14, where that generation
 exists): its threshold is raised for the save and put back after (unless the process set its
-own meanwhile), so no collection walks the whole heap during the save; the younger generations
-are still collected. Without this, such a process met a 0.23-0.33 s full pass inside the
-planning of a save on some rank, in 5 of 6 saves, at 8 ranks of qwen3-4b-dp8 on the H200 host
+own meanwhile), so no automatic collection walks the whole heap during the save (an explicit
+`gc.collect()` still does); the younger generations are still collected. Without this, such a
+process met a 0.23-0.33 s full pass inside the planning of a save on some rank, in 5 of 6
+saves, at 8 ranks of qwen3-4b-dp8 on the H200 host
 (benchmarks/results/plan_exchange_8ranks_qwen3-4b-dp8_2026-12-04.md).
 
 Either way the pass is moved, not removed: cyclic garbage among the held objects waits for the
 save to end, and the first full pass after it walks the whole heap then (between saves, where
 a training loop meets such passes anyway).
 
-Must not: disable the collector, or leave objects frozen after the last save ends.
+Must not: disable the collector, or leave objects frozen or a threshold raised after the last
+save ends.
 """
 
 from __future__ import annotations
