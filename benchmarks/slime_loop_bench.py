@@ -10,12 +10,14 @@ to sleep after training. Each round checkpoints that same asleep state three way
 - ``awake``: the same bracket with safe_ckpt's `save_checkpoint`, asynchronous, its pool as
   large as the state (so the loop is held for the copy out of the device only);
 - ``asleep``: safe_ckpt's asleep save as slime's actor runs it with `--ckpt-backend safe`, then a
-  rollout stand-in (another process) that takes most of the freed GPU memory and keeps the GPU
-  busy for ``--rollout-s``, then the next `wake_up()`'s wait for the save.
+  rollout (`rollout_engine.RolloutEngine`: another process, up for the whole run as SGLang's
+  engines are) that takes most of the freed GPU memory and keeps the GPU busy for
+  ``--rollout-s``, then the next `wake_up()`'s wait for the save.
 
-Per variant: loop held, peak extra GPU (NVML; paused while the rollout stand-in starts, and each
-asleep row says how long), peak pinned host bytes and time to durable, beside the target's write
-ceiling. The first ``asleep`` save is profiled, the GPU sampled throughout, no rollout beside it.
+Per variant: loop held, peak extra GPU (`rollout_engine.GpuPeak`: the device's bytes from NVML less
+the rollout's, and torch's peak allocated bytes in the saving process), peak pinned host bytes and time to durable, beside the target's write ceiling measured
+twice before each round: alone, and while a rollout runs as it does beside the asleep save. The
+first ``asleep`` save is profiled, the GPU sampled throughout, no rollout beside it.
 
 Needs CUDA, torch_memory_saver and Megatron's `megatron.training` (megatron-core 0.19 ships it).
 Run from the repository root (it reuses the GPU tests' model setup, tests/gpu_megatron_cases.py):
@@ -39,49 +41,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 
+from rollout_engine import GpuPeak, RolloutEngine  # noqa: E402
 from slime_loop_report import VARIANTS, rounds_from_log, summary_line, write_report  # noqa: E402
 
 TAG = "train"
-
-
-class GpuPeak:
-    """Device memory in use, sampled every millisecond by NVML in a thread (ctypes drops the
-    GIL, so the sampler barely competes with the save's Python threads)."""
-
-    def __init__(self) -> None:
-        import pynvml
-
-        pynvml.nvmlInit()
-        self._nvml = pynvml
-        self._handle = pynvml.nvmlDeviceGetHandleByIndex(0)  # the one GPU of the machine
-        self.discount_bytes = 0  # the rollout stand-in's own allocation, not the save's
-        self.paused = False  # while the rollout stand-in allocates (before its discount is known)
-        self._stop = threading.Event()
-        self._thread = None
-        self.baseline_bytes = self.peak_bytes = 0
-
-    def used(self) -> int:
-        return int(self._nvml.nvmlDeviceGetMemoryInfo(self._handle).used)
-
-    def start(self) -> "GpuPeak":
-        self.baseline_bytes = self.peak_bytes = self.used()
-        self.discount_bytes = 0
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._sample, daemon=True, name="gpu-peak")
-        self._thread.start()
-        return self
-
-    def _sample(self) -> None:
-        while not self._stop.is_set():
-            used = self.used()  # read, then check the pause, then the discount: no allocation slips past
-            if not self.paused:
-                self.peak_bytes = max(self.peak_bytes, used - self.discount_bytes)
-            self._stop.wait(0.001)
-
-    def stop(self) -> int:
-        self._stop.set()
-        self._thread.join()
-        return max(0, self.peak_bytes - self.baseline_bytes)
 
 
 def host_stats() -> dict:
@@ -147,68 +110,15 @@ def write_ceiling_s(target: str, nbytes: int, source, threads: list[int]) -> dic
     return {"seconds": by_threads[best], "threads": best, "by_threads": by_threads}
 
 
-# The rollout stand-in runs in its own process, as SGLang's engines do: the training process's
-# own kernels cannot run while its state (cuBLAS's workspace included) is paused.
-ROLLOUT_CHILD = r"""
-import sys, time, torch
-share, seconds = float(sys.argv[1]), float(sys.argv[2])
-filler = torch.empty(int(torch.cuda.mem_get_info()[0] * share), dtype=torch.uint8, device="cuda")
-filler.fill_(0xA5)
-a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
-b = torch.empty_like(a)
-torch.matmul(a, a, out=b)
-torch.cuda.synchronize()
-print("ready", filler.numel(), flush=True)
-end, steps = time.monotonic() + seconds, 0
-while time.monotonic() < end:
-    torch.matmul(a, a, out=b)
-    torch.tanh(b, out=a)
-    steps += 1
-    if steps % 16 == 0:
-        torch.cuda.synchronize()
-torch.cuda.synchronize()
-print("done", steps, flush=True)
-"""
-
-
-def rollout_stand_in(seconds: float, peak: GpuPeak | None) -> dict:
-    """Another process takes 80 % of the free GPU memory (as SGLang's KV cache would) and keeps
-    the GPU busy for ``seconds``. Its memory is discounted from the save's GPU peak; while it
-    starts (before its size is known) the sampler pauses, and how long is recorded: a save that
-    finishes within the pause is not seen by the sampler at all."""
-    import subprocess
-
-    if peak is not None:
-        peak.paused = True
-    before = peak.used() if peak is not None else 0
-    start = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-c", ROLLOUT_CHILD, "0.8", str(seconds)], stdout=subprocess.PIPE,
-                            text=True)
-    ready = proc.stdout.readline().split()
-    paused_s = time.monotonic() - start
-    if peak is not None:
-        peak.discount_bytes = peak.used() - before
-        peak.paused = False
-    done = proc.stdout.read().split()
-    proc.wait(timeout=seconds + 300)
-    if peak is not None:
-        peak.discount_bytes = 0
-    if proc.returncode != 0 or not ready or ready[0] != "ready":
-        raise RuntimeError(f"the rollout stand-in failed (exit {proc.returncode}): {ready} {done}")
-    return {"rollout_bytes": int(ready[1]), "matmuls": int(done[1]) if len(done) > 1 else 0,
-            "rollout_s": time.monotonic() - start, "sampler_paused_s": paused_s if peak is not None else 0.0}
-
-
 def body(rank, world, opts) -> dict:
     import torch
 
     import megatron.core  # noqa: F401  (before the first region: it sets the saver's hook mode)
     import megatron.training  # noqa: F401
 
-    from safe_ckpt.integrations import slime_asleep, slime_groups
-    import safe_ckpt.megatron as safe_megatron
+    from safe_ckpt.integrations import slime_groups
     from tests import gpu_megatron_cases as g
-    from tests.gpu_slime_asleep_cases import _memory_saver, profile_counts
+    from tests.gpu_slime_asleep_cases import _memory_saver
 
     g.MODEL_ARGS = g.MODEL_ARGS + ["--num-layers", str(opts["layers"]), "--hidden-size", str(opts["hidden"]),
                                    "--num-attention-heads", str(opts["heads"]), "--train-iters", "1000"]
@@ -235,6 +145,21 @@ def body(rank, world, opts) -> dict:
     clear_memory()
     tms.pause(TAG)
     peak = GpuPeak()
+    engine = RolloutEngine()  # up before the first save, as slime's rollout engines are
+    try:
+        run_rounds(opts, out, args, model, optimizer, scheduler, iteration, tms, group, snapshot, peak, engine)
+    finally:
+        engine.close()
+    return out
+
+
+def run_rounds(opts, out, args, model, optimizer, scheduler, iteration, tms, group, snapshot, peak, engine) -> None:
+    """The profiled save, the one-setting saves, then every target's timed rounds, into ``out``."""
+    from safe_ckpt.integrations import slime_asleep
+    import safe_ckpt.megatron as safe_megatron
+    from tests import gpu_megatron_cases as g
+    from tests.gpu_slime_asleep_cases import profile_counts
+
     state_bytes = None
     source = None
 
@@ -268,7 +193,7 @@ def body(rank, world, opts) -> dict:
         if profiled:
             watcher.join()
         else:
-            row.update(rollout_stand_in(opts["rollout_s"], peak))
+            row.update(engine.rollout(opts["rollout_s"], peak))
         wake = time.monotonic()
         result = starting.wait()
         safe_megatron.finalize_async_saves(blocking=True)
@@ -277,6 +202,7 @@ def body(rank, world, opts) -> dict:
         row["durable_s"] = done_at["t"] - start
         row["held_s"] = row["save_model_s"] + row["wake_wait_s"]
         row["gpu_extra_bytes"] = peak.stop()
+        row["torch_gpu_extra_bytes"] = peak.torch_extra_bytes
         row.update(pinned_end(pinned, safe_pool_bytes()))
         row["bytes"] = result.total_file_bytes
         row["bytes_by_residence"] = dict(result.bytes_by_residence)
@@ -345,11 +271,17 @@ def body(rank, world, opts) -> dict:
                 continue
             os.sync()
             row["ceiling"] = write_ceiling_s(target, state_bytes, tweak_source(), opts["threads"])
+            # the same writes while a rollout holds the freed GPU memory and runs, as beside the asleep save
+            beside = engine.rollout(0.0, None, during=lambda: write_ceiling_s(
+                target, state_bytes, tweak_source(), [row["ceiling"]["threads"]]))
+            row["ceiling_beside_rollout"] = {**beside.pop("during"), "rollout": beside}
             for variant in VARIANTS:
                 os.sync()
                 row[variant] = asleep(dirs[variant], False) if variant == "asleep" else \
                     awake(dirs[variant], variant == "stock")
                 row[variant]["ttd_over_ceiling"] = row["ceiling"]["seconds"] / row[variant]["durable_s"]
+                row[variant]["ttd_over_ceiling_beside_rollout"] = (row["ceiling_beside_rollout"]["seconds"]
+                                                                   / row[variant]["durable_s"])
             if first_compare is None:
                 from tests.megatron_evidence import compare_contents
 
@@ -369,7 +301,6 @@ def body(rank, world, opts) -> dict:
             clear_memory()
             tms.pause(TAG)
     out["state_bytes"] = state_bytes
-    return out
 
 
 def main() -> None:

@@ -17,7 +17,9 @@ VARIANTS = ("asleep", "awake", "stock")
 
 def summary_line(row) -> str:
     """One round on one line (the log's human-readable record; the `row` line beside it is the full one)."""
-    parts = [f"{row['target']} r{row['round']} ceiling {row['ceiling']['seconds']:.2f}s"]
+    parts = [f"{row['target']} r{row['round']} ceiling {row['ceiling']['seconds']:.2f}s"
+             + (f" beside-rollout {row['ceiling_beside_rollout']['seconds']:.2f}s" if "ceiling_beside_rollout" in row
+                else "")]
     for v in VARIANTS:
         x = row[v]
         paused = f" paused {x['sampler_paused_s']:.2f}s" if "sampler_paused_s" in x else ""
@@ -87,16 +89,34 @@ def header(out: dict, label: str) -> list:
             "the state (allocated before the round, as at startup);",
             "- `asleep`: what slime's actor does with `--ckpt-backend safe`: the RNG state taken, the state dict built "
             "and written in the background from the CPU backup, while a rollout stand-in (another process) fills 80 % "
-            "of the freed GPU memory and runs matmuls; then the next `wake_up`'s wait for the save.",
+            "of the freed GPU memory and runs matmuls; then the next `wake_up`'s wait for the save." +
+            (" The stand-in is up for the whole run, as SGLang's engines are in slime's colocated mode; each rollout "
+             "only takes the memory and the GPU." if persistent_rollout(out) else ""),
             "", "Loop held: from `save_model`'s call until the next step may start (for `asleep`: `save_model`'s own "
             "time plus what `wake_up` waited after the rollout). Neither bracket includes slime's process-group "
             "teardown and rebuild, which only add to `stock` and `awake`. Peak extra GPU: NVML's used bytes above "
-            "the asleep state's, less the rollout stand-in's. Pinned host: torch's pinned allocator and "
+            "the asleep state's, less the rollout stand-in's" + ("; for `asleep`, in parentheses, torch's peak of the "
+            "bytes allocated in the saving process above those before the save" if torch_counted(out) else "") +
+            ". Pinned host: torch's pinned allocator and "
             "safe_ckpt's pool. Write ceiling: the same bytes written by 8 and by 16 threads with fsync into the "
-            "same target before each round, the faster. Held and durable times are the median and [min-max] of the "
+            "same target before each round, the faster" + ("; measured again with that many threads while a rollout "
+            "holds the freed GPU memory and runs its matmuls, as beside the asleep save (the last column)"
+            if beside_ceilings(out) else "") + ". Held and durable times are the median and [min-max] of the "
             "target's rounds; the other timed columns are medians, the byte columns the most of any round. "
             "Command: `python benchmarks/slime_loop_bench.py --targets /dev/shm/...,/tmp/... --rounds 2` "
             "(`bash benchmarks/gpu_suite.sh slimeloop`).", ""]
+
+
+def persistent_rollout(out: dict) -> bool:
+    return any("rollout_take_s" in r.get("asleep", {}) for r in out["rounds"])
+
+
+def torch_counted(out: dict) -> bool:
+    return any("torch_gpu_extra_bytes" in r.get("asleep", {}) for r in out["rounds"])
+
+
+def beside_ceilings(out: dict) -> bool:
+    return any("ceiling_beside_rollout" in r for r in out["rounds"])
 
 
 def not_measured() -> list:
@@ -121,8 +141,10 @@ def pinned_cell(out: dict, rows: list, v: str) -> str:
     return f"{max(run):.2f} (read per round: {', '.join(f'{x:.2f}' for x in here)})"
 
 
-def gpu_cell(prof: dict | None, rows: list, v: str) -> str:
+def gpu_cell(out: dict, prof: dict | None, rows: list, v: str) -> str:
     most = max(r[v]["gpu_extra_bytes"] for r in rows) / 2**30
+    if all("torch_gpu_extra_bytes" in r[v] for r in rows):
+        return f"{most:.2f} ({max(r[v]['torch_gpu_extra_bytes'] for r in rows) / 2**30:.2f})"
     if v != "asleep" or prof is None:
         return f"{most:.2f}"
     return f"{prof['asleep']['gpu_extra_bytes'] / 2**30:.2f} profiled (timed: {most:.2f}, partial)"
@@ -132,24 +154,32 @@ def target_table(out: dict, prof: dict | None, target: str, rows: list) -> list:
     med = lambda v, k: statistics.median(r[v][k] for r in rows)  # noqa: E731
     has = lambda v, k: all(k in r[v] for r in rows)  # noqa: E731
     ceiling = statistics.median(r["ceiling"]["seconds"] for r in rows)
+    beside = all("ceiling_beside_rollout" in r for r in rows)
     n = len(rows)
-    lines = [f"## {target} ({n} round{'s' if n != 1 else ''}; write ceiling {ceiling:.2f} s = "
-             f"{out['state_bytes'] / ceiling / 1e9:.2f} GB/s{', median' if n > 1 else ''})", "",
+    head = (f"## {target} ({n} round{'s' if n != 1 else ''}; write ceiling {ceiling:.2f} s = "
+            f"{out['state_bytes'] / ceiling / 1e9:.2f} GB/s{', median' if n > 1 else ''}")
+    if beside:
+        b = statistics.median(r["ceiling_beside_rollout"]["seconds"] for r in rows)
+        head += f"; beside a rollout {b:.2f} s = {out['state_bytes'] / b / 1e9:.2f} GB/s"
+    lines = [head + ")", "",
              "| variant | loop held (s) | save_model (s) | wake_up waited (s) | peak extra GPU (GiB, most) "
-             "| pinned host (GiB, most) | time to durable (s) | ceiling / durable |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| pinned host (GiB, most) | time to durable (s) | ceiling / durable |"
+             + (" ceiling beside a rollout / durable |" if beside else ""),
+             "|---|---|---|---|---|---|---|---|" + ("---|" if beside else "")]
     for v in VARIANTS:
         sm = f"{med(v, 'save_model_s'):.3f}" if v == "asleep" and has(v, "save_model_s") else "-"
         ww = f"{med(v, 'wake_wait_s'):.3f}" if v == "asleep" and has(v, "wake_wait_s") else "-"
         lines.append(f"| {v} | {spread([r[v]['held_s'] for r in rows], '.3f')} | {sm} | {ww} | "
-                     f"{gpu_cell(prof, rows, v)} | {pinned_cell(out, rows, v)} | "
-                     f"{spread([r[v]['durable_s'] for r in rows], '.2f')} | {med(v, 'ttd_over_ceiling'):.2f} |")
+                     f"{gpu_cell(out, prof, rows, v)} | {pinned_cell(out, rows, v)} | "
+                     f"{spread([r[v]['durable_s'] for r in rows], '.2f')} | {spread([r[v]['ttd_over_ceiling'] for r in rows], '.2f')} |"
+                     + (f" {spread([r[v]['ttd_over_ceiling_beside_rollout'] for r in rows], '.2f')} |"
+                        if beside else ""))
     lines.append("")
     a = rows[0]["asleep"]
     if "rollout_bytes" in a:
         lines += [f"Rollout stand-in beside the asleep save: {a['rollout_bytes'] / 2**30:.1f} GiB of the freed "
                   "GPU memory, matmuls for the rollout time.", ""]
-    if has("asleep", "sampler_paused_s"):
+    if has("asleep", "sampler_paused_s") and not has("asleep", "rollout_take_s"):
         paused = [r["asleep"]["sampler_paused_s"] for r in rows]
         durable = [r["asleep"]["durable_s"] for r in rows]
         lines += [f"GPU sampler paused while the rollout stand-in started: {spread(paused, '.2f')} s per asleep "
@@ -159,7 +189,18 @@ def target_table(out: dict, prof: dict | None, target: str, rows: list) -> list:
 
 def notes(out: dict, prof: dict | None, timed: list) -> list:
     lines = []
-    if prof is not None:
+    if persistent_rollout(out):
+        took = [r["asleep"]["rollout_take_s"] for r in timed if "rollout_take_s" in r.get("asleep", {})]
+        alone = [r["ceiling_beside_rollout"]["rollout"]["rollout_take_s"] for r in timed
+                 if "rollout_take_s" in r.get("ceiling_beside_rollout", {}).get("rollout", {})]
+        lines += [f"- The rollout stand-in, already up, took its memory {spread(took, '.3f')} s after each asleep "
+                  "save began. NVML's device-wide figure is not sampled during that take (the stand-in's size is "
+                  "not known until it has taken it), which is when the save builds its state dict; torch's count "
+                  "(in parentheses) covers the whole save, for every allocation made through torch; the profiled "
+                  "save above was sampled by NVML throughout. The ceiling beside a rollout starts writing once the "
+                  "stand-in has its memory; the asleep save runs through that take, which it also slows" +
+                  (f" (the take before those ceilings: {spread(alone, '.3f')} s)." if alone else ".")]
+    elif prof is not None:
         paused = [r["asleep"]["sampler_paused_s"] for r in timed if "sampler_paused_s" in r.get("asleep", {})]
         when = (f"here {spread(paused, '.2f')} s" if paused else
                 "not recorded in this run; it spans the child's Python start, torch import, CUDA init and "
