@@ -53,3 +53,16 @@ class Progress:
                 self.rank, human_bytes(done), human_bytes(self.total_bytes),
                 100.0 * done / max(1, self.total_bytes), rate / 1e9, eta,
             )
+
+
+def log_saved(r) -> None:
+    """The summary line of a finished save (a `SaveResult`): at INFO on rank 0, DEBUG elsewhere."""
+    t = r.timings
+    level = logging.INFO if r.rank == 0 else logging.DEBUG
+    log.log(
+        level,
+        "safe_ckpt: saved %s: %s on %d rank(s) in %.2f s (%.2f GB/s), stall %.2f s; rank %d: %s",
+        r.checkpoint_dir, human_bytes(r.total_file_bytes), r.world_size, t.total_s,
+        r.throughput_bytes_per_s / 1e9, t.stall_s, r.rank,
+        ", ".join(f"{k} {human_bytes(v)}" for k, v in sorted(r.bytes_by_residence.items())) or "nothing",
+    )

@@ -33,23 +33,20 @@ Must not: contain stage logic (that lives in plan/residence/staging/encoding/sin
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
 
-from . import commit, compat, cpu, dist, gcfreeze, slot
+from . import commit, commit_files, cpu, dist, gcfreeze, slot
 from .encoding.layout import lay_out, lay_out_rank
-from .encoding.metadata import METADATA_FILE, build_metadata, metadata_bytes
+from .encoding.metadata import METADATA_FILE
 from .errors import CheckpointError, problems_error
-from .integrity import MANIFEST_FILE, checksum_of, manifest_bytes
-from .version import __version__
 from .options import SaveOptions
 from .pipeline import ItemWriteFailed, RankWork, RankWriter
 from .ballot import Ballot
 from .local_plan import plan_locally
 from .agreement import agree
-from .progress import Progress, human_bytes
+from .progress import Progress, log_saved
 from .results import SaveResult, SaveTimings
 from . import kvcommit
 from .sinks.posix import PosixSink
@@ -59,7 +56,6 @@ from .handle import SaveHandle
 from .staging.stager import Stager, record_producer_fence
 
 log = logging.getLogger("safe_ckpt")
-CONFIG_FILE = "metadata.json"
 # Files of equal bytes per writer thread: with two, a writer whose file another writer holds
 # still finds one free (one file is never written by two threads at once: see staging.dispatch).
 FILES_PER_WRITER = 2
@@ -279,7 +275,7 @@ class _Job:
             extra={"io_threads": self.options.io_threads, "staging_budget_bytes": self.options.staging_budget_bytes,
                    "checksum_threads": self.options.checksum_threads},
         )
-        self._log_summary(result)
+        log_saved(result)
         return result
 
     def _layout_kwargs(self) -> dict:
@@ -297,13 +293,8 @@ class _Job:
         return sum(layout.file_bytes for layout in self._all_layouts())
 
     def _small_files(self) -> dict:
-        """The index and config (and, for a kvstore, the common state): they depend on the plan only."""
-        small = {METADATA_FILE: metadata_bytes(build_metadata(self.global_plan, self._all_layouts(),
-                                                               self.checkpoint_dir, self.save_id))}
-        if not self.sharded_only:
-            small[CONFIG_FILE] = json.dumps(compat.checkpointing_config_dict()).encode()
-        small.update(self.whole_files)  # kvstore: the common state goes in with the commit
-        return small
+        return commit_files.small_files(self.global_plan, self._all_layouts(), self.checkpoint_dir, self.save_id,
+                                        sharded_only=self.sharded_only, whole_files=self.whole_files)
 
     def _prepare_commit(self) -> None:
         """Rank 0 builds the small files (the others every rank's layout, for `total_file_bytes`)
@@ -325,20 +316,13 @@ class _Job:
         layouts = self._all_layouts()
         small = self._prebuilt or self._small_files()
         if self.options.checksums:
-            whole = {c.relative_path: c.checksum for c in checksums if c.offset_bytes == 0 and c.fqn == c.relative_path}
-            whole.update({name: checksum_of([data]) for name, data in small.items()})
-            items = [c for c in checksums if c.relative_path not in whole]
-            small = {MANIFEST_FILE: manifest_bytes(items, whole, save_id=self.save_id,
-                                                   world_size=self.coord.world_size, version=__version__),
-                     **small}
+            small = commit_files.with_manifest(small, checksums, save_id=self.save_id, world_size=self.coord.world_size)
         if self.kv:
             kvcommit.publish(self.sink, small, {f.relative_path for lay in layouts for f in lay.files},
                              owner=kvcommit.owner_key(self.save_id))
             return
-        for name, data in small.items():  # `.metadata` last: without it nothing here is a checkpoint
-            if name != METADATA_FILE:
-                self.sink.write_file(name, data)
-        self.sink.write_file(METADATA_FILE, small[METADATA_FILE])
+        for name in commit_files.write_order(small):
+            self.sink.write_file(name, small[name])
         self.sink.sync_root()
         if self.sharded_only:
             commit.publish_into(self.area, last=METADATA_FILE, fsync=self.options.fsync)
@@ -352,18 +336,6 @@ class _Job:
             self.area = None
         if self.kv_sink is not None and getattr(self, "save_id", None) and self.coord.rank == 0:
             kvcommit.abort(self.kv_sink, kvcommit.new_file_tag(self.save_id))
-
-    def _log_summary(self, r: SaveResult) -> None:
-        t = r.timings
-        level = logging.INFO if r.rank == 0 else logging.DEBUG
-        log.log(
-            level,
-            "safe_ckpt: saved %s: %s on %d rank(s) in %.2f s (%.2f GB/s), stall %.2f s; rank %d: %s",
-            r.checkpoint_dir, human_bytes(r.total_file_bytes), r.world_size, t.total_s,
-            r.throughput_bytes_per_s / 1e9, t.stall_s, r.rank,
-            ", ".join(f"{k} {human_bytes(v)}" for k, v in sorted(r.bytes_by_residence.items())) or "nothing",
-        )
-
 
 def start(sharded_state_dict: dict, checkpoint_dir, *, process_group=None, options: SaveOptions | None = None,
           content_metadata: dict | None = None, sharded_only: bool = False, post_commit=None,

@@ -272,7 +272,7 @@ def phased_save(state, target: str, budget: int, mode: str = "sync", **opts) -> 
     """A save with its fixed costs timed: each planning and commit step (when it first started,
     from the call, and its seconds over all calls) and when the first copy was issued, the first
     item handed to a writer and the first item written. Prints one ``phases`` line."""
-    from safe_ckpt import agreement, dist, gcfreeze, local_plan, pipeline, saving, slot
+    from safe_ckpt import agreement, commit_files, dist, gcfreeze, local_plan, pipeline, saving, slot
     from safe_ckpt.sinks import posix
     from safe_ckpt.staging import dispatch, stager
 
@@ -307,11 +307,12 @@ def phased_save(state, target: str, budget: int, mode: str = "sync", **opts) -> 
         (stager.Stager, "stage", "stager.stage"), (dispatch.Dispatch, "put", "dispatch.put"),
         (pipeline.RankWriter, "_write_item", "write_item"), (pipeline.RankWriter, "join", "writer.join"),
         (dist.Coordinator, "vote", "vote"), (saving._Job, "_commit", "commit"),
-        (saving, "build_metadata", "build_metadata"), (saving, "metadata_bytes", "metadata_bytes"),
-        (saving.compat, "checkpointing_config_dict", "config_dict"), (saving, "manifest_bytes", "manifest_bytes"),
+        (commit_files, "build_metadata", "build_metadata"), (commit_files, "metadata_bytes", "metadata_bytes"),
+        (commit_files.compat, "checkpointing_config_dict", "config_dict"),
+        (commit_files, "manifest_bytes", "manifest_bytes"),
         (saving._Job, "_all_layouts", "all_layouts"), (posix.PosixSink, "write_file", "sink.write_file"),
         (posix.PosixSink, "sync_root", "sink.sync_root"), (saving.commit, "publish", "commit.publish"),
-        (saving._Job, "_log_summary", "log_summary"),
+        (saving, "log_saved", "log_summary"),
     ]:
         wrap(owner, attr, name)
     try:
