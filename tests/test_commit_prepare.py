@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import safe_ckpt
-from safe_ckpt import saving
+from safe_ckpt import commit_files
 from safe_ckpt.synthetic import bits_equal
 from tests.hooked_sink import HookedSink
 
@@ -47,14 +47,14 @@ def test_the_index_is_built_while_the_writers_still_write(tmp_path, monkeypatch,
     tensors, state = _state(21)
     gate, sinks = threading.Event(), []
     built_early = []
-    build = saving.build_metadata
+    build = commit_files.build_metadata
 
     def build_and_open_the_gate(*a, **k):
         built_early.append(not gate.is_set())
         gate.set()  # only this opens the gate before its timeout: the writers were waiting
         return build(*a, **k)
 
-    monkeypatch.setattr(saving, "build_metadata", build_and_open_the_gate)
+    monkeypatch.setattr(commit_files, "build_metadata", build_and_open_the_gate)
 
     def factory(root):
         sinks.append(_GatedSink(root, gate, timeout_s=5.0))
@@ -74,7 +74,7 @@ def test_the_index_is_built_while_the_writers_still_write(tmp_path, monkeypatch,
 def test_an_early_build_that_fails_is_built_again_at_the_commit(tmp_path, monkeypatch):
     tensors, state = _state(22)
     calls = []
-    build = saving.build_metadata
+    build = commit_files.build_metadata
 
     def fails_once(*a, **k):
         calls.append(1)
@@ -82,7 +82,7 @@ def test_an_early_build_that_fails_is_built_again_at_the_commit(tmp_path, monkey
             raise MemoryError("no memory for the index just now")
         return build(*a, **k)
 
-    monkeypatch.setattr(saving, "build_metadata", fails_once)
+    monkeypatch.setattr(commit_files, "build_metadata", fails_once)
     path = tmp_path / "ck"
     safe_ckpt.save(state, str(path), options=safe_ckpt.SaveOptions(io_threads=2, chunk_bytes=16 * 1024))
     assert len(calls) == 2 and _load(path, tensors)
@@ -94,7 +94,7 @@ def test_an_index_that_cannot_be_built_fails_the_commit_and_publishes_nothing(tm
     def always_fails(*a, **k):
         raise ValueError("index refused")
 
-    monkeypatch.setattr(saving, "build_metadata", always_fails)
+    monkeypatch.setattr(commit_files, "build_metadata", always_fails)
     path = tmp_path / "ck"
     with pytest.raises(safe_ckpt.CheckpointError, match="index refused") as info:
         safe_ckpt.save(state, str(path), options=safe_ckpt.SaveOptions(io_threads=2, chunk_bytes=16 * 1024))
