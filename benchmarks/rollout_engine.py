@@ -15,7 +15,7 @@ Must not: save, load or time saves (the bench does).
 
 from __future__ import annotations
 
-import select
+import queue
 import subprocess
 import sys
 import threading
@@ -23,68 +23,103 @@ import time
 
 # The child: line commands on stdin, one reply line per step on stdout.
 #   go SHARE SECONDS  -> "ready BYTES" once SHARE of the free memory is taken and the GPU busy,
-#                        then "done MATMULS" after SECONDS or a "stop" line, the memory given back
-#   quit              -> exits
+#                        then "done MATMULS" after SECONDS ("inf": none) or a "stop" line, the
+#                        memory given back
+#   quit, or EOF      -> exits
+# Any other line ("stop" when no rollout runs) is ignored. Lines are read by a thread into a
+# queue: a select on a buffered stream misses lines already in its buffer.
 ENGINE_CHILD = r"""
-import select, sys, time, torch
+import queue, sys, threading, time, torch
 dev = sys.argv[1]
-a = torch.randn(4096 if dev == "cuda" else 64, 4096 if dev == "cuda" else 64, device=dev,
-                dtype=torch.bfloat16 if dev == "cuda" else torch.float32)
+lines = queue.Queue()
+def read():
+    for line in sys.stdin:
+        lines.put(line.split())
+    lines.put(["quit"])
+threading.Thread(target=read, daemon=True).start()
+n = 4096 if dev == "cuda" else 64
+a = torch.randn(n, n, device=dev, dtype=torch.bfloat16 if dev == "cuda" else torch.float32)
 b = torch.empty_like(a)
 torch.matmul(a, a, out=b)
 sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
 sync()
 print("up", flush=True)
-for line in sys.stdin:
-    cmd = line.split()
-    if not cmd or cmd[0] == "quit":
+while True:
+    cmd = lines.get()
+    if cmd and cmd[0] == "quit":
         break
+    if len(cmd) != 3 or cmd[0] != "go":
+        continue
     share, seconds = float(cmd[1]), float(cmd[2])
     free = torch.cuda.mem_get_info()[0] if dev == "cuda" else 64 << 20
     filler = torch.empty(int(free * share), dtype=torch.uint8, device=dev)
     filler.fill_(0xA5)
     sync()
     print("ready", filler.numel(), flush=True)
-    end, steps = time.monotonic() + seconds, 0
+    end, steps, quit = time.monotonic() + seconds, 0, False
     while time.monotonic() < end:
         torch.matmul(a, a, out=b)
         torch.tanh(b, out=a)
         steps += 1
         if steps % 16 == 0:
             sync()
-            if select.select([sys.stdin], [], [], 0)[0]:
-                sys.stdin.readline()  # "stop"
+            if not lines.empty():  # a "stop" (or EOF: the parent is gone) ends the rollout early
+                quit = lines.get()[0] == "quit"
                 break
     sync()
     del filler
     if dev == "cuda":
         torch.cuda.empty_cache()
     print("done", steps, flush=True)
+    if quit:
+        break
 """
 
 
 class RolloutEngine:
-    """The rollout stand-in's process. ``device``: "cuda" (the bench) or "cpu" (its tests)."""
+    """The rollout stand-in's process. ``device``: "cuda" (the bench) or "cpu" (its tests).
+    Every wait for it is bounded; a stand-in that does not answer in time is killed and the
+    error says what it last said and how it exited."""
 
-    def __init__(self, device: str = "cuda", start_timeout_s: float = 300.0) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-c", ENGINE_CHILD, device], stdin=subprocess.PIPE,
+    def __init__(self, device: str = "cuda", start_timeout_s: float = 300.0, program: str = ENGINE_CHILD) -> None:
+        """``program``: the child's source (the tests give others that speak the same protocol)."""
+        self.proc = subprocess.Popen([sys.executable, "-c", program, device], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True, bufsize=1)
+        self._lines: queue.Queue = queue.Queue()
+        self._reader = threading.Thread(target=self._read, daemon=True, name="rollout-engine-reader")
+        self._reader.start()
         self._expect("up", start_timeout_s)
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self._lines.put(line.split())
+        self._lines.put(None)  # EOF: the child is gone
+
+    def _exit_code(self):
+        try:
+            return self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
 
     def _send(self, line: str) -> None:
         try:
             self.proc.stdin.write(line + "\n")
         except OSError as exc:  # the child is gone: say how it ended, not just the broken pipe
-            raise RuntimeError(f"the rollout stand-in is gone (exit {self.proc.wait()}): {exc}") from exc
+            raise RuntimeError(f"the rollout stand-in is gone (exit {self._exit_code()}): {exc}") from exc
 
     def _expect(self, word: str, timeout_s: float) -> list:
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout_s)
-        line = self.proc.stdout.readline().split() if ready else []
+        try:
+            line = self._lines.get(timeout=timeout_s)
+        except queue.Empty:
+            line = []
+            self.proc.kill()
+        if line is None:
+            raise RuntimeError(f"the rollout stand-in is gone (exit {self._exit_code()}) before saying {word!r}")
         if not line or line[0] != word:
             self.proc.kill()
-            code = self.proc.wait()
             raise RuntimeError(f"the rollout stand-in did not say {word!r} within {timeout_s:.0f} s "
-                               f"(it said {line}, exit {code})")
+                               f"(it said {line}, exit {self._exit_code()})")
         return line
 
     def rollout(self, seconds: float, peak: "GpuPeak | None" = None, share: float = 0.8,
@@ -92,29 +127,34 @@ class RolloutEngine:
         """One rollout: take ``share`` of the free GPU memory and keep the GPU busy for ``seconds``;
         with ``during`` (a function), run it once the memory is taken, then stop the rollout and
         return its result as "during". ``peak`` pauses from the request until the memory is
-        taken (a tenth of a second: the process is already up), then discounts it."""
-        discounting = peak is not None
-        if discounting:
+        taken (0.1 s with nothing else running, 0.4 s beside an asleep save), then discounts it."""
+        start = time.monotonic()
+        taken_s = 0.0
+        if peak is not None:
             peak.paused = True
             before = peak.device_used()
-        start = time.monotonic()
-        self._send(f"go {share} {seconds if during is None else 3600}")
-        ready = self._expect("ready", 120.0)
-        taken_s = time.monotonic() - start
-        if discounting:
-            peak.discount_bytes = peak.device_used() - before
-            peak.paused = False
+        try:
+            self._send(f"go {share} {seconds if during is None else 'inf'}")
+            ready = self._expect("ready", 120.0)
+            taken_s = time.monotonic() - start
+            if peak is not None:
+                peak.discount_bytes = peak.device_used() - before
+        finally:
+            if peak is not None:
+                peak.paused = False
         out = {"rollout_bytes": int(ready[1]), "rollout_take_s": taken_s}
-        if during is not None:
-            try:
-                out["during"] = during()
-            finally:
-                self._send("stop")
-        done = self._expect("done", seconds + 120.0)
-        if discounting:
-            peak.discount_bytes = 0
+        try:
+            if during is not None:
+                try:
+                    out["during"] = during()
+                finally:
+                    self._send("stop")
+            done = self._expect("done", seconds + 120.0)
+        finally:
+            if peak is not None:
+                peak.discount_bytes = 0
         out.update({"matmuls": int(done[1]), "rollout_s": time.monotonic() - start,
-                    "sampler_paused_s": taken_s if discounting else 0.0})
+                    "sampler_paused_s": taken_s if peak is not None else 0.0})
         return out
 
     def close(self) -> None:
@@ -126,6 +166,12 @@ class RolloutEngine:
             except (OSError, subprocess.TimeoutExpired):
                 self.proc.kill()
                 self.proc.wait()
+        self._reader.join(timeout=10)  # it reads stdout until EOF: close that only once it is done
+        for stream in (self.proc.stdin, self.proc.stdout):
+            try:
+                stream.close()
+            except OSError:
+                pass
 
 
 class GpuPeak:
@@ -134,10 +180,11 @@ class GpuPeak:
     competes with the save's threads), less ``discount_bytes`` (the rollout's), not sampled while
     ``paused`` (the rollout taking its memory: its size is known only once taken). And torch's own
     count of the bytes allocated in this process, whose peak over the save is exact and free to
-    read, for every allocation made through torch (torch_memory_saver's included). A query per
-    process (NVML's running-process list) would need no discount; in the one run that sampled it
-    every millisecond, the saves it watched took about twice as long as in the next run, against
-    1.2-1.3x for the ceilings it did not watch, so it is not used."""
+    read, for every allocation made through torch (torch_memory_saver's included). NVML's
+    per-process query would need no discount; it was tried once, sampled every millisecond, and
+    that run's saves were slower than the next run's by more than its ceilings were (two boots,
+    so not separated): it is not used. What the device-wide sampler itself costs a save was not
+    measured (no save ran with it off)."""
 
     def __init__(self) -> None:
         import pynvml
@@ -156,7 +203,8 @@ class GpuPeak:
     def device_used(self) -> int:
         return int(self._nvml.nvmlDeviceGetMemoryInfo(self._handle).used)
 
-    def start(self) -> "GpuPeak":
+    def start(self, sampling: bool = True) -> "GpuPeak":
+        """``sampling`` False: no thread; the caller calls `sample` (the tests do)."""
         import torch
 
         torch.cuda.reset_peak_memory_stats()
@@ -164,15 +212,20 @@ class GpuPeak:
         self.baseline_bytes = self.peak_bytes = self.device_used()
         self.discount_bytes = 0
         self._stop.clear()
-        self._thread = threading.Thread(target=self._sample, daemon=True, name="gpu-peak")
-        self._thread.start()
+        self._thread = None
+        if sampling:
+            self._thread = threading.Thread(target=self._sample_loop, daemon=True, name="gpu-peak")
+            self._thread.start()
         return self
 
-    def _sample(self) -> None:
+    def sample(self) -> None:
+        used = self.device_used()  # read, then check the pause, then the discount: no allocation slips past
+        if not self.paused:
+            self.peak_bytes = max(self.peak_bytes, used - self.discount_bytes)
+
+    def _sample_loop(self) -> None:
         while not self._stop.is_set():
-            used = self.device_used()  # read, then check the pause, then the discount: no allocation slips past
-            if not self.paused:
-                self.peak_bytes = max(self.peak_bytes, used - self.discount_bytes)
+            self.sample()
             self._stop.wait(0.001)
 
     def stop(self) -> int:
@@ -180,6 +233,7 @@ class GpuPeak:
         import torch
 
         self._stop.set()
-        self._thread.join()
+        if self._thread is not None:
+            self._thread.join()
         self.torch_extra_bytes = max(0, torch.cuda.max_memory_allocated() - self.torch_baseline_bytes)
         return max(0, self.peak_bytes - self.baseline_bytes)

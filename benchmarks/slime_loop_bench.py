@@ -14,10 +14,14 @@ to sleep after training. Each round checkpoints that same asleep state three way
   engines are) that takes most of the freed GPU memory and keeps the GPU busy for
   ``--rollout-s``, then the next `wake_up()`'s wait for the save.
 
-Per variant: loop held, peak extra GPU (`rollout_engine.GpuPeak`: the device's bytes from NVML less
-the rollout's, and torch's peak allocated bytes in the saving process), peak pinned host bytes and time to durable, beside the target's write ceiling measured
-twice before each round: alone, and while a rollout runs as it does beside the asleep save. The
+Per variant: loop held, peak extra GPU (`rollout_engine.GpuPeak`: the device's bytes from NVML
+less the rollout's, and torch's peak of the bytes allocated in the saving process), peak pinned
+host bytes and time to durable, beside the target's write ceiling measured twice before each
+round, in turn first: alone, and while a rollout runs as it does beside the asleep save. The
 first ``asleep`` save is profiled, the GPU sampled throughout, no rollout beside it.
+
+Must not: be imported by the library, or time anything but whole saves and ceilings (the
+diagnostics under `diag/` take saves apart).
 
 Needs CUDA, torch_memory_saver and Megatron's `megatron.training` (megatron-core 0.19 ships it).
 Run from the repository root (it reuses the GPU tests' model setup, tests/gpu_megatron_cases.py):
@@ -145,6 +149,7 @@ def body(rank, world, opts) -> dict:
     clear_memory()
     tms.pause(TAG)
     peak = GpuPeak()
+    out["options"] = dict(opts)
     engine = RolloutEngine()  # up before the first save, as slime's rollout engines are
     try:
         run_rounds(opts, out, args, model, optimizer, scheduler, iteration, tms, group, snapshot, peak, engine)
@@ -241,6 +246,7 @@ def run_rounds(opts, out, args, model, optimizer, scheduler, iteration, tms, gro
             safe_megatron.finalize_async_saves(blocking=True)
         row = {"held_s": held, "wake_up_s": woke - start, "save_call_s": saved - woke, "sleep_s": start + held - saved,
                "durable_s": time.monotonic() - start, "gpu_extra_bytes": peak.stop(),
+               "torch_gpu_extra_bytes": peak.torch_extra_bytes,  # the same count read nonzero here: a control
                **pinned_end(pinned, 0 if stock else safe_pool_bytes())}
         row["bytes"] = tree_bytes(os.path.join(save_dir, "iter_%07d" % iteration))
         return row
@@ -270,11 +276,21 @@ def run_rounds(opts, out, args, model, optimizer, scheduler, iteration, tms, gro
                              "target": target, "bytes": state_bytes})
                 continue
             os.sync()
-            row["ceiling"] = write_ceiling_s(target, state_bytes, tweak_source(), opts["threads"])
-            # the same writes while a rollout holds the freed GPU memory and runs, as beside the asleep save
-            beside = engine.rollout(0.0, None, during=lambda: write_ceiling_s(
-                target, state_bytes, tweak_source(), [row["ceiling"]["threads"]]))
-            row["ceiling_beside_rollout"] = {**beside.pop("during"), "rollout": beside}
+
+            def alone():
+                row["ceiling"] = write_ceiling_s(target, state_bytes, tweak_source(), opts["threads"])
+
+            def beside_rollout(first):  # the same writes while a rollout holds the freed GPU memory and runs
+                beside = engine.rollout(0.0, None, during=lambda: write_ceiling_s(
+                    target, state_bytes, tweak_source(), opts["threads"]))
+                row["ceiling_beside_rollout"] = {**beside.pop("during"), "rollout": beside, "first": first}
+
+            if r % 2:  # in turn first, so that neither ceiling always meets what the other left behind
+                beside_rollout(True)
+                alone()
+            else:
+                alone()
+                beside_rollout(False)
             for variant in VARIANTS:
                 os.sync()
                 row[variant] = asleep(dirs[variant], False) if variant == "asleep" else \

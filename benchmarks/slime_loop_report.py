@@ -95,13 +95,15 @@ def header(out: dict, label: str) -> list:
             "", "Loop held: from `save_model`'s call until the next step may start (for `asleep`: `save_model`'s own "
             "time plus what `wake_up` waited after the rollout). Neither bracket includes slime's process-group "
             "teardown and rebuild, which only add to `stock` and `awake`. Peak extra GPU: NVML's used bytes above "
-            "the asleep state's, less the rollout stand-in's" + ("; for `asleep`, in parentheses, torch's peak of the "
+            "the asleep state's, less the rollout stand-in's" + ("; in parentheses, where recorded, torch's peak of the "
             "bytes allocated in the saving process above those before the save" if torch_counted(out) else "") +
             ". Pinned host: torch's pinned allocator and "
             "safe_ckpt's pool. Write ceiling: the same bytes written by 8 and by 16 threads with fsync into the "
-            "same target before each round, the faster" + ("; measured again with that many threads while a rollout "
-            "holds the freed GPU memory and runs its matmuls, as beside the asleep save (the last column)"
-            if beside_ceilings(out) else "") + ". Held and durable times are the median and [min-max] of the "
+            "same target before each round, the faster" + (("; measured again, " + (
+                "the same thread counts, the faster, in turn before and after the ceiling alone"
+                if alternating(out["rounds"]) else "with the faster count, after the ceiling alone") +
+            ", while a rollout holds the freed GPU memory and runs its matmuls, as beside the asleep save (the last "
+            "column)") if beside_ceilings(out) else "") + ". Held and durable times are the median and [min-max] of the "
             "target's rounds; the other timed columns are medians, the byte columns the most of any round. "
             "Command: `python benchmarks/slime_loop_bench.py --targets /dev/shm/...,/tmp/... --rounds 2` "
             "(`bash benchmarks/gpu_suite.sh slimeloop`).", ""]
@@ -109,6 +111,11 @@ def header(out: dict, label: str) -> list:
 
 def persistent_rollout(out: dict) -> bool:
     return any("rollout_take_s" in r.get("asleep", {}) for r in out["rounds"])
+
+
+def alternating(timed: list) -> bool:
+    """Whether the rounds took the two ceilings in alternating order (runs before that did not)."""
+    return any(r.get("ceiling_beside_rollout", {}).get("first") for r in timed)
 
 
 def torch_counted(out: dict) -> bool:
@@ -141,7 +148,7 @@ def pinned_cell(out: dict, rows: list, v: str) -> str:
     return f"{max(run):.2f} (read per round: {', '.join(f'{x:.2f}' for x in here)})"
 
 
-def gpu_cell(out: dict, prof: dict | None, rows: list, v: str) -> str:
+def gpu_cell(prof: dict | None, rows: list, v: str) -> str:
     most = max(r[v]["gpu_extra_bytes"] for r in rows) / 2**30
     if all("torch_gpu_extra_bytes" in r[v] for r in rows):
         return f"{most:.2f} ({max(r[v]['torch_gpu_extra_bytes'] for r in rows) / 2**30:.2f})"
@@ -170,10 +177,10 @@ def target_table(out: dict, prof: dict | None, target: str, rows: list) -> list:
         sm = f"{med(v, 'save_model_s'):.3f}" if v == "asleep" and has(v, "save_model_s") else "-"
         ww = f"{med(v, 'wake_wait_s'):.3f}" if v == "asleep" and has(v, "wake_wait_s") else "-"
         lines.append(f"| {v} | {spread([r[v]['held_s'] for r in rows], '.3f')} | {sm} | {ww} | "
-                     f"{gpu_cell(out, prof, rows, v)} | {pinned_cell(out, rows, v)} | "
+                     f"{gpu_cell(prof, rows, v)} | {pinned_cell(out, rows, v)} | "
                      f"{spread([r[v]['durable_s'] for r in rows], '.2f')} | {spread([r[v]['ttd_over_ceiling'] for r in rows], '.2f')} |"
-                     + (f" {spread([r[v]['ttd_over_ceiling_beside_rollout'] for r in rows], '.2f')} |"
-                        if beside else ""))
+                     + ((f" {spread([r[v]['ttd_over_ceiling_beside_rollout'] for r in rows], '.2f')} |"
+                         if v == "asleep" else " - |") if beside else ""))
     lines.append("")
     a = rows[0]["asleep"]
     if "rollout_bytes" in a:
@@ -193,12 +200,20 @@ def notes(out: dict, prof: dict | None, timed: list) -> list:
         took = [r["asleep"]["rollout_take_s"] for r in timed if "rollout_take_s" in r.get("asleep", {})]
         alone = [r["ceiling_beside_rollout"]["rollout"]["rollout_take_s"] for r in timed
                  if "rollout_take_s" in r.get("ceiling_beside_rollout", {}).get("rollout", {})]
+        by_target: dict = {}
+        for r in timed:
+            if "rollout_take_s" in r.get("asleep", {}):
+                by_target.setdefault(r["target"], []).append(100 * r["asleep"]["rollout_take_s"] / r["asleep"]["durable_s"])
+        shares = "; ".join(f"{spread(v, '.0f')} % on {t}" for t, v in by_target.items())
         lines += [f"- The rollout stand-in, already up, took its memory {spread(took, '.3f')} s after each asleep "
                   "save began. NVML's device-wide figure is not sampled during that take (the stand-in's size is "
-                  "not known until it has taken it), which is when the save builds its state dict; torch's count "
-                  "(in parentheses) covers the whole save, for every allocation made through torch; the profiled "
-                  "save above was sampled by NVML throughout. The ceiling beside a rollout starts writing once the "
-                  "stand-in has its memory; the asleep save runs through that take, which it also slows" +
+                  f"not known until it has taken it): of each save's time to durable, {shares}, its planning and "
+                  "first writes included. Torch's count (in parentheses) "
+                  "covers the whole save, for every allocation made through torch; the profiled save above was "
+                  "sampled by NVML throughout. The ceiling beside a rollout" +
+                  ("" if alternating(timed) else " (one run, after the ceiling alone: its difference from that "
+                   "one is not the rollout's alone)") + " starts writing once the stand-in has its memory, while the asleep save runs through that "
+                  "take, which it also slows" +
                   (f" (the take before those ceilings: {spread(alone, '.3f')} s)." if alone else ".")]
     elif prof is not None:
         paused = [r["asleep"]["sampler_paused_s"] for r in timed if "sampler_paused_s" in r.get("asleep", {})]

@@ -1,6 +1,10 @@
 """The slime-loop bench's report from a run's rows: the ceiling measured beside a rollout gets its
-own ratio column, and torch's count of the bytes a save allocated stands beside NVML's sampled one."""
+own ratio column (for the asleep save only, the one variant that runs beside a rollout), torch's
+count of the bytes a save allocated stands beside NVML's sampled one, the notes say how long
+NVML was not sampled, rows of older runs keep their older notes, and a run's log gives back the
+rows it printed."""
 
+import json
 import os
 import sys
 
@@ -17,48 +21,82 @@ def variant(durable_s, ceiling_s, beside_s, **extra):
             "ttd_over_ceiling": ceiling_s / durable_s, "ttd_over_ceiling_beside_rollout": beside_s / durable_s, **extra}
 
 
-def run(torch_counted=True):
+def run(new=True):
+    """Two timed rounds as the bench writes them now (``new``), or as runs before the stand-in
+    stayed up wrote them (no beside-rollout ceiling, no torch count, a sampler paused for the
+    stand-in's start)."""
     rounds = [{"target": "/t", "round": 0, "profiled": True,
-               "asleep": {"gpu_extra_bytes": 0, "durable_s": 1.0, "bytes_by_residence": {"offload_backup": 8}},
+               "asleep": {"gpu_extra_bytes": 0, "durable_s": 1.0, "bytes": 8, "bytes_by_residence": {"offload_backup": 8}},
                "asleep_profile": {"HtoD": 0, "DtoH": 0, "kernels": 0, "nccl": 0}}]
     for r, (durable, ceiling, beside) in enumerate([(5.0, 4.0, 4.5), (6.0, 4.2, 5.0)], start=1):
-        rounds.append({"target": "/t", "round": r, "profiled": False, "ceiling": {"seconds": ceiling},
-                       "ceiling_beside_rollout": {"seconds": beside, "rollout": {"rollout_bytes": GIB}},
-                       "asleep": variant(durable, ceiling, beside, save_model_s=0.01, wake_wait_s=0.0,
-                                         rollout_bytes=GIB, rollout_take_s=0.1, sampler_paused_s=0.1),
-                       "awake": variant(10.0, ceiling, beside), "stock": variant(20.0, ceiling, beside)})
-        if torch_counted:
+        row = {"target": "/t", "round": r, "profiled": False, "ceiling": {"seconds": ceiling},
+               "asleep": variant(durable, ceiling, beside, save_model_s=0.01, wake_wait_s=0.0, rollout_bytes=GIB,
+                                 rollout_take_s=0.5, sampler_paused_s=0.5),
+               "awake": variant(10.0, ceiling, beside), "stock": variant(20.0, ceiling, beside)}
+        if new:
+            row["ceiling_beside_rollout"] = {"seconds": beside, "first": r % 2 == 1,
+                                             "rollout": {"rollout_bytes": GIB, "rollout_take_s": 0.1}}
             for v in rep.VARIANTS:
-                rounds[-1][v]["torch_gpu_extra_bytes"] = r * GIB if v == "awake" else 0
+                row[v]["torch_gpu_extra_bytes"] = r * GIB if v == "awake" else 0
+        else:
+            row["asleep"].pop("rollout_take_s")
+            row["asleep"]["sampler_paused_s"] = 4.0
+            for v in rep.VARIANTS:
+                row[v].pop("ttd_over_ceiling_beside_rollout")
+        rounds.append(row)
     return {"rounds": rounds, "state_bytes": 8 * 10**9, "params": 10**6}
 
 
-def test_ratio_beside_a_rollout_has_its_column():
+def cells(text, v):
+    line = next(line for line in text.splitlines() if line.startswith(f"| {v} |"))
+    return [c.strip() for c in line.strip("|").split("|")]
+
+
+def test_the_ceiling_beside_a_rollout_has_its_column_for_the_asleep_save():
     text = rep.report(run(), "t")
     assert "beside a rollout 4.75 s" in text  # the median of the two rounds' beside-rollout ceilings
-    row = next(line for line in text.splitlines() if line.startswith("| asleep |"))
-    cells = [c.strip() for c in row.strip("|").split("|")]
-    assert cells[-2] == "0.75 [0.70-0.80]"  # ceiling / durable: 4.0/5.0, 4.2/6.0
-    assert cells[-1] == "0.87 [0.83-0.90]"  # beside-rollout ceiling / durable: 4.5/5.0, 5.0/6.0, median 0.867
+    assert cells(text, "asleep")[-2] == "0.75 [0.70-0.80]"  # ceiling / durable: 4.0/5.0, 4.2/6.0
+    assert cells(text, "asleep")[-1] == "0.87 [0.83-0.90]"  # 4.5/5.0, 5.0/6.0
+    assert cells(text, "awake")[-1] == "-" and cells(text, "stock")[-1] == "-"  # never beside a rollout
+    assert "while a rollout holds the freed GPU memory" in text
+    assert "in turn before and after the ceiling alone" in text
+    assert "not the rollout's alone" not in text  # said only of runs that always took it second
 
 
-def test_torch_counted_bytes_stand_beside_the_sampled_ones():
+def test_torch_counts_stand_beside_nvml_and_the_pause_is_stated():
     text = rep.report(run(), "t")
-    cells = lambda v: [c.strip() for c in next(  # noqa: E731
-        line for line in text.splitlines() if line.startswith(f"| {v} |")).strip("|").split("|")]
-    assert cells("asleep")[4] == "0.00 (0.00)"
-    assert cells("awake")[4] == "0.00 (2.00)"  # the most of any round
-    assert "took its memory 0.100 [0.100-0.100] s after each asleep save began" in text
-    assert "partial" not in text
-    assert "partial" in rep.report(run(torch_counted=False), "t")  # NVML alone still says what it cannot see
+    assert cells(text, "asleep")[4] == "0.00 (0.00)"
+    assert cells(text, "awake")[4] == "0.00 (2.00)"  # the most of any round: the control reads nonzero
+    assert "in parentheses, where recorded, torch's peak" in text
+    assert "took its memory 0.500 [0.500-0.500] s after each asleep save began" in text
+    assert "of each save's time to durable, 9 [8-10] % on /t" in text  # 0.5 s of 5.0 s and of 6.0 s
+    assert "(the take before those ceilings: 0.100 [0.100-0.100] s)" in text
+    assert "partial" not in text and "while the rollout stand-in started" not in text
 
 
-def test_rows_without_the_new_fields_report_as_before():
-    out = run(torch_counted=False)
-    for r in out["rounds"][1:]:
-        r.pop("ceiling_beside_rollout")
-        for v in rep.VARIANTS:
-            r[v].pop("ttd_over_ceiling_beside_rollout")
-        r["asleep"].pop("rollout_take_s")
-    text = rep.report(out, "t")
+def test_rows_of_older_runs_keep_their_notes():
+    text = rep.report(run(new=False), "t")
     assert "beside a rollout" not in text and "ceiling beside a rollout / durable" not in text
+    assert "torch's peak" not in text and "took its memory" not in text
+    assert "partial" in text  # NVML alone, paused for the stand-in's start: says what it could not see
+    assert "GPU sampler paused while the rollout stand-in started: 4.00 [4.00-4.00] s" in text
+
+
+def test_a_runs_log_gives_back_its_rows(tmp_path):
+    out = run()
+    log = tmp_path / "run.log"
+    with open(log, "w") as f:
+        f.write("profiled asleep save: " + json.dumps(out["rounds"][0]) + "\n")
+        for row in out["rounds"][1:]:
+            f.write(rep.summary_line(row) + "\n")
+            f.write("row " + json.dumps(row) + "\n")
+    back = rep.rounds_from_log(str(log))
+    assert back["rounds"] == out["rounds"]
+    # a log cut before its row lines (or written before they existed): the summary lines still
+    # give each round's ceiling, durable times and ratios
+    only_summaries = tmp_path / "old.log"
+    only_summaries.write_text("\n".join(rep.summary_line(r) for r in out["rounds"][1:]) + "\n")
+    rows = rep.rounds_from_log(str(only_summaries))["rounds"]
+    assert [r["ceiling"]["seconds"] for r in rows] == [4.0, 4.2]
+    assert [r["asleep"]["durable_s"] for r in rows] == [5.0, 6.0]
+    assert "beside-rollout 4.50s" in rep.summary_line(out["rounds"][1])
