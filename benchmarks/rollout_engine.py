@@ -15,7 +15,9 @@ Must not: save, load or time saves (the bench does).
 
 from __future__ import annotations
 
+import os
 import queue
+import signal
 import subprocess
 import sys
 import threading
@@ -63,8 +65,9 @@ while True:
         steps += 1
         if steps % 16 == 0:
             sync()
-            if not lines.empty():  # a "stop" (or EOF: the parent is gone) ends the rollout early
-                quit = lines.get()[0] == "quit"
+            if not lines.empty():  # any line ends the rollout early: a "stop", or EOF (the parent is gone)
+                cmd = lines.get()
+                quit = bool(cmd) and cmd[0] == "quit"
                 break
     sync()
     del filler
@@ -81,10 +84,15 @@ class RolloutEngine:
     Every wait for it is bounded; a stand-in that does not answer in time is killed and the
     error says what it last said and how it exited."""
 
-    def __init__(self, device: str = "cuda", start_timeout_s: float = 300.0, program: str = ENGINE_CHILD) -> None:
-        """``program``: the child's source (the tests give others that speak the same protocol)."""
+    def __init__(self, device: str = "cuda", start_timeout_s: float = 300.0, program: str = ENGINE_CHILD,
+                 reply_timeout_s: float = 120.0) -> None:
+        """``program``: the child's source (the tests give others that speak the same protocol);
+        ``reply_timeout_s``: how long a reply may take beyond the rollout's own time."""
+        self.reply_timeout_s = reply_timeout_s
+        # Its own session: a child of the stand-in that outlives it (and keeps the pipe open) can be
+        # killed with it, so that closing never waits on a pipe no one will end.
         self.proc = subprocess.Popen([sys.executable, "-c", program, device], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, bufsize=1)
+                                     stdout=subprocess.PIPE, text=True, bufsize=1, start_new_session=True)
         self._lines: queue.Queue = queue.Queue()
         self._reader = threading.Thread(target=self._read, daemon=True, name="rollout-engine-reader")
         self._reader.start()
@@ -95,11 +103,17 @@ class RolloutEngine:
             self._lines.put(line.split())
         self._lines.put(None)  # EOF: the child is gone
 
+    def _kill(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except OSError:  # already gone
+            pass
+
     def _exit_code(self):
         try:
             return self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
+            self._kill()
             return self.proc.wait()
 
     def _send(self, line: str) -> None:
@@ -112,14 +126,15 @@ class RolloutEngine:
         try:
             line = self._lines.get(timeout=timeout_s)
         except queue.Empty:
-            line = []
-            self.proc.kill()
+            self._kill()
+            raise RuntimeError(f"the rollout stand-in did not say {word!r} within {timeout_s:.0f} s "
+                               f"(killed, exit {self._exit_code()})") from None
         if line is None:
             raise RuntimeError(f"the rollout stand-in is gone (exit {self._exit_code()}) before saying {word!r}")
         if not line or line[0] != word:
-            self.proc.kill()
-            raise RuntimeError(f"the rollout stand-in did not say {word!r} within {timeout_s:.0f} s "
-                               f"(it said {line}, exit {self._exit_code()})")
+            self._kill()
+            raise RuntimeError(f"the rollout stand-in said {line} where {word!r} was due "
+                               f"(killed, exit {self._exit_code()})")
         return line
 
     def rollout(self, seconds: float, peak: "GpuPeak | None" = None, share: float = 0.8,
@@ -127,31 +142,42 @@ class RolloutEngine:
         """One rollout: take ``share`` of the free GPU memory and keep the GPU busy for ``seconds``;
         with ``during`` (a function), run it once the memory is taken, then stop the rollout and
         return its result as "during". ``peak`` pauses from the request until the memory is
-        taken (0.1 s with nothing else running, 0.4 s beside an asleep save), then discounts it."""
+        taken (0.1 s with nothing else running, 0.4 s beside an asleep save), then discounts what
+        the device gained meanwhile: whatever else was allocated during the take and kept is
+        discounted with it, for the whole rollout (torch's count still sees it)."""
         start = time.monotonic()
         taken_s = 0.0
         if peak is not None:
             peak.paused = True
             before = peak.device_used()
         try:
-            self._send(f"go {share} {seconds if during is None else 'inf'}")
-            ready = self._expect("ready", 120.0)
-            taken_s = time.monotonic() - start
-            if peak is not None:
-                peak.discount_bytes = peak.device_used() - before
-        finally:
-            if peak is not None:
-                peak.paused = False
-        out = {"rollout_bytes": int(ready[1]), "rollout_take_s": taken_s}
-        try:
+            try:
+                self._send(f"go {share} {seconds if during is None else 'inf'}")
+                ready = self._expect("ready", self.reply_timeout_s)
+                taken_s = time.monotonic() - start
+                if peak is not None:
+                    peak.discount_bytes = peak.device_used() - before
+            finally:
+                if peak is not None:
+                    peak.paused = False
+            out = {"rollout_bytes": int(ready[1]), "rollout_take_s": taken_s}
             if during is not None:
                 try:
                     out["during"] = during()
-                finally:
-                    self._send("stop")
-            done = self._expect("done", seconds + 120.0)
+                except BaseException:
+                    # The rollout still ends, and its "done" is read here: left in the queue, it
+                    # would answer the next rollout's "go".
+                    try:
+                        self._send("stop")
+                        self._expect("done", self.reply_timeout_s)
+                    except RuntimeError:
+                        pass  # the first error is the one to report
+                    raise
+                self._send("stop")
+            done = self._expect("done", seconds + self.reply_timeout_s)
         finally:
             if peak is not None:
+                peak.paused = False
                 peak.discount_bytes = 0
         out.update({"matmuls": int(done[1]), "rollout_s": time.monotonic() - start,
                     "sampler_paused_s": taken_s if peak is not None else 0.0})
@@ -164,10 +190,12 @@ class RolloutEngine:
                 self.proc.stdin.close()
                 self.proc.wait(timeout=60)
             except (OSError, subprocess.TimeoutExpired):
-                self.proc.kill()
-                self.proc.wait()
+                pass
+        self._kill()  # the stand-in if still there, and whatever it started that still holds the pipe
+        self.proc.wait()
         self._reader.join(timeout=10)  # it reads stdout until EOF: close that only once it is done
-        for stream in (self.proc.stdin, self.proc.stdout):
+        streams = [self.proc.stdin] + ([self.proc.stdout] if not self._reader.is_alive() else [])
+        for stream in streams:
             try:
                 stream.close()
             except OSError:
@@ -176,9 +204,10 @@ class RolloutEngine:
 
 class GpuPeak:
     """The GPU memory a save adds, two ways. NVML's used bytes of the whole device, sampled every
-    millisecond in a thread (one cheap query; ctypes drops the GIL, so the sampler barely
-    competes with the save's threads), less ``discount_bytes`` (the rollout's), not sampled while
-    ``paused`` (the rollout taking its memory: its size is known only once taken). And torch's own
+    millisecond in a thread (one query; ctypes drops the GIL), less ``discount_bytes`` (what the
+    device gained while the rollout took its memory, which is what it blinds NVML to: anything
+    else allocated in that window and kept), not sampled while ``paused`` (the rollout taking its
+    memory: its size is known only once taken). And torch's own
     count of the bytes allocated in this process, whose peak over the save is exact and free to
     read, for every allocation made through torch (torch_memory_saver's included). NVML's
     per-process query would need no discount; it was tried once, sampled every millisecond, and
@@ -199,6 +228,7 @@ class GpuPeak:
         self.baseline_bytes = self.peak_bytes = 0
         self.torch_baseline_bytes = 0
         self.torch_extra_bytes = 0
+        self._lock = threading.Lock()  # the thread and a caller's `sample` both update the peak
 
     def device_used(self) -> int:
         return int(self._nvml.nvmlDeviceGetMemoryInfo(self._handle).used)
@@ -207,6 +237,8 @@ class GpuPeak:
         """``sampling`` False: no thread; the caller calls `sample` (the tests do)."""
         import torch
 
+        if self._thread is not None:  # started again without a stop: end the earlier sampler first
+            self.stop()
         torch.cuda.reset_peak_memory_stats()
         self.torch_baseline_bytes = torch.cuda.memory_allocated()
         self.baseline_bytes = self.peak_bytes = self.device_used()
@@ -221,7 +253,8 @@ class GpuPeak:
     def sample(self) -> None:
         used = self.device_used()  # read, then check the pause, then the discount: no allocation slips past
         if not self.paused:
-            self.peak_bytes = max(self.peak_bytes, used - self.discount_bytes)
+            with self._lock:
+                self.peak_bytes = max(self.peak_bytes, used - self.discount_bytes)
 
     def _sample_loop(self) -> None:
         while not self._stop.is_set():
@@ -235,5 +268,6 @@ class GpuPeak:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
+            self._thread = None
         self.torch_extra_bytes = max(0, torch.cuda.max_memory_allocated() - self.torch_baseline_bytes)
         return max(0, self.peak_bytes - self.baseline_bytes)

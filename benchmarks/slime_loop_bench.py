@@ -246,7 +246,7 @@ def run_rounds(opts, out, args, model, optimizer, scheduler, iteration, tms, gro
             safe_megatron.finalize_async_saves(blocking=True)
         row = {"held_s": held, "wake_up_s": woke - start, "save_call_s": saved - woke, "sleep_s": start + held - saved,
                "durable_s": time.monotonic() - start, "gpu_extra_bytes": peak.stop(),
-               "torch_gpu_extra_bytes": peak.torch_extra_bytes,  # the same count read nonzero here: a control
+               "torch_gpu_extra_bytes": peak.torch_extra_bytes,  # beside the asleep save's: what the brackets allocate
                **pinned_end(pinned, 0 if stock else safe_pool_bytes())}
         row["bytes"] = tree_bytes(os.path.join(save_dir, "iter_%07d" % iteration))
         return row

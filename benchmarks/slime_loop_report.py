@@ -98,14 +98,16 @@ def header(out: dict, label: str) -> list:
             "the asleep state's, less the rollout stand-in's" + ("; in parentheses, where recorded, torch's peak of the "
             "bytes allocated in the saving process above those before the save" if torch_counted(out) else "") +
             ". Pinned host: torch's pinned allocator and "
-            "safe_ckpt's pool. Write ceiling: the same bytes written by 8 and by 16 threads with fsync into the "
+            "safe_ckpt's pool. Write ceiling: the same bytes written by " +
+            " and by ".join(str(t) for t in out.get("options", {}).get("threads", [8, 16])) + " threads with fsync into the "
             "same target before each round, the faster" + (("; measured again, " + (
                 "the same thread counts, the faster, in turn before and after the ceiling alone"
                 if alternating(out["rounds"]) else "with the faster count, after the ceiling alone") +
             ", while a rollout holds the freed GPU memory and runs its matmuls, as beside the asleep save (the last "
             "column)") if beside_ceilings(out) else "") + ". Held and durable times are the median and [min-max] of the "
             "target's rounds; the other timed columns are medians, the byte columns the most of any round. "
-            "Command: `python benchmarks/slime_loop_bench.py --targets /dev/shm/...,/tmp/... --rounds 2` "
+            "Command: `python benchmarks/slime_loop_bench.py --targets /dev/shm/...,/tmp/... --rounds "
+            f"{out.get('options', {}).get('rounds', 2)}` "
             "(`bash benchmarks/gpu_suite.sh slimeloop`).", ""]
 
 
@@ -208,7 +210,8 @@ def notes(out: dict, prof: dict | None, timed: list) -> list:
         lines += [f"- The rollout stand-in, already up, took its memory {spread(took, '.3f')} s after each asleep "
                   "save began. NVML's device-wide figure is not sampled during that take (the stand-in's size is "
                   f"not known until it has taken it): of each save's time to durable, {shares}, its planning and "
-                  "first writes included. Torch's count (in parentheses) "
+                  "first writes included; and what the device gained during it is discounted as the stand-in's, "
+                  "so an allocation the save made then and kept would be missed for the whole rollout. Torch's count (in parentheses) "
                   "covers the whole save, for every allocation made through torch; the profiled save above was "
                   "sampled by NVML throughout. The ceiling beside a rollout" +
                   ("" if alternating(timed) else " (one run, after the ceiling alone: its difference from that "

@@ -3,8 +3,9 @@
 One job: from the agreed plan, every rank's layout and the checksums the writers recorded,
 build the bytes of `.metadata` (the index stock loaders read), `metadata.json` (Megatron's
 config; left out where Megatron's own save writes it), a kvstore's whole files and, with
-checksums, the manifest, which also covers these small files; and say the write order:
-`.metadata` last, because without it nothing in the directory is a checkpoint.
+checksums, the manifest, which also covers these small files; and say the write order of a
+POSIX directory: `.metadata` last, because without it nothing in the directory is a checkpoint
+(a kvstore's order is `kvcommit.publish`'s, which marks completeness its own way).
 
 Must not: write, sync or publish anything (the save's commit step does, through its sink and
 `commit`), or decide whether a save commits.

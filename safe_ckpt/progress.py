@@ -1,7 +1,8 @@
 """Progress of a long save: periodic log lines (bytes, rate, ETA) and a summary line.
 
-One job: count bytes from any thread and log at most once per interval. Must not:
-block writers (logging happens in whichever thread crosses the interval).
+One job: count bytes from any thread and log at most once per interval, and word the line
+that sums up a finished save. Must not: block writers (logging happens in whichever thread
+crosses the interval).
 """
 
 from __future__ import annotations

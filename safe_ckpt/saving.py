@@ -293,6 +293,7 @@ class _Job:
         return sum(layout.file_bytes for layout in self._all_layouts())
 
     def _small_files(self) -> dict:
+        """The index and config (and, for a kvstore, the common state): they depend on the plan only."""
         return commit_files.small_files(self.global_plan, self._all_layouts(), self.checkpoint_dir, self.save_id,
                                         sharded_only=self.sharded_only, whole_files=self.whole_files)
 
@@ -336,6 +337,7 @@ class _Job:
             self.area = None
         if self.kv_sink is not None and getattr(self, "save_id", None) and self.coord.rank == 0:
             kvcommit.abort(self.kv_sink, kvcommit.new_file_tag(self.save_id))
+
 
 def start(sharded_state_dict: dict, checkpoint_dir, *, process_group=None, options: SaveOptions | None = None,
           content_metadata: dict | None = None, sharded_only: bool = False, post_commit=None,

@@ -71,6 +71,38 @@ def test_work_beside_a_rollout_ends_it(engine):
     assert engine.rollout(0.01)["rollout_bytes"] == SHARE_BYTES  # and it is ready for the next one
 
 
+def test_work_beside_a_rollout_that_fails_leaves_the_stand_in_ready(engine):
+    def fails():
+        raise ValueError("the ceiling failed")
+
+    with pytest.raises(ValueError, match="the ceiling failed"):
+        engine.rollout(0.0, during=fails)
+    assert engine.rollout(0.01)["rollout_bytes"] == SHARE_BYTES  # its "done" did not answer this "go"
+
+
+def test_a_blank_line_during_a_rollout_ends_it_without_harm(engine):
+    r = engine.rollout(0.0, during=lambda: engine._send(""))
+    assert r["rollout_bytes"] == SHARE_BYTES
+    assert engine.rollout(0.01)["rollout_bytes"] == SHARE_BYTES and engine.proc.poll() is None
+
+
+SILENT_AFTER_UP = r"""
+import sys
+print("up", flush=True)
+for line in sys.stdin:
+    pass
+"""
+
+
+def test_a_stand_in_that_does_not_answer_is_killed_and_reported():
+    e = RolloutEngine(device="cpu", start_timeout_s=60, program=SILENT_AFTER_UP, reply_timeout_s=1.0)
+    try:
+        with pytest.raises(RuntimeError, match=r"did not say 'ready' within 1 s \(killed, exit -9\)"):
+            e.rollout(0.0)
+    finally:
+        e.close()
+
+
 def test_a_stand_in_dead_before_a_rollout_is_reported_with_its_exit(engine):
     engine.proc.kill()
     with pytest.raises(RuntimeError, match=r"gone \(exit -9\)"):
@@ -141,12 +173,15 @@ def test_a_rollout_pauses_then_discounts_the_sampler(fake_gpu, engine):
     real_send = engine._send
 
     def send(line):
+        seen.append(("sent", line.split()[0], peak.paused))
         real_send(line)
         if line.startswith("go"):
             nvml.used = nvml_used + SHARE_BYTES  # what the device would show once the memory is taken
     engine._send = send
     r = engine.rollout(0.0, peak, during=during)
-    assert seen == [(False, SHARE_BYTES)]  # sampling again, the rollout's bytes discounted
+    assert seen == [("sent", "go", True),  # paused from the request: the stand-in's size is not known yet
+                    (False, SHARE_BYTES),  # sampling again, the rollout's bytes discounted
+                    ("sent", "stop", False)]
     assert r["sampler_paused_s"] == r["rollout_take_s"] > 0
     assert peak.discount_bytes == 0 and not peak.paused  # both put back once the rollout is done
     assert peak.stop() == 0

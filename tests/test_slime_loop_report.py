@@ -74,6 +74,17 @@ def test_torch_counts_stand_beside_nvml_and_the_pause_is_stated():
     assert "partial" not in text and "while the rollout stand-in started" not in text
 
 
+def test_a_run_that_took_the_beside_ceiling_second_says_so():
+    out = run()
+    for r in out["rounds"][1:]:
+        del r["ceiling_beside_rollout"]["first"]
+    out["options"] = {"threads": [4, 12], "rounds": 3}
+    text = rep.report(out, "t")
+    assert "with the faster count, after the ceiling alone" in text
+    assert "(one run, after the ceiling alone: its difference from that one is not the rollout's alone)" in text
+    assert "written by 4 and by 12 threads" in text and "--rounds 3`" in text  # the run's own options
+
+
 def test_rows_of_older_runs_keep_their_notes():
     text = rep.report(run(new=False), "t")
     assert "beside a rollout" not in text and "ceiling beside a rollout / durable" not in text
