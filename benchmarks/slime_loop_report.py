@@ -273,10 +273,27 @@ def report(out: dict, label: str) -> str:
     lines += not_measured()
     compare = next((r["compare"] for r in out["rounds"] if "compare" in r), None)
     if compare:
-        for name, c in compare.items():
-            lines.append(f"- {name}: {c.get('tensors')} tensors and {c.get('objects')} objects compared, "
-                         f"differ {c.get('differ')}, only in one {c.get('only_ours')} {c.get('only_stock')}")
+        lines += [compare_line(name, c) for name, c in compare.items()]
     return "\n".join(lines) + "\n"
+
+
+def compare_line(name: str, c: dict) -> str:
+    """What two variants' checkpoints of the same step hold, item by item (from
+    tests/megatron_evidence.compare_contents): which items differ and, where Megatron's common
+    state is one of them, which of its entries and `args` fields do, so that a reader can tell a
+    save's own settings (where it wrote, its options) from a difference in the training state."""
+    if c.get("differ") is None:
+        return f"- {name}: not compared ({c.get('error')})"
+    text = f"- {name}: {c.get('tensors')} tensors and {c.get('objects')} objects compared; "
+    differ = c["differ"]
+    text += f"items that differ: {differ}" if differ else "every item equal byte for byte"
+    if c.get("common_differ"):
+        text += f"; in the common state only {c['common_differ']} differ"
+        if c.get("common_args_differ"):
+            text += f", and of `args` only {c['common_args_differ']}"
+    only = (c.get("only_ours") or []) + (c.get("only_stock") or [])
+    text += f"; in one checkpoint only: {only}" if only else "; no item in one checkpoint only"
+    return text
 
 
 CEILING_ROWS = {

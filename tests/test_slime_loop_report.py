@@ -111,3 +111,19 @@ def test_a_runs_log_gives_back_its_rows(tmp_path):
     assert [r["ceiling"]["seconds"] for r in rows] == [4.0, 4.2]
     assert [r["asleep"]["durable_s"] for r in rows] == [5.0, 6.0]
     assert "beside-rollout 4.50s" in rep.summary_line(out["rounds"][1])
+
+
+def test_the_checkpoints_comparison_says_what_differs_in_the_common_state():
+    out = run()
+    out["rounds"][1]["compare"] = {
+        "asleep_vs_stock": {"differ": ["common_state/shard_0_1"], "tensors": 16, "objects": 58, "only_ours": [],
+                            "only_stock": [], "common_differ": ["args"], "common_args_differ": ["save"]},
+        "awake_vs_stock": {"differ": ["model.w"], "tensors": 16, "objects": 58, "only_ours": ["x"], "only_stock": []},
+        "broken": {"differ": None, "error": "OSError: gone"}}
+    lines = [line for line in rep.report(out, "t").splitlines() if "_vs_" in line or "broken" in line]
+    assert lines[0] == ("- asleep_vs_stock: 16 tensors and 58 objects compared; items that differ: "
+                        "['common_state/shard_0_1']; in the common state only ['args'] differ, and of `args` "
+                        "only ['save']; no item in one checkpoint only")
+    assert "items that differ: ['model.w']" in lines[1] and "in one checkpoint only: ['x']" in lines[1]
+    assert "common state" not in lines[1]
+    assert lines[2] == "- broken: not compared (OSError: gone)"
