@@ -279,21 +279,40 @@ def report(out: dict, label: str) -> str:
 
 def compare_line(name: str, c: dict) -> str:
     """What two variants' checkpoints of the same step hold, item by item (from
-    tests/megatron_evidence.compare_contents): which items differ and, where Megatron's common
-    state is one of them, which of its entries and `args` fields do, so that a reader can tell a
-    save's own settings (where it wrote, its options) from a difference in the training state."""
+    tests/megatron_evidence.compare_contents, which names ``a_vs_b``'s sides ours and stock):
+    which items differ, which only one side holds, and, where Megatron's common state differs,
+    which of its entries and `args` fields do, so that a reader can tell a save's own settings
+    (where it wrote, its options) from a difference in the training state. Claims no more than
+    the comparison recorded: common-state keys held by one side only are named only where the
+    run recorded them."""
+    first, _, second = name.partition("_vs_")
+    if not second:
+        first, second = "the first", "the second"
     if c.get("differ") is None:
-        return f"- {name}: not compared ({c.get('error')})"
-    text = f"- {name}: {c.get('tensors')} tensors and {c.get('objects')} objects compared; "
-    differ = c["differ"]
-    text += f"items that differ: {differ}" if differ else "every item equal byte for byte"
+        return f"- {name}: not compared ({c.get('error') or 'no comparison recorded'})"
+    text = (f"- {name}: {first}'s {c.get('tensors')} tensors and {c.get('objects')} objects compared with "
+            f"{second}'s; ")
+    differ, raw = c["differ"], c.get("object_bytes_differ_value_equal") or []
+    if differ:
+        text += f"items that differ: {differ}"
+    else:
+        text += "every item both hold equal in value" if raw else "every item both hold equal byte for byte"
+    if raw:
+        text += f"; equal in value, not in bytes: {raw}"
     if c.get("common_differ"):
-        text += f"; in the common state only {c['common_differ']} differ"
+        text += f"; of the common-state keys both hold only {c['common_differ']} differ"
         if c.get("common_args_differ"):
             text += f", and of `args` only {c['common_args_differ']}"
-    only = (c.get("only_ours") or []) + (c.get("only_stock") or [])
-    text += f"; in one checkpoint only: {only}" if only else "; no item in one checkpoint only"
-    return text
+    for side, key in ((first, "common_only_ours"), (second, "common_only_stock")):
+        if c.get(key):
+            text += f"; common-state keys only in {side}'s: {c[key]}"
+    only = False
+    for side, key in ((first, "only_ours"), (second, "only_stock")):
+        if c.get(key):
+            only = True
+            count = c.get(f"{key}_count")
+            text += f"; only in {side}'s: {c[key]}" + (f" ({count} in all)" if count and count > len(c[key]) else "")
+    return text + ("" if only else "; no item in one checkpoint only")
 
 
 CEILING_ROWS = {

@@ -215,8 +215,10 @@ def compare_contents(ours: str, stock: str) -> dict:
             "tensors": sum(isinstance(v, torch.Tensor) for v in a.values()),
             "objects": sum(not isinstance(v, torch.Tensor) for v in a.values()),
             "only_ours": sorted(set(a) - set(b))[:10], "only_stock": sorted(set(b) - set(a))[:10],
+            "only_ours_count": len(set(a) - set(b)), "only_stock_count": len(set(b) - set(a)),
             "object_bytes_differ_value_equal": raw_only,
             "common_differ": common_differ, "common_args_differ": args_differ,
+            "common_only_ours": sorted(set(ca) - set(cb)), "common_only_stock": sorted(set(cb) - set(ca)),
         }
     except Exception as e:  # keep the save's other evidence; make any assert on "differ" fail
         import traceback

@@ -113,17 +113,28 @@ def test_a_runs_log_gives_back_its_rows(tmp_path):
     assert "beside-rollout 4.50s" in rep.summary_line(out["rounds"][1])
 
 
-def test_the_checkpoints_comparison_says_what_differs_in_the_common_state():
+def test_the_checkpoints_comparison_says_what_differs_and_claims_no_more():
     out = run()
     out["rounds"][1]["compare"] = {
         "asleep_vs_stock": {"differ": ["common_state/shard_0_1"], "tensors": 16, "objects": 58, "only_ours": [],
                             "only_stock": [], "common_differ": ["args"], "common_args_differ": ["save"]},
-        "awake_vs_stock": {"differ": ["model.w"], "tensors": 16, "objects": 58, "only_ours": ["x"], "only_stock": []},
-        "broken": {"differ": None, "error": "OSError: gone"}}
-    lines = [line for line in rep.report(out, "t").splitlines() if "_vs_" in line or "broken" in line]
-    assert lines[0] == ("- asleep_vs_stock: 16 tensors and 58 objects compared; items that differ: "
-                        "['common_state/shard_0_1']; in the common state only ['args'] differ, and of `args` "
-                        "only ['save']; no item in one checkpoint only")
-    assert "items that differ: ['model.w']" in lines[1] and "in one checkpoint only: ['x']" in lines[1]
-    assert "common state" not in lines[1]
-    assert lines[2] == "- broken: not compared (OSError: gone)"
+        "awake_vs_stock": {"differ": ["model.w"], "tensors": 16, "objects": 58, "only_ours": ["x"],
+                           "only_stock": [], "only_ours_count": 12, "common_only_stock": ["rng"]},
+        "same_vs_stock": {"differ": [], "tensors": 2, "objects": 1, "only_ours": [], "only_stock": []},
+        "pickled_vs_stock": {"differ": [], "tensors": 2, "objects": 1, "only_ours": [], "only_stock": ["s1"],
+                             "object_bytes_differ_value_equal": ["o"]},
+        "broken_vs_stock": {"differ": None, "error": "OSError: gone"},
+        "empty_vs_stock": {}}
+    lines = [line for line in rep.report(out, "t").splitlines() if "_vs_stock:" in line]
+    assert lines[0] == ("- asleep_vs_stock: asleep's 16 tensors and 58 objects compared with stock's; items that "
+                        "differ: ['common_state/shard_0_1']; of the common-state keys both hold only ['args'] differ, "
+                        "and of `args` only ['save']; no item in one checkpoint only")
+    assert "items that differ: ['model.w']" in lines[1] and "only in awake's: ['x'] (12 in all)" in lines[1]
+    assert "common-state keys only in stock's: ['rng']" in lines[1] and "no item in one" not in lines[1]
+    assert lines[2] == ("- same_vs_stock: same's 2 tensors and 1 objects compared with stock's; every item both "
+                        "hold equal byte for byte; no item in one checkpoint only")
+    # bytes that differ in an equal value, and an item only the stock checkpoint holds, are never "all equal"
+    assert "byte for byte" not in lines[3] and "equal in value, not in bytes: ['o']" in lines[3]
+    assert "only in stock's: ['s1']" in lines[3] and "no item in one" not in lines[3]
+    assert lines[4] == "- broken_vs_stock: not compared (OSError: gone)"
+    assert lines[5] == "- empty_vs_stock: not compared (no comparison recorded)"
