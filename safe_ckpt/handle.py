@@ -91,6 +91,23 @@ class SaveHandle:
         return self._observed()
 
 
+def count_at_exit(failed) -> None:
+    """Count a save that failed without a `SaveHandle` (one that failed before its writes began)
+    like a failed asynchronous save: unless `mark_observed(failed)` comes first, the exit handler
+    names it and ends the process with status 1. ``failed`` has a ``checkpoint_dir`` and an
+    ``_error``, as a `SaveHandle` has."""
+    with _inflight_lock:
+        if failed not in _unobserved:
+            _unobserved.append(failed)
+
+
+def mark_observed(failed) -> None:
+    """Someone was told of ``failed``'s error (it was raised to a caller)."""
+    with _inflight_lock:
+        if failed in _unobserved:
+            _unobserved.remove(failed)
+
+
 @atexit.register
 def _finish_inflight_at_exit() -> None:
     with _inflight_lock:

@@ -6,12 +6,18 @@ paused (virtual address reserved, no physical pages: what torch_memory_saver's
 pointers are checked with the CUDA driver (`cuPointerGetAttribute(MAPPED)`) because
 any copy out of a paused range kills the process instead of raising.
 
-Must not: copy, read or synchronize anything. (The optional CPU-backup lookup only
-returns a view of torch_memory_saver's own backup buffer.)
+A tensor's owner may keep its bytes elsewhere while its device memory is paused (slime keeps
+the trained weights in its own host copy, in a region torch_memory_saver keeps no backup of):
+code that knows such a copy registers a lookup for the duration of a save (`host_copies`), and
+`classify(..., allow_cpu_backup=True)` asks it first.
+
+Must not: copy, read or synchronize anything. (The optional CPU-backup and host-copy lookups
+only return views of memory their owners keep.)
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 from enum import Enum
@@ -27,12 +33,30 @@ class Residence(str, Enum):
     CUDA = "cuda"
     CUDA_UNMAPPED = "cuda_unmapped"
     OFFLOAD_BACKUP = "offload_backup"
+    HOST_COPY = "host_copy"  # a copy the tensor's owner keeps in host memory (`host_copies`)
     PINNED = "pinned"
     PAGEABLE = "pageable"
     INVALID = "invalid"
 
 
-HOST_RESIDENCES = (Residence.PINNED.value, Residence.PAGEABLE.value, Residence.OFFLOAD_BACKUP.value)
+HOST_RESIDENCES = (Residence.PINNED.value, Residence.PAGEABLE.value, Residence.OFFLOAD_BACKUP.value,
+                   Residence.HOST_COPY.value)
+
+_host_copy_lookups: list = []  # registered by `host_copies`, newest last
+
+
+@contextlib.contextmanager
+def host_copies(lookup, what: str = "its owner's host copy"):
+    """While inside: `classify(t, allow_cpu_backup=True)` first asks ``lookup(t)``, which returns
+    a host tensor of ``t``'s shape and dtype holding the bytes the owner restores into ``t`` when
+    it wakes up, or None; a tensor it answers for is read from that copy, whatever its own
+    residence. ``what`` names the copy in the classification's detail."""
+    entry = (lookup, what)
+    _host_copy_lookups.append(entry)
+    try:
+        yield
+    finally:
+        _host_copy_lookups.remove(entry)
 
 
 @dataclass(frozen=True)
@@ -88,6 +112,11 @@ def classify(tensor: torch.Tensor, *, allow_cpu_backup: bool = False) -> Classif
     device = tensor.device.type
     if device == "meta":
         return Classified(Residence.INVALID.value, "meta tensor has no data")
+    if allow_cpu_backup:
+        for lookup, what in tuple(_host_copy_lookups):
+            copy = lookup(tensor)
+            if copy is not None:
+                return Classified(Residence.HOST_COPY.value, f"read from {what}", copy)
     if device == "cpu":
         if tensor.numel() and tensor.data_ptr() == 0:
             return Classified(Residence.INVALID.value, "host tensor without storage")

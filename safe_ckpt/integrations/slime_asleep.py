@@ -7,8 +7,10 @@ actor's process, without editing slime) so that an actor whose training state is
 
 slime (since v0.3.0) brackets every checkpoint with `wake_up()` (torch_memory_saver.resume(): the
 whole CPU backup copied back to the device, every process group rebuilt) and `sleep()`. The
-asleep save instead reads paused regions from torch_memory_saver's CPU backup
-(`unmapped_policy="cpu_backup"`) and host-resident optimizer state where it lives, coordinates over
+asleep save instead reads every byte from where slime keeps it while asleep: the model weights
+from slime's own host copies (its `TensorBackuper`, `slime_sources`: in slime's layout the
+parameters' region has no CPU backup), other paused regions from torch_memory_saver's CPU backup
+(`unmapped_policy="cpu_backup"`), and host-resident optimizer state where it lives; it coordinates over
 a gloo backend that slime's group cycle cannot reach (`slime_groups.DetachedGloo`), answers
 Megatron's rank queries from the groups as they were before sleep (`slime_groups.pinned_ranks`),
 and returns at once: the state dict is built and planned in a thread (`StartingSave`; the RNG
@@ -21,7 +23,11 @@ which keeps slime's own wake-up path (a log line names the reason):
 - `--safe-ckpt-save-awake`: the asleep save is turned off;
 - `--save-hf` (actor role): the HF export reads the live model, which needs it awake;
 - `--overlap-param-gather` with the distributed optimizer: the model's weights on the device are
-  not current until the next forward's parameter all-gather (slime's `save` forces it with NCCL).
+  not current until the next forward's parameter all-gather (slime's `save` forces it with NCCL);
+- some tensor of the training state has no readable source while asleep (`slime_sources`: paused
+  memory with neither a backup nor a matched copy of slime's, e.g. a disk-backed region or a
+  backuper without host copies): a WARNING names the tensors. The ranks agree on the path over
+  the detached group, so every rank wakes up or none does.
 
 What is held back, and why (the rule): the asleep save reads bytes that the next `wake_up()` and
 training step change or free: `torch_memory_saver.resume()` copies the CPU backup back to the
@@ -34,7 +40,9 @@ from slime's own host copy) and the rollout run beside the save. A save that fai
 `CheckpointError` from that `wake_up()` (or from the next `save_model`, or a forced sync), as
 Megatron's async saves raise at finalize: one rollout and `update_weights()` after the failure,
 which is logged at once. The ranks vote on their state-dict builds before planning, so a build
-that fails on one rank fails every rank with the same error.
+that fails on one rank fails every rank with the same error. A failure that nobody is told about
+before the process exits (no later `wake_up`, forced save or `save_model`) counts at exit like
+a failed asynchronous save: the process exits with status 1 (`safe_ckpt.handle`).
 
 "Asleep" is what the actor's own code did last: slime calls `self.sleep()` at the end of `init`,
 `train` and `save_model` and `self.wake_up()` at the start of `train` (and in `update_weights` when
@@ -50,6 +58,7 @@ Must not: wake the actor, touch paused device memory, use NCCL, or change slime'
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib
@@ -61,8 +70,10 @@ from dataclasses import dataclass
 
 from .. import compat
 from .. import dist as safe_dist
+from .. import handle as handle_mod
+from .. import residence
 from ..errors import CheckpointError, ValidationError, failure_from_exception
-from . import slime_groups
+from . import slime_groups, slime_sources
 from .slime_resume_guard import guard_resume
 
 log = logging.getLogger("safe_ckpt")
@@ -99,10 +110,13 @@ def capture_rng_state(args, snapshot):
         return training._rng_state(mck, args, {})
 
 
-def start_asleep_save(args, model, optimizer, opt_param_scheduler, iteration, group, snapshot, rng_state=None):
+def start_asleep_save(args, model, optimizer, opt_param_scheduler, iteration, group, snapshot, rng_state=None,
+                      copies: slime_sources.WeightCopies | None = None):
     """Build Megatron's state dict for ``iteration`` with the ranks pinned to ``snapshot``, plan it
     over ``group`` and return the `SaveHandle` writing it in the background (tracker, retention).
     ``rng_state``: from `capture_rng_state` when the call runs later than the save was asked for.
+    ``copies``: slime's host copies of the weights (`slime_sources.check_sources`), read in place
+    of the parameters.
 
     Collective from the start: every rank votes on its build before planning, so a build that
     fails on one rank fails every rank at once with the same error (naming that rank, the
@@ -139,9 +153,11 @@ def start_asleep_save(args, model, optimizer, opt_param_scheduler, iteration, gr
     coord.vote(stage, failure)
     state_dict["num_floating_point_operations_so_far"] = 0  # what slime's save passes
     checkpoint_name = mck.get_checkpoint_name(args.save, iteration, release=False, return_base_dir=True)
-    log.info("safe_ckpt: saving iteration %s asleep to %s (no wake-up; paused bytes from the CPU backup)",
-             iteration, checkpoint_name)
-    with slime_groups.pinned_ranks(snapshot):
+    log.info("safe_ckpt: saving iteration %s asleep to %s (no wake-up; %spaused bytes from the CPU backup)",
+             iteration, checkpoint_name, "weights from slime's TensorBackuper, " if copies is not None else "")
+    reading = residence.host_copies(copies.lookup, slime_sources.COPIES_WHAT) if copies is not None \
+        else contextlib.nullcontext()
+    with slime_groups.pinned_ranks(snapshot), reading:  # the residences are classified while planning
         return training.save_state(
             state_dict, args.save, checkpoint_name, str(iteration),
             content_metadata=compat.clean_content_metadata(metadata), options=options, async_save=True,
@@ -157,8 +173,9 @@ class StartingSave:
     reads changes before the next `wake_up()`, which waits for this save first.
     """
 
-    def __init__(self, build, iteration) -> None:
+    def __init__(self, build, iteration, checkpoint_dir: str = "") -> None:
         self.iteration = iteration
+        self.checkpoint_dir = checkpoint_dir or f"iteration {iteration}"  # named at exit if it fails unseen
         self.handle = None
         self.error: BaseException | None = None
         self._built = threading.Event()
@@ -180,8 +197,19 @@ class StartingSave:
             self.error = exc
             log.error("safe_ckpt: the asleep save of iteration %s failed before writing: %s: %s; it is "
                       "raised at the next wake_up", self.iteration, type(exc).__name__, exc)
+            handle_mod.count_at_exit(self)  # until someone is told, as a failed asynchronous save
         finally:
             self._built.set()
+
+    @property
+    def _error(self) -> BaseException | None:  # what `safe_ckpt.handle`'s exit report names
+        return self.error
+
+    def take_error(self) -> BaseException | None:
+        """The build's error, now counted as seen (it no longer makes the process exit 1)."""
+        if self.error is not None:
+            handle_mod.mark_observed(self)
+        return self.error
 
     def done(self) -> bool:
         return self._built.is_set() and (self.handle is None or self.handle.done())
@@ -190,7 +218,7 @@ class StartingSave:
         start = time.monotonic()
         if not self._built.wait(timeout):
             raise TimeoutError(f"the asleep save of iteration {self.iteration} is still building its state dict")
-        if self.error is not None:
+        if self.take_error() is not None:
             raise self.error
         left = None if timeout is None else max(0.0, timeout - (time.monotonic() - start))
         return self.handle.wait(timeout=left)
@@ -207,7 +235,7 @@ def _current_cuda_device() -> int | None:
 
 def _build_failure(starting: StartingSave) -> CheckpointError | None:
     """The error of a build that failed before its writes started, as a `CheckpointError`."""
-    error = starting.error if isinstance(starting, StartingSave) else None
+    error = starting.take_error() if isinstance(starting, StartingSave) else None
     if error is None or isinstance(error, CheckpointError):
         return error
     failure = CheckpointError(f"the asleep save of iteration {starting.iteration} failed while building its "
@@ -222,6 +250,7 @@ class Bracket:
 
     iteration_started_s: float
     force_sync: bool
+    copies: slime_sources.WeightCopies | None = None  # slime's host copies of the weights, if it keeps them
 
 
 def _is_save_model_body(frame, module_file: str | None) -> bool:
@@ -303,14 +332,38 @@ class AsleepSaves:
             if reason is None:
                 called = time.monotonic()  # a wait for the previous save holds the loop too
                 self.finish_inflight("save_model")  # one save at a time
-                self.bracket = Bracket(called, bool(caller.f_locals.get("force_sync", False)))
-                return None
-            if self.asleep:
+                check, reason = self.check_sources(actor)
+                if reason is None:
+                    self.bracket = Bracket(called, bool(caller.f_locals.get("force_sync", False)), check.copies)
+                    return None
+                log.warning("safe_ckpt: save_model wakes the actor up, as slime does: %s", reason)
+            elif self.asleep:
                 log.info("safe_ckpt: save_model wakes the actor up, as slime does: %s", reason)
         self.bracket = None
         self.finish_inflight("wake_up")
         self.asleep = False
         return original(actor, *args, **kwargs)
+
+    def check_sources(self, actor):
+        """Every rank's sources checked (`slime_sources`), and agreed on over the detached group:
+        (check, None) when every rank can save asleep, else (check, the reason to wake up)."""
+        try:
+            with slime_groups.pinned_ranks(self.snapshot):  # slime's getter asks the model-parallel ranks
+                check = slime_sources.check_sources(actor, actor.args)
+            mine = check.reason() if check.unreadable else None
+        except Exception as exc:  # a layout this code does not know: slime's own path is always safe
+            check, mine = None, f"the sources could not be checked ({type(exc).__name__}: {exc})"
+        if isinstance(self.group, slime_groups.DetachedGloo):
+            theirs = self.group.coordinator("asleep sources").exchange("asleep sources", mine)
+            others = [f"rank {r}: {why}" for r, why in enumerate(theirs) if why is not None and r != self.group.rank]
+            if others and mine is None:
+                mine = "; ".join(others)
+            elif others:
+                mine = f"{mine}; and {'; '.join(others)}"
+        if check is not None and check.copies is not None and mine is None:
+            log.info("safe_ckpt: the model weights are read from %s (%d bytes)", slime_sources.COPIES_WHAT,
+                     check.copies.copy_bytes)
+        return check, mine
 
     def sleep(self, actor, original, caller, *args, **kwargs):
         bracket = self.bracket
@@ -337,16 +390,25 @@ class AsleepSaves:
                 return awake_save_checkpoint(iteration, model, optimizer, opt_param_scheduler, *args, **kwargs)
             from megatron.training.global_vars import get_args
 
-            args, snapshot, group = get_args(), self.snapshot, self.group
+            args, snapshot, group, copies = get_args(), self.snapshot, self.group, self.bracket.copies
             rng_state = capture_rng_state(args, snapshot)
             self.inflight = StartingSave(lambda: start_asleep_save(
-                args, model, optimizer, opt_param_scheduler, iteration, group, snapshot, rng_state=rng_state),
-                iteration)
+                args, model, optimizer, opt_param_scheduler, iteration, group, snapshot, rng_state=rng_state,
+                copies=copies), iteration, _checkpoint_dir(args, iteration))
             self.inflight_iteration = iteration
             return self.inflight
 
         save_checkpoint._safe_ckpt_asleep = self
         return save_checkpoint
+
+
+def _checkpoint_dir(args, iteration) -> str:
+    try:
+        from megatron.training import checkpointing as mck
+
+        return mck.get_checkpoint_name(args.save, iteration, release=False, return_base_dir=True)
+    except Exception:  # only a name for log lines
+        return f"{getattr(args, 'save', '')}/iter_{iteration}"
 
 
 def _wrap(cls, name: str, saves: AsleepSaves) -> None:
