@@ -24,17 +24,22 @@ def slime_args(save_dir, backend="safe", extra=()):
     from safe_ckpt.integrations import slime as integration
 
     parser = argparse.ArgumentParser()
-    for flag in ("--save", "--custom-megatron-init-path", "--save-hf"):
+    for flag in ("--save", "--load", "--custom-megatron-init-path", "--save-hf"):
         parser.add_argument(flag, default=None)
     parser.add_argument("--ckpt-format", default="torch_dist")
     parser.add_argument("--tensor-model-parallel-size", type=int, default=2)
     for flag in ("--async-save", "--no-save-optim", "--no-save-rng", "--use-distributed-optimizer", "--offload-train",
-                 "--debug-rollout-only", "--overlap-param-gather"):
+                 "--debug-rollout-only", "--overlap-param-gather", "--release-train"):
         parser.add_argument(flag, action="store_true")
     integration.add_arguments(parser)
     args = parser.parse_args(["--save", save_dir, "--ckpt-backend", backend, "--use-distributed-optimizer",
                               "--custom-megatron-init-path", integration.INIT_HOOK, "--safe-ckpt-io-threads", "2",
                               "--safe-ckpt-timeout-s", "30", *extra])
+    if args.release_train:  # as slime's parse_args: the train actors are released, not offloaded
+        args.offload_train = False
+    # as slime's parse_args with --offload-train: the patched DDP allocates the parameter and
+    # gradient buffers in torch_memory_saver regions without CPU backup (the mirror lays them out so)
+    args.disable_grad_buffers_cpu_backup = args.disable_param_buffers_cpu_backup = args.offload_train
     args.safe_ckpt_model_module = MODEL_MODULE  # where slime's modules live in the mirror
     args.safe_ckpt_actor_module = ACTOR_MODULE
     args.safe_ckpt_reloadable_module = RELOADABLE_MODULE

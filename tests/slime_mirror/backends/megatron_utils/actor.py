@@ -3,9 +3,28 @@
 Mirrors THUDM/slime 624b824a (see tests/slime_mirror/__init__.py): `save_model` wakes the actor up
 (`--offload-train`), finalizes pending async saves, saves, finalizes again if `force_sync`, writes
 the HF copy (`--save-hf`, actor role), and puts it back to sleep; `sleep` = clear memory, destroy
-the process groups, pause the memory saver; `wake_up` = resume, clear memory, reload the groups.
-With `args.offload_train` and `device="cuda"` the synthetic state lives inside a real
-torch_memory_saver region with a CPU backup. Where this differs from slime, and why:
+the process groups, pause the memory saver; `wake_up` = resume, clear memory, reload the groups,
+and (actor role) restore the weights from slime's `TensorBackuper` (`_switch_model("actor")`).
+
+Memory layout, as slime ships it when `args.disable_param_buffers_cpu_backup` is set (slime's
+`parse_args` sets it, and the grad one, with `--offload-train`; the test cases' `slime_args` too):
+every bf16 model weight is a parameter viewing one flat `param_data` allocated in
+`torch_memory_saver.region(tag="param_buffer", enable_cpu_backup=False)`, a flat `grad_data` sits in
+`region(tag="grad_buffer", enable_cpu_backup=False)` (what slime's Megatron patch does in
+`_ParamAndGradBuffer` with the distributed optimizer), everything else is outside those regions
+(slime: the preload hook's default region, with CPU backup), and `weights_backuper` (the mirror of
+slime's TensorBackuper, tests/slime_mirror/utils/tensor_backper.py) holds the weights in host memory
+under the tag "actor", backed up at init and after each train step. `sleep` pauses every tag, as
+slime's does; on CPU the stand-in torch_memory_saver (tests/stand_ins_tms) overwrites the regions
+without backup, so whatever reads the weights while asleep from the parameters reads garbage.
+Otherwise (the GPU tests' own args) the older layout: with `args.offload_train` and `device="cuda"`
+the synthetic state lives inside one real torch_memory_saver region with a CPU backup.
+
+`--release-train` (slime's `RayTrainGroup.create`/`save_model`/`release`, tests/slime_mirror/ray):
+`init` loads `args.load` as Megatron's `load_checkpoint` does (the tracker, then the iteration's
+directory through `megatron.core.dist_checkpointing.load`) and returns the next rollout id.
+
+Where this differs from slime, and why:
 - slime puts torch_memory_saver in its `preload` hook mode (RayTrainGroup sets `LD_PRELOAD` and
   `TMS_INIT_ENABLE{,_CPU_BACKUP}=1`, so every allocation of the actor is pauseable, one default tag)
   and calls `pause()`/`resume()` for all tags. The mirror uses the `torch` hook mode (a
@@ -22,6 +41,8 @@ torch_memory_saver region with a CPU backup. Where this differs from slime, and 
   the GPU residence scenario saves in place while asleep (`save_in_place`) through the stock path.
 - `init` does not call `sleep()` at its end as slime's does with `--offload-train`: the tests put
   the actor to sleep themselves (slime's `train()` also ends with `sleep()`).
+- `train` trains nothing unless `args.mirror_train_step` is set: then it changes every weight and
+  optimizer tensor by a seeded step (a function of the rollout id and the state), as training would.
 - `self.calls` counts sleep / wake_up / save_hf calls (test bookkeeping, not in slime).
 """
 
@@ -29,24 +50,42 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from datetime import timedelta
 
 TMS_TAG = "train"  # the mirror's one torch_memory_saver region (slime: every allocation, default tag)
+STAND_INS_TMS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))))), "stand_ins_tms")
 
 
 class _SyntheticModel:
-    def __init__(self, state):
+    def __init__(self, state, params=(), buffers=()):
         self._state = state
+        self._params, self._buffers = list(params), list(buffers)
 
     def sharded_state_dict(self, metadata=None, **kwargs):
         return self._state["model"]
 
+    def named_parameters(self):
+        return iter(self._params)
+
+    def named_buffers(self):
+        return iter(self._buffers)
+
 
 class _SyntheticOptimizer:
+    """Megatron's optimizer as far as the save reads it; `optimizer` stands for the inner torch
+    optimizer (its param_groups hold the fp32 main-parameter shards)."""
+
     is_stub_optimizer = False
 
     def __init__(self, state):
+        import types
+
         self._state = state
+        mains = [piece["tensor"].data for key, pieces in state["optimizer"]["distributed"].items()
+                 if key.endswith(".param") for piece in pieces]
+        self.optimizer = types.SimpleNamespace(param_groups=[{"params": mains}], state={})
 
     def sharded_state_dict(self, model_state_dict, metadata=None, is_loading=False, **kwargs):
         return self._state["optimizer"]
@@ -72,10 +111,29 @@ def _clear_memory(clear_host_memory: bool = False) -> None:
         torch._C._host_emptyCache()
 
 
-def _memory_saver():  # slime imports it at module level; the CPU mirror must not need it
+def _memory_saver(stand_in: bool = False):  # slime imports it at module level; the CPU mirror must not need it
+    if stand_in and STAND_INS_TMS not in sys.path:  # no device: the CPU stand-in
+        sys.path.insert(0, STAND_INS_TMS)
     from torch_memory_saver import torch_memory_saver
 
     return torch_memory_saver
+
+
+def _shipped_layout(args) -> bool:
+    return bool(getattr(args, "disable_param_buffers_cpu_backup", False))
+
+
+def _weight_holders(state):
+    """(slime's global parameter name, the ShardedTensor or factory holding it) of every bf16 weight."""
+    import torch
+
+    for key, entry in state["model"].items():
+        entries = entry if isinstance(entry, list) else [entry]
+        for layer, holder in enumerate(entries):
+            if getattr(holder, "data", None) is None or holder.data.dtype != torch.bfloat16:
+                continue
+            name = key.replace("decoder.layers.", f"decoder.layers.{layer}.", 1) if isinstance(entry, list) else key
+            yield f"module.module.{name}", holder
 
 
 class MegatronTrainRayActor:
@@ -121,12 +179,73 @@ class MegatronTrainRayActor:
             state = build_state(self.rank, self.world_size, tp=args.tensor_model_parallel_size, spec=self.spec,
                                 device=self.device)
         self._state = state
-        self.model = [_SyntheticModel(state)]
+        params = self._lay_out_as_shipped() if _shipped_layout(args) else []
+        self.model = [_SyntheticModel(state, params, [("embedding.position_ids", state["model"]["embedding.position_ids"].data)])]
         self.optimizer = _SyntheticOptimizer(state)
         self.opt_param_scheduler = _Scheduler()
         if getattr(args, "custom_megatron_init_path", None):  # as slime's initialize.init does, last
             load_function(args.custom_megatron_init_path)(args)
-        return True
+        self.loaded_iteration = self._load(args.load) if getattr(args, "load", None) else None
+        if params:
+            from tests.slime_mirror.utils.tensor_backper import TensorBackuper
+
+            self.weights_backuper = TensorBackuper.create(source_getter=lambda: iter(params), single_tag=None)
+            self._active_model_tag = "actor"
+            self.weights_backuper.backup("actor")
+        return 0 if self.loaded_iteration is None else self.loaded_iteration + 1
+
+    def _lay_out_as_shipped(self):
+        """The weights as parameters viewing one flat buffer without CPU backup (see the module docstring)."""
+        import torch
+
+        tms = _memory_saver(stand_in=not self.device.startswith("cuda"))
+        holders = list(_weight_holders(self._state))
+        numel = sum(h.data.numel() for _, h in holders)
+        with tms.region(tag="param_buffer", enable_cpu_backup=False):
+            param_data = torch.zeros(numel, dtype=torch.bfloat16, device=self.device)
+        with tms.region(tag="grad_buffer", enable_cpu_backup=False):
+            self._grad_data = torch.zeros(numel, dtype=torch.float32, device=self.device)
+        params, offset = [], 0
+        for name, holder in holders:
+            n = holder.data.numel()
+            view = param_data[offset:offset + n].view(holder.data.shape)
+            view.copy_(holder.data)
+            holder.data = torch.nn.Parameter(view, requires_grad=False)
+            params.append((name, holder.data))
+            offset += n
+        self._param_data = param_data
+        return params
+
+    def _switch_model(self, target_tag):
+        """As slime's: restore the weights of a tag from the backuper."""
+        if target_tag not in self.weights_backuper.backup_tags:
+            raise ValueError(f"Cannot switch to unknown model tag: {target_tag}")
+        self.weights_backuper.restore(target_tag)
+        self._active_model_tag = target_tag
+
+    def _load(self, load_dir):
+        """What Megatron's load_checkpoint does for torch_dist: the tracker names the iteration,
+        `dist_checkpointing.load` reads it into this rank's sharded state; returns the iteration."""
+        import torch
+        from megatron.core import dist_checkpointing
+
+        from safe_ckpt.synthetic import build_state
+
+        tracker = os.path.join(load_dir, "latest_checkpointed_iteration.txt")
+        if not os.path.isfile(tracker):
+            return None
+        iteration = int(open(tracker).read().strip())
+        tp = self.args.tensor_model_parallel_size
+        template = build_state(self.rank, self.world_size, tp=tp, spec=self.spec, empty=True, saved_tp=tp)
+        for key in ("rank_info", "rng_state"):
+            template.pop(key)
+        loaded = dist_checkpointing.load({"model": template["model"], "optimizer": template["optimizer"]},
+                                         os.path.join(load_dir, f"iter_{iteration:07d}"))
+        mine = {"model": self._state["model"], "optimizer": self._state["optimizer"]}
+        with torch.no_grad():
+            for target, value in zip(_leaves(mine), _leaves(loaded)):
+                target.data.copy_(value)
+        return iteration
 
     def _rebuild_model_parallel(self):
         from megatron.core import mpu
@@ -155,7 +274,9 @@ class MegatronTrainRayActor:
         _clear_memory(clear_host_memory=True)
         if not getattr(self.args, "mirror_keep_groups", False):
             destroy_process_groups()
-        if self.device.startswith("cuda"):
+        if _shipped_layout(self.args):
+            _memory_saver(stand_in=not self.device.startswith("cuda")).pause()
+        elif self.device.startswith("cuda"):
             _memory_saver().pause(TMS_TAG)
         return True
 
@@ -165,19 +286,52 @@ class MegatronTrainRayActor:
 
         assert self.args.offload_train
         self.calls["wake_up"] += 1
-        if self.device.startswith("cuda"):
+        if _shipped_layout(self.args):
+            _memory_saver(stand_in=not self.device.startswith("cuda")).resume()
+        elif self.device.startswith("cuda"):
             _memory_saver().resume(TMS_TAG)
         _clear_memory()
         if not getattr(self.args, "mirror_keep_groups", False):
             reload_process_groups()
+        if self.role == "actor" and hasattr(self, "weights_backuper"):
+            self._switch_model("actor")
         return True
 
     def train(self, rollout_id, rollout_data_ref=None, external_data=None):
-        """As slime's `train` around the training itself (none in the mirror): wake_up, sleep."""
+        """As slime's `train`: wake_up, the training (a seeded step with `args.mirror_train_step`),
+        the weights backed up under "actor" (`train_actor`'s end), sleep."""
         if self.args.offload_train:
             self.wake_up()
+        if getattr(self.args, "mirror_train_step", False):
+            self._train_step(rollout_id)
+        if hasattr(self, "weights_backuper"):
+            self.weights_backuper.backup("actor")
         if self.args.offload_train:
             self.sleep()
+
+    def _train_step(self, rollout_id):
+        import torch
+
+        g = torch.Generator().manual_seed(1000 * (rollout_id + 1) + self.rank)
+        with torch.no_grad():
+            for t in _leaves({"model": self._state["model"], "optimizer": self._state["optimizer"]}):
+                t = t.data
+                if t.is_floating_point():
+                    t.add_(torch.randn(t.shape, generator=g).to(t.dtype).mul_(0.01))
+                else:
+                    t.add_(rollout_id + 1)
+
+    def state_digest(self):
+        """sha256 of every tensor this rank saves (model and optimizer), in a fixed order."""
+        import hashlib
+
+        h = hashlib.sha256()
+        for t in _leaves({"model": self._state["model"], "optimizer": self._state["optimizer"]}):
+            h.update(t.data.detach().cpu().contiguous().view(-1).view(__import__("torch").uint8).numpy().tobytes())
+        return h.hexdigest()
+
+    def loaded(self):
+        return self.loaded_iteration
 
     def save_model(self, rollout_id, force_sync=False):
         """As slime's (624b824a), line for line (plus the mirror's count of HF saves)."""
@@ -367,6 +521,24 @@ class MegatronTrainRayActor:
 
         yield from walk({"model": self._state["model"], "optimizer": self._state["optimizer"]})
 
+    def check_same_as(self, iteration, other_dir):
+        """Every tensor of this rank's shards of ``iteration`` in args.save and in ``other_dir``,
+        loaded with stock Megatron: the keys that differ (bit for bit)."""
+        from megatron.core import dist_checkpointing
+
+        from safe_ckpt.synthetic import bits_equal, build_state
+
+        tp = self.args.tensor_model_parallel_size
+        out = []
+        for root in (self.args.save, other_dir):
+            template = build_state(self.rank, self.world_size, tp=tp, spec=self.spec, empty=True, saved_tp=tp)
+            template.pop("rank_info"), template.pop("rng_state")
+            out.append(dist_checkpointing.load({"model": template["model"], "optimizer": template["optimizer"]},
+                                               os.path.join(root, f"iter_{iteration:07d}")))
+        a, b = (list(_leaves(x, keys=True)) for x in out)
+        return [ka for (ka, ta), (kb, tb) in zip(a, b) if ka != kb or not bits_equal(ta, tb)] + \
+            (["<different structure>"] if len(a) != len(b) else [])
+
     def check_load(self, iteration):
         """Load iteration with stock Megatron under another sharding; list mismatches.
         Reads only the checkpoint and a freshly seeded CPU reference, so it works asleep too."""
@@ -383,3 +555,18 @@ class MegatronTrainRayActor:
         target.pop("rng_state"), expected.pop("rng_state")
         loaded = dist_checkpointing.load(target, path)
         return compare_loaded(loaded, expected), loaded.get("iteration")
+
+
+def _leaves(tree, keys=False, path=""):
+    """The tensors (or ShardedTensors/factories) of a state dict in a fixed order; with ``keys``, (path, leaf)."""
+    import torch
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    if isinstance(tree, dict):
+        for k in sorted(tree, key=str):
+            yield from _leaves(tree[k], keys, f"{path}/{k}")
+    elif isinstance(tree, list):
+        for i, v in enumerate(tree):
+            yield from _leaves(v, keys, f"{path}/{i}")
+    elif isinstance(tree, (ShardedTensor, ShardedTensorFactory, torch.Tensor)):
+        yield (path, tree) if keys else tree
