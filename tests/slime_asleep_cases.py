@@ -46,13 +46,17 @@ def slime_args(save_dir, backend="safe", extra=()):
     return args
 
 
-def _actor(rank, world, save_dir, extra=()):
+def _actor(rank, world, save_dir, extra=(), mirror=None):
+    """A mirrored train actor; ``mirror``: attributes set on its args before init (mirror-only knobs)."""
     if STAND_INS not in sys.path:
         sys.path.insert(0, STAND_INS)
     from tests.slime_mirror.backends.megatron_utils.actor import MegatronTrainRayActor
 
     actor = MegatronTrainRayActor(world, rank, None, None)
-    actor.init(slime_args(save_dir, extra=["--offload-train", *extra]), "actor", SPEC, device="cpu")
+    args = slime_args(save_dir, extra=["--offload-train", *extra])
+    for name, value in (mirror or {}).items():
+        setattr(args, name, value)
+    actor.init(args, "actor", SPEC, device="cpu")
     return actor
 
 
@@ -285,3 +289,65 @@ def failed_build_raises_at_wake_up(rank, world, save_dir, failing=None):
     mismatches, iteration = actor.check_load(6)
     return {"raised": raised, "after_failure": after_failure, "mismatches": mismatches[:5], "iteration": iteration,
             "waited_s": waited_s}
+
+
+def _weights_residences(actor):
+    """Once the asleep save in flight is committed: what it read, by residence."""
+    from safe_ckpt.integrations.slime_asleep import installed
+
+    saves = installed(type(actor))
+    inflight = saves.inflight if saves else None
+    return None if inflight is None else dict(inflight.wait(BOUND_S).bytes_by_residence)
+
+
+def asleep_save_equals_the_wake_up_path(rank, world, save_dir, awake_dir):
+    """slime's layout after a train step: the asleep save reads the weights from slime's
+    TensorBackuper (the parameters' region lost its bytes at sleep); slime's own wake-up path then
+    saves the same iteration elsewhere; both checkpoints hold the same tensors, bit for bit."""
+    import torch.distributed as dist
+
+    from safe_ckpt.integrations.slime_asleep import installed
+
+    actor = _actor(rank, world, save_dir)
+    actor.capture_logs()
+    actor.update_args({"mirror_train_step": True})
+    actor.train(0)  # wake_up, a training step, the weights backed up, sleep
+    poisoned = bool(actor._param_data.float().isnan().all())
+    saves = installed(type(actor))
+    actor.save_model(3)
+    residences = _weights_residences(actor)
+    asleep = {"wake_up_calls": actor.calls["wake_up"], "sleep_calls": actor.calls["sleep"]}
+    actor.update_args({"safe_ckpt_save_awake": True, "save": awake_dir})
+    actor.save_model(3)  # slime's path: wake_up (weights restored from the backuper), save, sleep
+    dist.barrier()
+    actor.update_args({"save": save_dir})
+    differ = actor.check_same_as(3, awake_dir)
+    return {"poisoned_while_asleep": poisoned, "residences": residences, "asleep": asleep,
+            "after_awake": {"wake_up_calls": actor.calls["wake_up"]}, "differ": differ[:5], "n_differ": len(differ),
+            "logged": [m for m in actor.logged() if "TensorBackuper" in m or "wakes the actor up" in m],
+            "saves_installed": saves is not None}
+
+
+def no_readable_source_takes_the_wake_up_path(rank, world, save_dir, ranks_without_copies):
+    """On the ranks in ``ranks_without_copies`` a layout this code does not read while asleep: the
+    parameters' region spills to disk at pause (`enable_disk_backup`) and the backuper keeps no
+    host copies (slime's `_TensorBackuperNoop`). Every rank takes slime's wake-up path, with a
+    WARNING naming the weights, and the checkpoint loads back as saved."""
+    import torch.distributed as dist
+
+    from tests.slime_mirror.utils.tensor_backper import TensorBackuper
+
+    unknown = rank in ranks_without_copies
+    actor = _actor(rank, world, save_dir, mirror={"mirror_param_buffer_backup": "disk" if unknown else None})
+    actor.capture_logs()
+    if unknown:
+        getter = actor.weights_backuper._source_getter
+        actor.weights_backuper = TensorBackuper.create(source_getter=getter, single_tag="actor")
+        actor.weights_backuper.backup("actor")
+    actor.sleep()
+    actor.save_model(4)
+    dist.barrier()
+    warnings = [m for m in actor.logged() if "no readable source" in m]
+    mismatches, iteration = actor.check_load(4)
+    return {"wake_up_calls": actor.calls["wake_up"], "sleep_calls": actor.calls["sleep"], "warnings": warnings,
+            "tracker": _tracker(save_dir), "mismatches": mismatches[:5], "iteration": iteration}

@@ -174,3 +174,30 @@ def test_a_resume_that_finishes_waiting_last_does_not_forget_the_next_save(monke
     onload.join(60)
     # the resume must not run while save 10 still reads the backup, nor lose track of it
     assert alive or seen == [True], (alive, seen, saves.inflight)
+
+
+def test_in_slimes_layout_the_asleep_save_equals_the_wake_up_paths(tmp_path):
+    """The parameters' region keeps no backup (slime's patched DDP with --offload-train): the
+    weights come from slime's TensorBackuper, and the checkpoint equals the wake-up path's."""
+    outs = values(run_world(2, cases.asleep_save_equals_the_wake_up_path,
+                            (str(tmp_path / "asleep"), str(tmp_path / "awake")), timeout_s=300))
+    for out in outs:
+        assert out["poisoned_while_asleep"], out  # what reading the parameters while asleep would give
+        assert out["asleep"] == {"wake_up_calls": 1, "sleep_calls": 1}, out  # the asleep save woke nothing
+        assert out["after_awake"] == {"wake_up_calls": 2}, out
+        assert out["residences"] and out["residences"].get("host_copy", 0) > 0, out
+        assert out["n_differ"] == 0, out
+        assert any("TensorBackuper" in m for m in out["logged"]), out
+
+
+@pytest.mark.parametrize("ranks_without_copies", [(0, 1), (1,)], ids=["every_rank", "one_rank"])
+def test_a_tensor_without_readable_source_takes_slimes_wake_up_path(tmp_path, ranks_without_copies):
+    outs = values(run_world(2, cases.no_readable_source_takes_the_wake_up_path,
+                            (str(tmp_path), ranks_without_copies), timeout_s=300))
+    for rank, out in enumerate(outs):
+        assert (out["wake_up_calls"], out["sleep_calls"]) == (1, 2), out  # every rank woke up, or none could
+        assert out["tracker"] == "4" and out["mismatches"] == [] and out["iteration"] == 4, out
+        if rank in ranks_without_copies:
+            assert out["warnings"] and "module.module." in out["warnings"][0], out
+        else:
+            assert out["warnings"] and f"rank {ranks_without_copies[0]}" in out["warnings"][0], out

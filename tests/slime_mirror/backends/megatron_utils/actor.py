@@ -41,6 +41,9 @@ Where this differs from slime, and why:
   the GPU residence scenario saves in place while asleep (`save_in_place`) through the stock path.
 - `init` does not call `sleep()` at its end as slime's does with `--offload-train`: the tests put
   the actor to sleep themselves (slime's `train()` also ends with `sleep()`).
+- `args.mirror_param_buffer_backup = "disk"` (mirror only) spills the parameters' region to disk at
+  pause instead (`enable_disk_backup`): a layout slime does not ship, for the tests of a tensor
+  without readable source.
 - `train` trains nothing unless `args.mirror_train_step` is set: then it changes every weight and
   optimizer tensor by a seeded step (a function of the rollout id and the state), as training would.
 - `self.calls` counts sleep / wake_up / save_hf calls (test bookkeeping, not in slime).
@@ -201,7 +204,8 @@ class MegatronTrainRayActor:
         tms = _memory_saver(stand_in=not self.device.startswith("cuda"))
         holders = list(_weight_holders(self._state))
         numel = sum(h.data.numel() for _, h in holders)
-        with tms.region(tag="param_buffer", enable_cpu_backup=False):
+        disk = getattr(self.args, "mirror_param_buffer_backup", None) == "disk"  # a layout slime does not ship
+        with tms.region(tag="param_buffer", enable_cpu_backup=False, enable_disk_backup=disk):
             param_data = torch.zeros(numel, dtype=torch.bfloat16, device=self.device)
         with tms.region(tag="grad_buffer", enable_cpu_backup=False):
             self._grad_data = torch.zeros(numel, dtype=torch.float32, device=self.device)
