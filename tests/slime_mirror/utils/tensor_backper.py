@@ -117,8 +117,5 @@ def _compute_hash_dict(tensors):
 
 
 def _compute_hash_tensor(x: torch.Tensor):
-    x = x.contiguous().view(-1)
-    if x.numel() * x.element_size() % 4:
-        x = x.view(torch.uint8)
-        return int(x.sum().item())
-    return int(x.view(torch.int32).sum().item())
+    # slime sums the bytes as uint32 words; the mirror sums them as bytes (any size, any offset)
+    return int(x.detach().clone().contiguous().view(-1).view(torch.uint8).sum().item())
