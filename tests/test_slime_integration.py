@@ -160,3 +160,37 @@ def test_save_hf_and_save_awake_keep_slimes_wake_up_path(ray_cluster, tmp_path):
             assert _each(group, "asleep_state") == [None, None]
         for a in group._actor_handlers:
             ray.kill(a)
+
+
+def test_release_train_cycles_save_through_safe_ckpt_and_the_next_actors_load_it(ray_cluster, tmp_path):
+    """slime's `--release-train` loop (train.py, 624b824a): each step creates new actors (their
+    `init` installs safe_ckpt through the init hook and loads `args.load` as Megatron does), trains,
+    `save_model(force_sync=True)` (awake: --offload-train is ignored in this mode), and kills the
+    actors. With --async-save the forced save is durable and the tracker written before the kill;
+    the next actors load exactly what was saved; retention keeps the newest two."""
+    from safe_ckpt.integrity import MANIFEST_FILE
+
+    save_dir = str(tmp_path)
+    args = _args(save_dir, extra=["--release-train", "--offload-train", "--async-save",
+                                  "--safe-ckpt-keep-last", "2"])
+    args.mirror_train_step = True
+    assert args.offload_train is False  # as slime's parse_args leaves it with --release-train
+    group = RayTrainGroup(args, 2, SPEC, env_vars=repo_env(), create=False)
+    saved = None
+    cycles = 3
+    for rollout_id in range(cycles):
+        start_ids = group.create()
+        assert start_ids == [rollout_id, rollout_id], start_ids  # resumed after the previous step's save
+        loaded = _each(group, "state_digest")
+        if saved is not None:
+            assert loaded == saved, f"step {rollout_id}: the new actors did not load what the last ones saved"
+        ray.get(group.async_train(rollout_id))
+        saved = _each(group, "state_digest")
+        assert saved != loaded  # the step changed the state
+        group.save_model(rollout_id, force_sync=True)
+        group.release()  # at once, as slime's update_weights does after the disk weight sync
+        assert _tracker(save_dir) == str(rollout_id)
+        assert os.path.isfile(os.path.join(save_dir, f"iter_{rollout_id:07d}", MANIFEST_FILE))  # safe_ckpt wrote it
+        assert args.load == save_dir
+    iters = sorted(n for n in os.listdir(save_dir) if n.startswith("iter_"))
+    assert iters == [f"iter_{cycles - 2:07d}", f"iter_{cycles - 1:07d}"], iters

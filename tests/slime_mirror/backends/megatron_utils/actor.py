@@ -316,10 +316,12 @@ class MegatronTrainRayActor:
     def _train_step(self, rollout_id):
         import torch
 
-        g = torch.Generator().manual_seed(1000 * (rollout_id + 1) + self.rank)
-        with torch.no_grad():
-            for t in _leaves({"model": self._state["model"], "optimizer": self._state["optimizer"]}):
+        import zlib
+
+        with torch.no_grad():  # seeded by the tensor's place, not the rank: replicas stay equal, as in training
+            for path, t in _leaves({"model": self._state["model"], "optimizer": self._state["optimizer"]}, keys=True):
                 t = t.data
+                g = torch.Generator().manual_seed(1000 * (rollout_id + 1) + zlib.crc32(path.encode()))
                 if t.is_floating_point():
                     t.add_(torch.randn(t.shape, generator=g).to(t.dtype).mul_(0.01))
                 else:
