@@ -342,3 +342,117 @@ def test_real_slime_save_model_saves_asleep_and_stock_megatron_resumes(tmp_path,
     assert out["freed_bytes_kept"], evidence  # the memory sleep freed stayed free through the save
     assert resumed["start_iteration"] == g.FIRST, evidence
     assert resumed["losses"] == uninterrupted["losses"][g.FIRST:], evidence
+
+
+# ---- slime as it ships: its Megatron patch's DDP buffers, its args, torch_memory_saver preloaded ----
+
+def _shipped_missing() -> str | None:
+    from tests import gpu_slime_shipped_cases as s
+
+    try:
+        s.preload_env()
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.fixture(scope="module")
+def slime_megatron(tmp_path_factory):
+    """A copy of the installed Megatron with slime's DDP-buffer hunks (scripts/slime_megatron_patch.py;
+    slime's own megatron.patch is used where SLIME_MEGATRON_PATCH names it and it applies)."""
+    import importlib.util as iu
+
+    dest = str(tmp_path_factory.mktemp("slime_megatron"))
+    spec = iu.spec_from_file_location("slime_megatron_patch", os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "slime_megatron_patch.py"))
+    module = iu.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    how = module.make(dest, os.environ.get("SLIME_MEGATRON_PATCH"))
+    print(f"slime megatron patch: {how} ({dest})")
+    return dest
+
+
+@pytest.fixture()
+def shipped_env(slime_megatron, monkeypatch):
+    """What the spawned ranks inherit: slime's preload environment, the patched Megatron first."""
+    from tests import gpu_slime_shipped_cases as s
+
+    reason = _shipped_missing()
+    if reason:
+        pytest.skip(reason)
+    for name, value in s.preload_env().items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("SLIME_MEGATRON", slime_megatron)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([slime_megatron, os.environ.get("PYTHONPATH", "")]))
+    return slime_megatron
+
+
+def test_real_slime_in_its_shipped_configuration_saves_asleep_equal_to_its_wake_up_path(
+        tmp_path, uninterrupted, shipped_env, monkeypatch):
+    from tests import gpu_megatron_cases as g
+    from tests import gpu_slime_shipped_cases as s
+
+    root = str(tmp_path)
+    (out,) = values(run_world(1, s.shipped_save, (root, SLIME_SRC), backend="nccl", timeout_s=400))
+    for name in ("LD_PRELOAD", "TMS_INIT_ENABLE", "TMS_INIT_ENABLE_CPU_BACKUP", "PYTHONPATH"):
+        monkeypatch.delenv(name, raising=False)  # the resuming process: stock Megatron, no saver
+    (resumed,) = values(run_world(1, s.resume, (root, os.path.join(root, "safe"), g.FIRST + g.SECOND),
+                                  backend="nccl", timeout_s=400))
+    evidence = {k: out.get(k) for k in ("slime_commit", "megatron", "megatron_patch", "stubbed", "layout", "hold_s",
+                                        "save_model_returned_s", "durable_s", "bytes_by_residence",
+                                        "resumed_during_save", "resumed_by_wake_up_path", "save_profile",
+                                        "freed_bytes_kept", "tracker", "weights_equal_after_wake")}
+    evidence["compare"] = {k: v for k, v in (out.get("compare") or {}).items() if k != "details"}
+    evidence["resumed_start_iteration"] = resumed["start_iteration"]
+    evidence["losses_resumed"], evidence["losses_uninterrupted"] = resumed["losses"], uninterrupted["losses"][g.FIRST:]
+    print("real slime shipped-configuration evidence:", json.dumps(evidence, default=str, sort_keys=True))
+    lay = out["layout"]  # slime's layout, as torch_memory_saver sees it
+    assert lay["param_in_param_data"] and not lay["param_backup"] and not lay["grad_backup"], evidence
+    assert lay["main_param_backup"] and lay["hook_mode"] == "preload", evidence
+    assert out["installed"] and out["tracker"] == str(g.FIRST), evidence
+    assert out["resumed_during_save"] == 0, evidence  # save_model returned without waking
+    prof = out["save_profile"]
+    assert prof["HtoD"] == 0 and prof["kernels"] == 0 and prof["nccl"] == 0, evidence
+    residences = out["bytes_by_residence"] or {}
+    assert residences.get("host_copy", 0) > 0 and residences.get("offload_backup", 0) > 0, evidence
+    assert not {"cuda", "cuda_unmapped"} & set(residences), evidence  # nothing read from device memory
+    assert out["freed_bytes_kept"] and out["weights_equal_after_wake"], evidence
+    assert out["resumed_by_wake_up_path"] == 1, evidence  # the stock save did wake up
+    # tensor for tensor what stock Megatron writes on slime's wake-up path; the common state's args
+    # differ only where the test pointed the stock save elsewhere and turned the asleep path off
+    content = out["compare"]
+    differ = [f for f in content["differ"] or ["<unreadable>"] if not (
+        f.startswith("common_state") and content["common_differ"] == ["args"]
+        and set(content["common_args_differ"]) <= {"save", "safe_ckpt_save_awake"})]
+    assert differ == [] and content["tensors"] > 0 and content["only_ours"] == content["only_stock"] == [], evidence
+    assert out["losses"] == uninterrupted["losses"][:g.FIRST], evidence
+    assert resumed["start_iteration"] == g.FIRST, evidence
+    assert resumed["losses"] == uninterrupted["losses"][g.FIRST:], evidence
+
+
+def test_real_slime_release_train_cycle_saves_durably_before_the_kill(tmp_path, uninterrupted, shipped_env,
+                                                                     monkeypatch):
+    """A full-trained checkpoint at FIRST (stock load), one `--release-train` step of 3 iterations
+    through slime's own save_model, a SIGKILL, and a fresh stock load training on: losses as uninterrupted."""
+    from tests import gpu_megatron_cases as g
+    from tests import gpu_slime_shipped_cases as s
+
+    for name in ("LD_PRELOAD", "TMS_INIT_ENABLE", "TMS_INIT_ENABLE_CPU_BACKUP"):
+        monkeypatch.delenv(name, raising=False)  # --release-train: slime starts no saver in the train actor
+    root = str(tmp_path)
+    (saved,) = values(run_world(1, g.run, (root, "gpu", "save"), backend="nccl", timeout_s=400))  # iteration FIRST
+    steps = 3
+    run_world(1, s.release_cycle, (root, SLIME_SRC, os.path.join(root, "safe"), steps), backend="nccl",
+              timeout_s=400)  # ends in its own SIGKILL
+    with open(os.path.join(root, "release_rank0.json")) as f:
+        cycle = json.load(f)
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    (resumed,) = values(run_world(1, s.resume, (root, os.path.join(root, "release"), g.FIRST + g.SECOND),
+                                  backend="nccl", timeout_s=400))
+    evidence = {"cycle": cycle, "resumed_start": resumed["start_iteration"],
+                "losses": cycle["losses"] + resumed["losses"], "uninterrupted": uninterrupted["losses"][g.FIRST:]}
+    print("real slime release-train evidence:", json.dumps(evidence, default=str, sort_keys=True))
+    assert cycle["start"] == g.FIRST and cycle["tracker"] == str(g.FIRST + steps), evidence
+    assert not cycle["asleep_path_installed"], evidence  # --release-train saves awake
+    assert resumed["start_iteration"] == g.FIRST + steps, evidence
+    assert cycle["losses"] + resumed["losses"] == uninterrupted["losses"][g.FIRST:], evidence
