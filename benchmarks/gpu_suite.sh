@@ -7,6 +7,10 @@
 #   slimeloop benchmarks/slime_loop_bench.py: stock, awake and asleep saves in slime's loop, tmpfs and disk
 #            (LOOP_TARGETS, REPS rounds, TWEAKS: the asleep save with one setting changed, LOOP_TAG);
 #   slimereal slime's own save_model (SLIME_SRC=.slime, from scripts/export_slime.sh) on a real GPTModel;
+#   slimeshipped slime as it ships (.slime; its Megatron patch's DDP buffers on a patched copy of megatron-core,
+#            its args, torch_memory_saver preloaded): the asleep save and one --release-train cycle, then slimemodes;
+#   slimemodes benchmarks/slime_modes_bench.py: per-step checkpoint cost in --offload-train and --release-train,
+#            stock against safe_ckpt (REPS rounds, MODES_TARGET, default tmpfs);
 #   smoke    a 1 GiB benchmark of every peer with memcpy counts, and the same as one Ray actor;
 #   bench    the 8+ GB benchmark, all on the GPU, tmpfs and disk, beside stock Megatron, DCP and ceilings
 #            (the TensorStore sink is in smoke: 9 GB through it takes 15 s a run on tmpfs);
@@ -121,6 +125,23 @@ part_asleep() {
 part_slimereal() {
   SLIME_SRC=$PWD/.slime $PYTEST -m gpu tests/test_slime_real_src.py -rA -s --timeout 400 > "$RES/slime_real_src.log" 2>&1
   grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed|evidence" "$RES/slime_real_src.log" | cut -c1-700 | tail -12
+}
+
+# slime as it ships: tests/test_slime_real_src.py's shipped-configuration and release-train tests, then the
+# two-mode measurement. SLIME_MEGATRON_PATCH: slime's docker/patch/latest/megatron.patch, tried before the port.
+part_slimeshipped() {
+  SLIME_SRC=$PWD/.slime $PYTEST -m gpu tests/test_slime_real_src.py -k "shipped_configuration or release_train" \
+    -rA -s --timeout 400 > "$RES/slime_shipped.log" 2>&1
+  grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed|evidence|slime megatron patch" "$RES/slime_shipped.log" \
+    | cut -c1-1200 | tail -12
+  tar -czf "$OUT/results.tgz" -C "$RES" .
+  part_slimemodes
+}
+
+part_slimemodes() {
+  $PY benchmarks/slime_modes_bench.py --slime-src .slime --rounds ${REPS:-2} --target "${MODES_TARGET:-$SHM/slime_modes}" \
+    ${SLIME_MEGATRON_PATCH:+--megatron-patch "$SLIME_MEGATRON_PATCH"} --out "$RES/slime_modes" > "$RES/slime_modes.log" 2>&1
+  echo "slime_modes_bench rc $?"; grep -E "^\||^row|slime megatron patch|Error|State per" "$RES/slime_modes.log" | tail -24 | cut -c1-400
 }
 
 part_slimeloop() {
@@ -272,7 +293,7 @@ part_resume() {
 [ $# -eq 0 ] && set -- tests
 for part in "$@"; do
   case "$part" in
-    cpu|gputests|smoke|tests|asleep|slimereal|slimeloop|gil|bench|mixes|bench2|node|resume|diag|diagvs) echo "== $part $(date +%T)"; "part_$part" ;;
+    cpu|gputests|smoke|tests|asleep|slimereal|slimeshipped|slimemodes|slimeloop|gil|bench|mixes|bench2|node|resume|diag|diagvs) echo "== $part $(date +%T)"; "part_$part" ;;
     all) part_tests; part_bench; part_mixes ;;
     *) echo "unknown part: $part" >&2; exit 2 ;;
   esac
