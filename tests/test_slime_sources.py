@@ -106,8 +106,24 @@ def test_without_copies_the_weights_of_a_region_without_backup_have_no_source():
     assert slime_sources.check_sources(Actor(), Args()).unreadable == ()
 
 
-def test_an_asleep_save_whose_build_fails_makes_the_exiting_process_exit_1(tmp_path):
-    """No wake_up follows (the run ends): the failure must not be lost in a log line."""
+BREAK = {
+    "build": """
+        from megatron.training import checkpointing as mck
+        def broken(*a, **k):
+            raise RuntimeError("state dict construction broke")
+        mck.generate_state_dict = broken
+    """,
+    "write": """
+        import errno
+        actor.arm_fault({"after_bytes": 10_000, "errno": errno.ENOSPC})
+    """,
+}
+
+
+@pytest.mark.parametrize("step", ["build", "write"])
+def test_an_asleep_save_that_fails_makes_the_exiting_process_exit_1(tmp_path, step):
+    """No wake_up follows (the run ends): the failure, at the state dict's build or at a later
+    step (a write), must not be lost in a log line."""
     script = textwrap.dedent(f"""
         import os, socket, sys
         sys.path[:0] = [{REPO!r}, {os.path.join(REPO, "tests", "stand_ins")!r}]
@@ -115,10 +131,7 @@ def test_an_asleep_save_whose_build_fails_makes_the_exiting_process_exit_1(tmp_p
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         from tests.slime_asleep_cases import _actor
         actor = _actor(0, 1, {str(tmp_path)!r}, extra=["--tensor-model-parallel-size", "1"])
-        from megatron.training import checkpointing as mck
-        def broken(*a, **k):
-            raise RuntimeError("state dict construction broke")
-        mck.generate_state_dict = broken
+    """) + textwrap.dedent(BREAK[step]) + textwrap.dedent("""
         actor.sleep()
         actor.save_model(5)  # returns at once; the build fails in its thread
         print("save_model returned", flush=True)
@@ -127,5 +140,6 @@ def test_an_asleep_save_whose_build_fails_makes_the_exiting_process_exit_1(tmp_p
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=240)
     assert "save_model returned" in done.stdout, done.stderr[-3000:]
     assert done.returncode == 1, (done.returncode, done.stderr[-3000:])
-    assert "state dict construction broke" in done.stderr and "exiting with status 1" in done.stderr, done.stderr[-3000:]
+    cause = "state dict construction broke" if step == "build" else "No space left"
+    assert cause in done.stderr and "exiting with status 1" in done.stderr, done.stderr[-3000:]
     assert not os.path.exists(tmp_path / "latest_checkpointed_iteration.txt")
