@@ -140,3 +140,69 @@ def load_data_parallel(rank, world, path) -> dict:
     pieces = sum(len(v) if isinstance(v, list) else 1 for v in expected["optimizer"]["distributed"].values())
     return {"mismatches": compare_loaded(dist_checkpointing.load(target, path), expected),
             "optimizer_entries": pieces, "model_keys": len(expected["model"])}
+
+
+STAND_INS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "stand_ins")
+
+
+class _LogLines:
+    """Collects safe_ckpt's log records of one level and above (to assert on what a user reads)."""
+
+    def __init__(self, level):
+        import logging
+
+        self.lines = []
+        self.handler = logging.Handler(level)
+        self.handler.emit = lambda record: self.lines.append(record.getMessage())
+        logging.getLogger("safe_ckpt").addHandler(self.handler)
+
+
+def megatron_run(rank, world, root, iterations, flags) -> dict:
+    """One training process of a Megatron run that saves through `safe_ckpt.megatron.save_checkpoint`
+    (Megatron-LM's `megatron.training` from tests/stand_ins): ``flags`` are its Megatron args
+    (`load`, `ckpt_step`, `finetune`, `safe_ckpt_keep_last`, ...); it saves ``iterations`` in order
+    and reports the iteration directories after each save."""
+    import logging
+    import sys
+
+    if STAND_INS not in sys.path:
+        sys.path.insert(0, STAND_INS)
+    from argparse import Namespace
+
+    from megatron.core import mpu
+    from megatron.training.global_vars import set_args
+
+    mpu.initialize_model_parallel(world, 1)
+    args = Namespace(save=root, load=None, ckpt_step=None, finetune=False, pretrained_checkpoint=None,
+                     ckpt_format="torch_dist", no_save_optim=False, no_save_rng=False, no_load_optim=False,
+                     no_load_rng=False, use_distributed_optimizer=True, async_save=False, safe_ckpt_io_threads=2,
+                     safe_ckpt_timeout_s=60, safe_ckpt_keep_last=None, safe_ckpt_keep_every=None,
+                     save_retain_interval=None)
+    for name, value in flags.items():
+        setattr(args, name, value)
+    set_args(args)
+    spec = StateSpec(**SMALL)
+    state = build_state(rank, world, tp=world, spec=spec, references=reference_tensors(spec, world))
+    logs = _LogLines(logging.WARNING)
+    _RUN["state"] = state
+    after = megatron_run_more(rank, root, iterations)
+    return {"after": after, "tracker": _tracker(root), "warnings": logs.lines}
+
+
+_RUN = {}  # the state of this rank's `megatron_run`
+
+
+def megatron_run_more(rank, root, iterations) -> list:
+    """Save ``iterations`` in the run `megatron_run` started in this process; the iteration
+    directories after each save."""
+    from safe_ckpt.megatron import save_checkpoint
+    from tests.slime_mirror.backends.megatron_utils.actor import _Scheduler, _SyntheticModel, _SyntheticOptimizer
+
+    state = _RUN["state"]
+    after = []
+    for iteration in iterations:
+        save_checkpoint(iteration, [_SyntheticModel(state)], _SyntheticOptimizer(state), _Scheduler())
+        torch.distributed.barrier()
+        after.append(sorted(n for n in os.listdir(root) if n.startswith("iter_")))
+    return after
+
