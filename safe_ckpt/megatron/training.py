@@ -58,12 +58,17 @@ _pending: list = []
 def options_from_args(args) -> SaveOptions:
     """SaveOptions from Megatron args (the `--safe-ckpt-*` flags, where registered)."""
     budget = getattr(args, "safe_ckpt_staging_budget_gib", None)
+    integrity = bool(getattr(args, "verify_integrity", False))
+    if integrity and not compat.stock_integrity_manifest():
+        log.warning("safe_ckpt: --verify-integrity is set but the installed megatron-core (%s) cannot check "
+                    "integrity.json on load (0.18 and later can); it is written anyway", compat.megatron_version())
     return SaveOptions(
         io_threads=getattr(args, "safe_ckpt_io_threads", None),  # None: from the rank's share of its host
         staging_budget_bytes=int(budget * GiB) if budget else None,
         unmapped_policy=getattr(args, "safe_ckpt_unmapped_policy", None) or "error",
         collective_timeout_s=float(getattr(args, "safe_ckpt_timeout_s", None) or 600.0),
         writer_nice=getattr(args, "safe_ckpt_writer_nice", None),
+        integrity_manifest=integrity,  # Megatron's --verify-integrity: integrity.json as its own save writes it
     )
 
 
@@ -236,9 +241,9 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
     """`megatron.training.checkpointing.save_checkpoint`, written by safe_ckpt.
 
     Same arguments and the same on-disk result for `--ckpt-format torch_dist`; honours
-    `--save`, `--no-save-optim`, `--no-save-rng` and `--async-save` (then it returns a
-    handle and finishes in the background: call `finalize_async_saves()`). Retention keeps
-    the checkpoint this run loaded (`resume`).
+    `--save`, `--no-save-optim`, `--no-save-rng`, `--verify-integrity` (`integrity.json`) and
+    `--async-save` (then it returns a handle and finishes in the background: call
+    `finalize_async_saves()`). Retention keeps the checkpoint this run loaded (`resume`).
     """
     from megatron.training import checkpointing as mck
     from megatron.training.global_vars import get_args
