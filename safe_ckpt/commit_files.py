@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 
 from . import compat
+from .encoding import integrity_manifest
 from .encoding.metadata import METADATA_FILE, build_metadata, metadata_bytes
 from .integrity import MANIFEST_FILE, checksum_of, manifest_bytes
 from .version import __version__
@@ -41,6 +42,15 @@ def with_manifest(small: dict, checksums: list, *, save_id: str, world_size: int
     items = [c for c in checksums if c.relative_path not in whole]
     return {MANIFEST_FILE: manifest_bytes(items, whole, save_id=save_id, world_size=world_size,
                                           version=__version__), **small}
+
+
+def with_integrity(small: dict, file_digests: dict, *, into: str | None = None) -> dict:
+    """``small`` plus Megatron's `integrity.json` over every file of the checkpoint (built last:
+    it covers the manifest too). ``into``: the existing directory a strategy save fills, whose
+    other files (and the `metadata.json` Megatron writes after it) it covers as well."""
+    beside = integrity_manifest.files_beside(into, set(small) | set(file_digests), {
+        CONFIG_FILE: json.dumps(compat.checkpointing_config_dict()).encode()}) if into is not None else None
+    return integrity_manifest.with_manifest(small, file_digests, beside)
 
 
 def write_order(small: dict) -> list:

@@ -283,6 +283,16 @@ def all_gather_into_tensor(output: torch.Tensor, input_tensor: torch.Tensor, gro
     group._allgather_base(output, input_tensor).wait()
 
 
+def stock_integrity_manifest() -> bool:
+    """Whether the installed megatron-core writes and checks `integrity.json` (0.18 and later:
+    `save(..., verify_integrity=True)`, `load(..., verify_integrity=True)`)."""
+    try:
+        from megatron.core.dist_checkpointing import validation
+    except ImportError:
+        return False
+    return hasattr(validation, "verify_integrity_manifest") and hasattr(validation, "save_integrity_manifest")
+
+
 def torch_dist_save_strategy_base():
     """The class a custom torch_dist save strategy must subclass (0.17+ replace any other)."""
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy

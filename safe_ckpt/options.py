@@ -59,6 +59,11 @@ class SaveOptions:
         column sums of the payload's 32-bit words, computed on the copy stream and folded with
         the host algorithm (`grid32+xxh3_64` in the manifest; see `safe_ckpt.integrity`), so
         the host CPU does not read those bytes a second time. False hashes everything on the host.
+    integrity_manifest: also write Megatron's `integrity.json` (megatron-core >= 0.18
+        `--verify-integrity`): the SHA-256 of every file of the checkpoint, computed from the
+        bytes as the writers write them, so stock `load(..., verify_integrity=True)` accepts
+        the checkpoint. Costs one SHA-256 pass over the bytes, spread over the writer (and
+        checksum) threads; set by the Megatron adapter from `args.verify_integrity`.
     unmapped_policy: "error" refuses tensors whose device memory is paused; "cpu_backup"
         reads their bytes from torch_memory_saver's CPU backup where one exists.
     replace: what may already be at the target: "checkpoint" (default) atomically
@@ -101,6 +106,7 @@ class SaveOptions:
     checksums: bool = True
     checksum_threads: Optional[int] = None
     device_checksums: bool = True
+    integrity_manifest: bool = False
     unmapped_policy: str = "error"
     replace: str = "checkpoint"
     progress_interval_s: float = 10.0

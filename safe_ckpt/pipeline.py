@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from .encoding import torchzip
+from .encoding.integrity_manifest import FileDigests
 from .encoding.layout import PlacedItem, RankLayout
 from .errors import CheckpointError, SourceModifiedError
 from .integrity import ItemChecksum, checksum_of
@@ -80,6 +81,7 @@ class WriteStats:
     written_s: float  # from start until every file was durable
     files: list[str]
     checksums: list[ItemChecksum]  # empty unless checksums were asked for
+    file_digests: dict[str, str]  # SHA-256 of each file written, for integrity.json (empty unless asked for)
 
 
 class ItemWriteFailed(Exception):
@@ -96,14 +98,19 @@ class RankWriter:
 
     def __init__(self, work: RankWork, sink: Sink, stager: Stager, *, crc32: bool, progress: Progress,
                  checksums: bool = False, lanes: int | None = None, checksum_threads: int | None = None,
-                 whole_writes: bool = False, nice: int | None = None, recheck_host_sources: bool = False) -> None:
+                 whole_writes: bool = False, nice: int | None = None, recheck_host_sources: bool = False,
+                 file_digests: bool = False) -> None:
         """``whole_writes``: the sink takes each item in one `write_at` (kvstore values);
+        ``file_digests``: keep every written file's SHA-256 (Megatron's integrity manifest);
         ``nice``: how much nicer the writer threads run (None: `cpu.WRITER_NICE_INCREMENT`);
         ``recheck_host_sources``: the caller may change host sources while they are written
         (an async save): hash each one written from its own memory before and after its write."""
         self.work = work
         self.checksums = checksums
-        self._writes = ItemWrites(checksums, whole_writes)
+        sizes = {**{f.relative_path: f.size_bytes for f in work.layout.files},
+                 **{name: len(data) for name, data in work.whole_files.items()}}
+        self._digests = FileDigests(sizes) if file_digests else None
+        self._writes = ItemWrites(checksums, whole_writes, self._digests)
         self.sink = sink
         self.stager = stager
         self.crc32 = crc32
@@ -117,7 +124,7 @@ class RankWriter:
         self._lanes = max(1, min(lanes or len(files), len(files)))  # writer threads
         self._dispatch = Dispatch([len(f.items) for f in files])
         self._handles: list = [None] * len(files)  # open files (one writer at a time each)
-        self._checksum_threads = _checksum_threads(checksum_threads, self._lanes) if checksums else 0
+        self._checksum_threads = _checksum_threads(checksum_threads, self._lanes) if checksums or file_digests else 0
         self._nice = nice
         self._recheck = recheck_host_sources
         self._files_finished = 0  # files whose last item was written (then synced and closed)
@@ -178,10 +185,18 @@ class RankWriter:
             try:
                 for name, data in self.work.whole_files.items():
                     self.sink.write_file(name, data)
+                    if self._digests is not None:
+                        self._digests.update(name, 0, [data])
                     if self.checksums:
                         self._writes.record(ItemChecksum(name, 0, len(data), checksum_of([data]), name))
             except BaseException as exc:
                 self._fail(name, exc)
+        digests = {}
+        if not self._errors and self._digests is not None:
+            try:
+                digests = self._digests.digests()
+            except BaseException as exc:
+                self._fail(None, exc)
         if self._errors:
             raise self._errors[0]
         files = [f.relative_path for f in self.work.layout.files] + list(self.work.whole_files)
@@ -194,6 +209,7 @@ class RankWriter:
             written_s=time.perf_counter() - self._t0,
             files=files,
             checksums=self._writes.recorded(),
+            file_digests=digests,
         )
 
     def _fail(self, key: str | None, exc: BaseException) -> None:

@@ -9,8 +9,9 @@ The rules: only complete checkpoints (`.metadata` and `metadata.json`) are candi
 for removal, anything else is somebody's data. Iterations newer than the current one
 (left by an abandoned run that a resumed one is overwriting) are not counted toward
 `keep_last` and are removed only with `Retention(remove_newer=True)`; without it they
-are reported. The current checkpoint and the one the run resumed from are never
-removed. Symbolic links are reported and left alone.
+are reported (as what a rollback skipped where the run resumed from an older one). The
+current checkpoint and the ones the run resumed from are never removed. Symbolic links are
+reported and left alone.
 Must not: touch anything before the commit, or anything that is not a complete iteration dir.
 """
 
@@ -68,12 +69,22 @@ def iterations(save_dir: str) -> dict[int, str]:
     return survey(save_dir).complete
 
 
-def to_remove(found: list[int], current: int, policy: Retention, resumed_from: int | None = None) -> list[int]:
-    """Which of the complete checkpoints ``found`` the policy removes."""
+def _kept_for_resume(resumed_from) -> frozenset:
+    """``resumed_from`` (one iteration, several, or None) as a set."""
+    if resumed_from is None:
+        return frozenset()
+    if isinstance(resumed_from, int):
+        return frozenset({resumed_from})
+    return frozenset(resumed_from)
+
+
+def to_remove(found: list[int], current: int, policy: Retention, resumed_from=None) -> list[int]:
+    """Which of the complete checkpoints ``found`` the policy removes; ``resumed_from`` (an
+    iteration or a collection of them: what the run loaded) is never removed."""
     if not policy.active:
         return []
     older = sorted(i for i in found if i <= current)
-    keep = {current} | ({resumed_from} if resumed_from is not None else set())
+    keep = {current} | _kept_for_resume(resumed_from)
     if policy.keep_last:
         keep.update(older[-policy.keep_last:])
     if policy.keep_every:
@@ -83,14 +94,30 @@ def to_remove(found: list[int], current: int, policy: Retention, resumed_from: i
     return sorted(i for i in found if i not in keep)
 
 
-def prune(save_dir: str, current: int, policy: Retention, resumed_from: int | None = None) -> list[int]:
-    """Remove what `policy` does not keep; returns the removed iterations (failures are logged)."""
+def report_newer(newer: list[int], current: int, policy: Retention, resumed_from=None) -> None:
+    """Say what retention does with complete iterations newer than the current one. Newer than
+    the checkpoint the run resumed from, they are what a rollback skipped (`--ckpt-step` to an
+    earlier iteration): a diverged run's, which only the user may delete."""
+    if not newer or not policy.active:
+        return
+    what = ("removes them (Retention(remove_newer=True))" if policy.remove_newer else
+            "keeps them, does not count them toward keep-last, and never removes them unless told to "
+            "(Retention(remove_newer=True)); delete them yourself once they are not needed")
+    resumed = sorted(i for i in _kept_for_resume(resumed_from) if i < min(newer))
+    if resumed:
+        log.warning("safe_ckpt: iterations %s are newer than iteration %d, which this run resumed from, and than "
+                    "the current %d: the run went back past them (a --ckpt-step rollback), so they belong to the "
+                    "abandoned line; retention %s", newer, resumed[-1], current, what)
+    else:
+        log.warning("safe_ckpt: iterations %s are newer than the current %d (left by an earlier run?); retention %s",
+                    newer, current, what)
+
+
+def prune(save_dir: str, current: int, policy: Retention, resumed_from=None) -> list[int]:
+    """Remove what `policy` does not keep; returns the removed iterations (failures are logged).
+    ``resumed_from``: the iteration(s) the run loaded from this save root."""
     found = survey(save_dir)
-    newer = sorted(i for i in found.complete if i > current)
-    if newer and policy.active:
-        log.warning("safe_ckpt: iterations %s are newer than the current %d (left by an earlier run?); retention "
-                    "%s", newer, current, "removes them" if policy.remove_newer else
-                    "keeps them and does not count them (Retention(remove_newer=True) would remove them)")
+    report_newer(sorted(i for i in found.complete if i > current), current, policy, resumed_from)
     if found.links and policy.active:
         log.info("safe_ckpt: retention leaves symbolic links alone: %s", sorted(found.links.values()))
     if found.incomplete and policy.active:

@@ -170,6 +170,7 @@ class _Job:
             work, sink, Stager(self.pool, fence, grid=opts.checksums and opts.device_checksums), crc32=opts.zip_crc32,
             progress=progress, checksums=opts.checksums, lanes=opts.io_threads, checksum_threads=opts.checksum_threads,
             whole_writes=self.kv, nice=opts.writer_nice, recheck_host_sources=self.asynchronous,
+            file_digests=opts.integrity_manifest,
         )
         self.t_planned = time.perf_counter()  # plan_s ends where write_s begins
         if not self.kv and not os.path.isdir(self.staging_dir):
@@ -232,11 +233,11 @@ class _Job:
     def _finish(self, stall_s: float | None) -> SaveResult:
         rank = self.coord.rank
         stats = self._join_writers()
-        reports = self.ballot.vote("writing", stats.checksums if stats is not None else None)
+        reports = self.ballot.vote("writing", stats)
         t_commit = time.perf_counter()
         if rank == 0 and self.ballot.failure is None:
             try:
-                self._commit([c for report in reports for c in (report or [])])
+                self._commit([r for r in reports if r is not None])
             except BaseException as exc:
                 self.note("commit", exc)
                 self._abort()
@@ -312,12 +313,16 @@ class _Job:
         except Exception as exc:
             log.debug("safe_ckpt: building the index early failed (%s); the commit builds it again", exc)
 
-    def _commit(self, checksums: list) -> None:
+    def _commit(self, reports: list) -> None:
         """Rank 0, after every rank's files are durable: index, config, manifest, publish."""
         layouts = self._all_layouts()
         small = self._prebuilt or self._small_files()
         if self.options.checksums:
-            small = commit_files.with_manifest(small, checksums, save_id=self.save_id, world_size=self.coord.world_size)
+            small = commit_files.with_manifest(small, [c for r in reports for c in r.checksums],
+                                               save_id=self.save_id, world_size=self.coord.world_size)
+        if self.options.integrity_manifest:
+            small = commit_files.with_integrity(small, {k: v for r in reports for k, v in r.file_digests.items()},
+                                                into=self.area.final_dir if self.sharded_only and self.area else None)
         if self.kv:
             kvcommit.publish(self.sink, small, {f.relative_path for lay in layouts for f in lay.files},
                              owner=kvcommit.owner_key(self.save_id))

@@ -140,3 +140,215 @@ def load_data_parallel(rank, world, path) -> dict:
     pieces = sum(len(v) if isinstance(v, list) else 1 for v in expected["optimizer"]["distributed"].values())
     return {"mismatches": compare_loaded(dist_checkpointing.load(target, path), expected),
             "optimizer_entries": pieces, "model_keys": len(expected["model"])}
+
+
+STAND_INS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "stand_ins")
+
+
+class _LogLines:
+    """Collects safe_ckpt's log records of one level and above (to assert on what a user reads)."""
+
+    def __init__(self, level):
+        import logging
+
+        self.lines = []
+        self.handler = logging.Handler(level)
+        self.handler.emit = lambda record: self.lines.append(record.getMessage())
+        logging.getLogger("safe_ckpt").addHandler(self.handler)
+
+
+def megatron_run(rank, world, root, iterations, flags) -> dict:
+    """One training process of a Megatron run that saves through `safe_ckpt.megatron.save_checkpoint`
+    (Megatron-LM's `megatron.training` from tests/stand_ins): ``flags`` are its Megatron args
+    (`load`, `ckpt_step`, `finetune`, `safe_ckpt_keep_last`, ...); it saves ``iterations`` in order
+    and reports the iteration directories after each save."""
+    import logging
+    import sys
+
+    if STAND_INS not in sys.path:
+        sys.path.insert(0, STAND_INS)
+    from argparse import Namespace
+
+    from megatron.core import mpu
+    from megatron.training.global_vars import set_args
+
+    mpu.initialize_model_parallel(world, 1)
+    args = Namespace(save=root, load=None, ckpt_step=None, finetune=False, pretrained_checkpoint=None,
+                     ckpt_format="torch_dist", no_save_optim=False, no_save_rng=False, no_load_optim=False,
+                     no_load_rng=False, use_distributed_optimizer=True, async_save=False, safe_ckpt_io_threads=2,
+                     safe_ckpt_timeout_s=60, safe_ckpt_keep_last=None, safe_ckpt_keep_every=None,
+                     save_retain_interval=None)
+    for name, value in flags.items():
+        setattr(args, name, value)
+    set_args(args)
+    spec = StateSpec(**SMALL)
+    state = build_state(rank, world, tp=world, spec=spec, references=reference_tensors(spec, world))
+    logs = _LogLines(logging.WARNING)
+    _RUN["state"] = state
+    after = megatron_run_more(rank, root, iterations)
+    return {"after": after, "tracker": _tracker(root), "warnings": logs.lines}
+
+
+_RUN = {}  # the state of this rank's `megatron_run`
+
+
+def megatron_run_more(rank, root, iterations) -> list:
+    """Save ``iterations`` in the run `megatron_run` started in this process; the iteration
+    directories after each save."""
+    from safe_ckpt.megatron import save_checkpoint
+    from tests.slime_mirror.backends.megatron_utils.actor import _Scheduler, _SyntheticModel, _SyntheticOptimizer
+
+    state = _RUN["state"]
+    after = []
+    for iteration in iterations:
+        save_checkpoint(iteration, [_SyntheticModel(state)], _SyntheticOptimizer(state), _Scheduler())
+        torch.distributed.barrier()
+        after.append(sorted(n for n in os.listdir(root) if n.startswith("iter_")))
+    return after
+
+
+def megatron_integrity_json(path) -> bytes:
+    """`integrity.json` as megatron-core >= 0.18's `save_integrity_manifest` writes it, computed here
+    from the files (on versions that have it, the tests also compare with the stock function)."""
+    import hashlib
+    import json
+
+    files = {}
+    for name in sorted(os.listdir(path)):
+        full = os.path.join(path, name)
+        if os.path.isfile(full) and name != "integrity.json":
+            with open(full, "rb") as f:
+                files[name] = hashlib.sha256(f.read()).hexdigest()
+    return json.dumps({"algorithm": "sha256", "files": files}, indent=2).encode()
+
+
+def stock_integrity_json(path, scratch) -> bytes | None:
+    """What the installed megatron-core's own `save_integrity_manifest` writes for ``path`` (run on a
+    copy), or None where it has none."""
+    import shutil
+
+    from safe_ckpt import compat
+
+    if not compat.stock_integrity_manifest():
+        return None
+    from megatron.core.dist_checkpointing.validation import save_integrity_manifest
+
+    shutil.rmtree(scratch, ignore_errors=True)
+    shutil.copytree(path, scratch)
+    os.unlink(os.path.join(scratch, "integrity.json"))
+    save_integrity_manifest(scratch)
+    with open(os.path.join(scratch, "integrity.json"), "rb") as f:
+        return f.read()
+
+
+def _stock_verified_load(rank, world, spec, refs, path) -> dict:
+    """Stock `load(..., verify_integrity=True)` (every rank), as a result or an error description."""
+    from megatron.core import dist_checkpointing
+
+    target = build_state(rank, world, tp=world, spec=spec, layout="alt", empty=True, references=refs, saved_tp=world)
+    expected = build_state(rank, world, tp=world, spec=spec, layout="alt", references=refs, saved_tp=world)
+    try:
+        return {"mismatches": compare_loaded(dist_checkpointing.load(target, path, verify_integrity=True), expected)}
+    except Exception as exc:
+        return {"error": describe_exception(exc)}
+
+
+INTEGRITY_MODES = {"fused": dict(checksum_threads=0), "threads": dict(checksum_threads=2), "nosum": dict(checksums=False),
+                   "async": dict(checksum_threads=0), "kv": dict()}
+
+
+def integrity_modes() -> list:
+    """`INTEGRITY_MODES` this environment can run (the kvstore one needs tensorstore)."""
+    import importlib.util
+
+    return [m for m in INTEGRITY_MODES if m != "kv" or importlib.util.find_spec("tensorstore") is not None]
+
+
+def integrity_saves(rank, world, root) -> dict:
+    """For each write path (`integrity_modes`): save with `SaveOptions(integrity_manifest=True)`,
+    compare `integrity.json` with Megatron's; where stock Megatron verifies integrity, load with
+    `verify_integrity=True`, flip one byte of a data file and load again."""
+    return {mode: _integrity_save(rank, world, os.path.join(root, mode), mode) for mode in integrity_modes()}
+
+
+def _integrity_save(rank, world, root, mode) -> dict:
+    import safe_ckpt
+    from safe_ckpt import compat
+
+    spec = StateSpec(**SMALL)
+    refs = reference_tensors(spec, world)
+    path = os.path.join(root, "ckpt")
+    options = small_options(integrity_manifest=True, **INTEGRITY_MODES[mode])
+    state = build_state(rank, world, tp=world, spec=spec, references=refs)
+    if mode == "async":
+        safe_ckpt.async_save(state, path, options=options).wait()
+    else:
+        safe_ckpt.save(state, ("file://" + path) if mode == "kv" else path, options=options)
+    torch.distributed.barrier()
+    out = {"files": sorted(os.listdir(path))}
+    if rank == 0:
+        with open(os.path.join(path, "integrity.json"), "rb") as f:
+            out["written"] = f.read()
+        out["expected"] = megatron_integrity_json(path)
+        out["stock"] = stock_integrity_json(path, os.path.join(root, "stock_copy"))
+    if not compat.stock_integrity_manifest():
+        return out
+    out["load"] = _stock_verified_load(rank, world, spec, refs, path)
+    torch.distributed.barrier()
+    if rank == 0:
+        data = sorted(n for n in out["files"] if n.endswith(".distcp"))[-1]
+        with open(os.path.join(path, data), "r+b") as f:
+            f.seek(os.path.getsize(os.path.join(path, data)) // 2)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0x01]))
+        out["flipped"] = data
+    torch.distributed.barrier()
+    out["load_after_flip"] = _stock_verified_load(rank, world, spec, refs, path)
+    return out
+
+
+def integrity_strategy(rank, world, root) -> dict:
+    """Stock `dist_checkpointing.save` with the safe strategy and `integrity_manifest`: the manifest
+    also covers what Megatron's save writes around the strategy (`common.pt` up to 0.16, and
+    `metadata.json`, written after the strategy returns)."""
+    from megatron.core import dist_checkpointing
+
+    from safe_ckpt.megatron import SafeTorchDistSaveStrategy
+
+    spec = StateSpec(**SMALL)
+    refs = reference_tensors(spec, world)
+    path = os.path.join(root, "ckpt")
+    if rank == 0:
+        os.makedirs(path, exist_ok=True)
+    torch.distributed.barrier()
+    strategy = SafeTorchDistSaveStrategy(options=small_options(integrity_manifest=True))
+    dist_checkpointing.save(build_state(rank, world, tp=world, spec=spec, references=refs), path,
+                            sharded_strategy=strategy, validate_access_integrity=False)
+    torch.distributed.barrier()
+    out = {"files": sorted(os.listdir(path))}
+    if rank == 0:
+        with open(os.path.join(path, "integrity.json"), "rb") as f:
+            out["written"] = f.read()
+        out["expected"] = megatron_integrity_json(path)
+    return out
+
+
+def integrity_training(rank, world, root) -> dict:
+    """`safe_ckpt.megatron.save_checkpoint` with Megatron's `--verify-integrity` set (iteration 7),
+    then without it (iteration 8)."""
+    out = megatron_run(rank, world, root, [7], {"verify_integrity": True})
+    from megatron.training.global_vars import get_args  # from the stand-ins megatron_run put on the path
+
+    get_args().verify_integrity = False
+    megatron_run_more(rank, root, [8])
+    for it in (7, 8):
+        path = os.path.join(root, f"iter_{it:07d}")
+        out[it] = {"files": sorted(os.listdir(path))}
+    if rank == 0:
+        path = os.path.join(root, "iter_0000007")
+        with open(os.path.join(path, "integrity.json"), "rb") as f:
+            out[7]["written"] = f.read()
+        out[7]["expected"] = megatron_integrity_json(path)
+        out[7]["stock"] = stock_integrity_json(path, os.path.join(root, "stock_copy"))
+    return out

@@ -67,3 +67,24 @@ def compat_error():
     import safe_ckpt
 
     return safe_ckpt.ValidationError
+
+
+def _iters(*its):
+    return [f"iter_{i:07d}" for i in its]
+
+
+def test_retention_keeps_the_checkpoint_a_ckpt_step_rollback_loaded(tmp_path):
+    """A run saves 100, 200, 300; it diverged, so the next run rolls back with `--ckpt-step 100`
+    and keeps one checkpoint. The one it loaded stays for the whole run (not the tracker's 300),
+    the diverged 200 and 300 stay too (newer: never counted, never removed), and the log says
+    they are newer than the resumed one."""
+    root = str(tmp_path)
+    first = values(run_world(2, megatron_cases.megatron_run, (root, [100, 200, 300], {})))
+    assert first[0]["after"][-1] == _iters(100, 200, 300) and first[0]["tracker"] == "300"
+    out = values(run_world(2, megatron_cases.megatron_run, (root, [110, 120], {
+        "load": root, "ckpt_step": 100, "safe_ckpt_keep_last": 1})))
+    r0 = out[0]
+    assert r0["after"] == [_iters(100, 110, 200, 300), _iters(100, 120, 200, 300)], r0["after"]
+    assert r0["tracker"] == "120"
+    rollback = [w for w in r0["warnings"] if "[200, 300]" in w]
+    assert rollback and "which this run resumed from" in rollback[0] and "iteration 100" in rollback[0], r0["warnings"]

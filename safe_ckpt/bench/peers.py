@@ -5,7 +5,8 @@ how long training would be blocked and total is time until the checkpoint is dur
 Peers: ``safe_sync``, ``safe_async``, ``safe_sync_tensorstore`` (this library; the last
 through the TensorStore kvstore `file` driver), ``safe_sync_nosum`` (checksums off: what the
 integrity manifest costs), ``safe_sync_hostsum`` (device checksums off: every byte hashed on
-the host); ``megatron_sync``,
+the host), ``safe_sync_integrity`` (Megatron's `integrity.json` too: what `--verify-integrity`
+costs); ``megatron_sync``,
 ``megatron_async`` (stock megatron-core torch_dist, mcore async strategy; need CUDA);
 ``dcp_sync`` (FileSystemWriter, same thread count); ``dcp_async_pinned``
 (`dcp.async_save` with a pinned `DefaultStager`, where the installed torch has it).
@@ -29,7 +30,7 @@ import torch
 
 PEERS = ("safe_sync", "safe_async", "safe_sync_tensorstore", "megatron_sync", "megatron_async", "dcp_sync",
          "dcp_async_pinned")
-EXTRA_PEERS = ("safe_sync_nosum", "safe_sync_hostsum")  # run only when named
+EXTRA_PEERS = ("safe_sync_nosum", "safe_sync_hostsum", "safe_sync_integrity")  # run only when named
 
 
 # The options a safe_ckpt save resolves from its rank's share of the host where they are left
@@ -59,11 +60,11 @@ def _fresh(path: str, make: bool = False) -> str:
 
 
 def _safe(state, target, threads, budget_bytes, use_async: bool, kvstore: bool = False, checksums: bool = True,
-          device_checksums: bool = True):
+          device_checksums: bool = True, integrity_manifest: bool = False):
     import safe_ckpt
 
     opts = safe_ckpt.SaveOptions(io_threads=threads, staging_budget_bytes=budget_bytes, checksums=checksums,
-                                 device_checksums=device_checksums)
+                                 device_checksums=device_checksums, integrity_manifest=integrity_manifest)
     d = _fresh(target)
     if kvstore:
         d = "file://" + d  # the same target through TensorStore's kvstore `file` driver
@@ -96,6 +97,10 @@ def safe_sync_nosum(state, target, threads, budget_bytes):
 
 def safe_sync_hostsum(state, target, threads, budget_bytes):
     return _safe(state, target, threads, budget_bytes, use_async=False, device_checksums=False)
+
+
+def safe_sync_integrity(state, target, threads, budget_bytes):
+    return _safe(state, target, threads, budget_bytes, use_async=False, integrity_manifest=True)
 
 
 def safe_sync_tensorstore(state, target, threads, budget_bytes):

@@ -16,19 +16,19 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import json
 import logging
 import os
 import threading
 
 from .. import commit, compat
+from . import resume
 from ..tools import kvtools
 from .. import saving as save_mod
 from ..errors import ValidationError, failure_from_exception
 from ..options import GiB, SaveOptions
 from ..results import SaveResult
 from ..retention import Retention, prune
-from ..sinks.tensorstore import KvDeadlines, KvTarget, deadlines_for, is_kvstore_url, open_sink, resolve_target
+from ..sinks.tensorstore import KvTarget, deadlines_for, is_kvstore_url, resolve_target
 
 log = logging.getLogger("safe_ckpt")
 
@@ -53,20 +53,22 @@ REFUSED_SHARDING_TYPES = {
 
 _pending_lock = threading.Lock()
 _pending: list = []
-# save directory -> the iteration its tracker named before this process's first save there:
-# the checkpoint the run resumed from, which retention never removes
-_resumed_from: dict = {}
 
 
 def options_from_args(args) -> SaveOptions:
     """SaveOptions from Megatron args (the `--safe-ckpt-*` flags, where registered)."""
     budget = getattr(args, "safe_ckpt_staging_budget_gib", None)
+    integrity = bool(getattr(args, "verify_integrity", False))
+    if integrity and not compat.stock_integrity_manifest():
+        log.warning("safe_ckpt: --verify-integrity is set but the installed megatron-core (%s) cannot check "
+                    "integrity.json on load (0.18 and later can); it is written anyway", compat.megatron_version())
     return SaveOptions(
         io_threads=getattr(args, "safe_ckpt_io_threads", None),  # None: from the rank's share of its host
         staging_budget_bytes=int(budget * GiB) if budget else None,
         unmapped_policy=getattr(args, "safe_ckpt_unmapped_policy", None) or "error",
         collective_timeout_s=float(getattr(args, "safe_ckpt_timeout_s", None) or 600.0),
         writer_nice=getattr(args, "safe_ckpt_writer_nice", None),
+        integrity_manifest=integrity,  # Megatron's --verify-integrity: integrity.json as its own save writes it
     )
 
 
@@ -107,38 +109,26 @@ def retention_from_args(args) -> Retention:
     return Retention(keep_last=keep_last, keep_every=keep_every)
 
 
-def resumed_from(save_dir: str, kv_root: KvTarget | None = None, options: SaveOptions | None = None) -> int | None:
-    """The iteration the tracker in ``save_dir`` (or under the kvstore prefix ``kv_root``) named
-    before this process first saved there."""
-    if kv_root is None:
-        key = os.path.abspath(save_dir)
-    else:
-        key = ("kvstore", kv_root.path, json.dumps(kv_root.spec, sort_keys=True, default=str))
-    with _pending_lock:
-        if key not in _resumed_from:
-            value = _read_tracker(key) if kv_root is None else _read_kv_tracker(kv_root, options or SaveOptions())
-            _resumed_from[key] = int(value) if value.isdigit() else None
-        return _resumed_from[key]
+def note_loaded_from_args(args) -> None:
+    """Record the checkpoint Megatron's `load_checkpoint` read with ``args`` (`--load` or
+    `--pretrained-checkpoint`, `--ckpt-step` or the tracker; see `resume`), unless this process
+    already said what it loaded (`resume.note_loaded`). `save_checkpoint` calls it before its
+    first save; a load path may call it right after loading, when the tracker it reads is still
+    the one the load read."""
+    if resume.noted():
+        return
 
+    def place(path: str):  # the load root resolved as the save root is (an s3:// URL at an endpoint)
+        root, opts = save_target(path, SaveOptions(), os.environ)
+        kv = KvTarget(root, opts.kvstore_spec) if opts.kvstore_spec is not None or is_kvstore_url(root) else None
+        return root, kv
 
-def _read_tracker(directory: str) -> str:
-    try:
-        with open(os.path.join(directory, commit.TRACKER_FILE)) as f:
-            return f.read().strip()
-    except OSError:
-        return ""
-
-
-def _read_kv_tracker(kv_root: KvTarget, options: SaveOptions) -> str:
-    try:
-        return open_sink(kv_root, KvDeadlines(options.kvstore_request_timeout_s)).read(commit.TRACKER_FILE) \
-            .decode(errors="replace").strip()
-    except FileNotFoundError:
-        return ""
-    except Exception as exc:  # retention then keeps only what its policy keeps
-        log.warning("safe_ckpt: cannot read the tracker under %s (%s); retention cannot protect the "
-                    "checkpoint this run resumed from", kv_root.path, exc)
-        return ""
+    loaded = resume.loaded_from_args(args, read_tracker=lambda d: resume.read_tracker(*place(d)))
+    if loaded is None:
+        resume.note_loaded(None)
+        return
+    path, kv = place(loaded)
+    resume.note_loaded(path, kvstore_spec=kv.spec if kv is not None else None)
 
 
 def save_state(state_dict: dict, save_dir: str, checkpoint_dir: str, tracker_value: str, *,
@@ -155,7 +145,7 @@ def save_state(state_dict: dict, save_dir: str, checkpoint_dir: str, tracker_val
     # A kvstore save root (a URL, or a path inside options.kvstore_spec): tracker and retention there.
     kv_root = KvTarget(save_dir, options.kvstore_spec) \
         if options.kvstore_spec is not None or is_kvstore_url(save_dir) else None
-    resumed = resumed_from(save_dir, kv_root, options)  # read before this save moves the tracker
+    resumed = resume.protected(save_dir, kv_root, options)  # before this save moves the tracker
 
     def write_tracker(coord) -> None:
         failure = None
@@ -251,8 +241,9 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
     """`megatron.training.checkpointing.save_checkpoint`, written by safe_ckpt.
 
     Same arguments and the same on-disk result for `--ckpt-format torch_dist`; honours
-    `--save`, `--no-save-optim`, `--no-save-rng` and `--async-save` (then it returns a
-    handle and finishes in the background: call `finalize_async_saves()`).
+    `--save`, `--no-save-optim`, `--no-save-rng`, `--verify-integrity` (`integrity.json`) and
+    `--async-save` (then it returns a handle and finishes in the background: call
+    `finalize_async_saves()`). Retention keeps the checkpoint this run loaded (`resume`).
     """
     from megatron.training import checkpointing as mck
     from megatron.training.global_vars import get_args
@@ -281,6 +272,7 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
     )
     state_dict["num_floating_point_operations_so_far"] = num_floating_point_operations_so_far
     save_root, options = save_target(args.save, options_from_args(args), os.environ)
+    note_loaded_from_args(args)
     checkpoint_name = mck.get_checkpoint_name(save_root, iteration, release=release, return_base_dir=True)
     log.info("safe_ckpt: saving iteration %s to %s (sharding %s)", iteration, checkpoint_name,
              (metadata or {}).get("distrib_optim_sharding_type"))
