@@ -112,6 +112,10 @@ def install(args, model_module: str | None = None) -> None:
         raise RuntimeError(f"{module.__name__} has no save_checkpoint to replace: unsupported slime version")
     module.save_checkpoint = slime_save_checkpoint
     _patch_async_finalize()
+    # Runs before slime's own load: the tracker read now is the one that load reads (retention keeps it).
+    from ..megatron import training
+
+    training.note_loaded_from_args(args)
     log.info("safe_ckpt: slime checkpoints now go through safe_ckpt (%s.save_checkpoint)", module.__name__)
     from .slime_asleep import install_on_actor
 
