@@ -13,12 +13,15 @@ from .errors import (
     CommitError,
     CoordinationError,
     RankFailure,
+    ReadError,
     ResidenceError,
     SourceModifiedError,
     ValidationError,
     WriteError,
 )
 from .options import SaveOptions
+from .load import LoadOptions
+from .load import load  # the function: `safe_ckpt.load` (the package stays importable as safe_ckpt.load.*)
 from .results import SaveResult, SaveTimings
 from .saving import SaveHandle, async_save, save
 from .staging.pool import prepare as prepare_staging_pool
@@ -27,7 +30,8 @@ from .version import __version__
 
 
 __all__ = [
-    "CheckpointError", "CommitError", "CoordinationError", "RankFailure", "ResidenceError", "SaveHandle",
+    "CheckpointError", "CommitError", "CoordinationError", "LoadOptions", "RankFailure", "ReadError",
+    "ResidenceError", "SaveHandle",
     "SaveOptions", "SaveResult", "SaveTimings", "SourceModifiedError", "ValidationError", "WriteError",
-    "__version__", "async_save", "prepare_staging_pool", "release_staging_pool", "save",
+    "__version__", "async_save", "load", "prepare_staging_pool", "release_staging_pool", "save",
 ]
