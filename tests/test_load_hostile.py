@@ -23,11 +23,15 @@ def _assert_same_error(case, out, kind):
 KINDS = {"missing_key": "ValidationError", "shape_mismatch": "ValidationError"}
 
 
+@pytest.fixture(scope="module")
+def refusals(tmp_path_factory):
+    return values(run_world(2, cases.every_case, (str(tmp_path_factory.mktemp("hostile")),), timeout_s=400))
+
+
 @pytest.mark.parametrize("case", cases.CASES)
-def test_hostile_checkpoint_is_refused_on_every_rank(tmp_path, case):
-    out = values(run_world(2, cases.hostile, (str(tmp_path), case), timeout_s=180))
+def test_hostile_checkpoint_is_refused_on_every_rank(refusals, case):
     # rank 0 damaged the checkpoint: only it knows what the message should name
-    out = [{**r, "expect": out[0]["expect"]} for r in out]
+    out = [{**r[case], "expect": refusals[0][case]["expect"]} for r in refusals]
     _assert_same_error(case, out, KINDS.get(case, "ReadError"))
     if case == "object_class":
         assert all(r["with_remedy"] for r in out)

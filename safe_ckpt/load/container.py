@@ -15,8 +15,6 @@ Must not: read files, or unpickle with anything but torch's weights-only unpickl
 
 from __future__ import annotations
 
-import io
-import pickle
 import struct
 from dataclasses import dataclass
 from functools import lru_cache
@@ -114,12 +112,9 @@ def payload_is_framed(frame_: Frame, head, tail) -> bool:
 
 def decode_chunk(data, where: str, sizes: tuple) -> torch.Tensor:
     """The tensor an item holds, through torch's weights-only loader (the general path)."""
-    try:
-        tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as exc:
-        raise ReadError(f"{where}: refused by torch's weights-only loader (not unpickled): {exc}") from None
-    except Exception as exc:
-        raise ReadError(f"{where}: not a readable torch.save archive: {type(exc).__name__}: {exc}") from None
+    from .objects import decode
+
+    tensor = decode(data, where, map_location="cpu")
     if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != tuple(sizes):
         shown = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
         raise ReadError(f"{where}: holds {shown}, not the chunk of shape {tuple(sizes)} the index names")

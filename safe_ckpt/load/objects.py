@@ -23,6 +23,7 @@ from .index import CheckpointIndex, StoredItem
 from .source import Source
 
 _GLOBAL_IN_MESSAGE = re.compile(r"GLOBAL ([\w.]+)")
+_WHY_IN_MESSAGE = re.compile(r"WeightsUnpickler error:\s*(.+?)\s*(?:\n\s*\n|$)", re.S)
 _COMMON_STATE_BYTES = 1 << 30
 
 
@@ -38,9 +39,17 @@ def decode(data, where: str, safe_globals=(), map_location=None):
                 f"{where}: refused: it references {refused.group(1)}, which neither torch's weights-only loader "
                 f"nor megatron-core's safe globals allow (nothing from it was run). If you trust this checkpoint "
                 f"and the class, list it in LoadOptions(safe_globals=(...))") from None
-        raise ReadError(f"{where}: refused by torch's weights-only loader: {exc}") from None
+        raise ReadError(f"{where}: not a readable torch.save archive (torch's weights-only loader: "
+                        f"{_reason(str(exc))})") from None
     except Exception as exc:
-        raise ReadError(f"{where}: cannot be decoded: {type(exc).__name__}: {exc}") from None
+        raise ReadError(f"{where}: not a readable torch.save archive ({type(exc).__name__}: "
+                        f"{_reason(str(exc))})") from None
+
+
+def _reason(message: str) -> str:
+    """The line of torch's long weights-only message that says what went wrong."""
+    found = _WHY_IN_MESSAGE.search(message)
+    return found.group(1).strip() if found else message.strip().splitlines()[0][:200] if message.strip() else "?"
 
 
 def read_item(source: Source, item: StoredItem) -> bytearray:
