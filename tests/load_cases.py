@@ -253,3 +253,47 @@ def odd_templates(rank, world, root, writer) -> dict:
     return {"mismatches": [k for k, v in expected.items() if not bits_equal(ours[k], v)],
             "stock_mismatches": [k for k, v in expected.items() if not bits_equal(stock[k], v)],
             "same_as_stock": same_tree(ours, stock)}
+
+
+def object_store(rank, world, bucket_spec, root, dead_endpoint) -> dict:
+    """Load from a real S3 API (the local moto server): a safe_ckpt save made there (one item per
+    key), and a stock-written checkpoint copied there (many items per key: ranged reads); the same
+    stock checkpoint through a `file://` URL; an unreachable endpoint fails within the deadline."""
+    import time
+
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    from safe_ckpt.tools.copy import copy
+
+    spec = StateSpec(**SMALL)
+    refs = reference_tensors(spec, 2)
+    state = build_state(rank, world, tp=1, spec=spec, references=refs)
+    safe_ckpt.save(state, "run/iter_0000001", options=small_options(kvstore_spec=bucket_spec))
+    local = os.path.join(root, "stock")
+    stock_write(build_state(rank, world, tp=1, spec=spec, references=refs), local)
+    if rank == 0:
+        copy(local, "stock/iter_0000001", dst_spec=bucket_spec)
+    dist.barrier()
+
+    def target():
+        return build_state(rank, world, tp=2, spec=spec, layout="alt", empty=True, references=refs, saved_tp=1)
+
+    expected = build_state(rank, world, tp=2, spec=spec, layout="alt", references=refs, saved_tp=1)
+    stock = dist_checkpointing.load(target(), local)
+    out = {}
+    for name, where, kv in (("safe_s3", "run/iter_0000001", bucket_spec), ("stock_s3", "stock/iter_0000001", bucket_spec),
+                            ("stock_file_url", "file://" + local, None)):
+        reports: list = []
+        loaded = safe_ckpt.load(target(), where, load_options(reports, kvstore_spec=kv))
+        out[name] = {"mismatches": compare_loaded(loaded, expected), "same_as_stock": same_tree(loaded, stock),
+                     "report": reports[0].__dict__}
+    dead = {**bucket_spec, "endpoint": dead_endpoint}
+    t0 = time.monotonic()
+    try:
+        safe_ckpt.load(target(), "run/iter_0000001", load_options(kvstore_spec=dead, kvstore_request_timeout_s=3))
+        out["dead"] = None
+    except BaseException as exc:
+        out["dead"] = describe_exception(exc)
+    out["dead_s"] = time.monotonic() - t0
+    return out
