@@ -132,13 +132,35 @@ def same_tree(a, b, path="") -> list[str]:
 def suite(rank, world, root, cases) -> dict:
     """Several cases in one world (starting ranks is what takes time): {name: result}."""
     bodies = {"reshard": reshard, "save_dp": save_dp, "load_dp": load_dp, "strictness": strictness,
-              "odd_templates": odd_templates}
+              "odd_templates": odd_templates, "via_strategy": via_strategy}
     out = {}
     for name, body, args in cases:
         if args and args[-1] == "pinned" and not torch.cuda.is_available():
             continue
         out[name] = bodies[body](rank, world, os.path.join(root, name), *args)
     return out
+
+
+def via_strategy(rank, world, root, writer) -> dict:
+    """Stock `dist_checkpointing.load` with safe_ckpt's load strategy (stock runs the rest)."""
+    from megatron.core import dist_checkpointing
+
+    from safe_ckpt.megatron import SafeTorchDistLoadStrategy
+
+    spec = StateSpec(**SMALL)
+    refs = reference_tensors(spec, world)
+    path = os.path.join(root, "ckpt")
+    write(writer, build_state(rank, world, tp=world, spec=spec, references=refs), path)
+    reports: list = []
+    strategy = SafeTorchDistLoadStrategy(load_options(reports))
+    target = build_state(rank, world, tp=1, spec=spec, layout="alt", empty=True, references=refs, saved_tp=world)
+    expected = build_state(rank, world, tp=1, spec=spec, layout="alt", references=refs, saved_tp=world)
+    loaded = dist_checkpointing.load(target, path, sharded_strategy=strategy)
+    from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
+
+    stock_metadata = load_sharded_metadata(path)
+    return {"mismatches": compare_loaded(loaded, expected), "reports": len(reports),
+            "metadata_keys_equal": sorted(strategy.load_sharded_metadata(path)) == sorted(stock_metadata)}
 
 
 def save_dp(rank, world, root, writer) -> dict:

@@ -46,6 +46,7 @@ def test_two_and_four_ranks_reshard_like_stock_and_keep_its_strict_modes(tmp_pat
              ("safe_pinned", "reshard", ("safe", 2, 2, "pinned")),
              ("odd", "odd_templates", ("stock",)),
              ("strict", "strictness", ()),
+             ("strategy", "via_strategy", ("stock",)),
              ("dp2_safe", "save_dp", ("safe",)), ("dp2_stock", "save_dp", ("stock",))]
     out = values(run_world(2, load_cases.suite, (root, cases)))
     _check_reshard("safe_tp2_to_1", out, "safe", False)
@@ -53,6 +54,7 @@ def test_two_and_four_ranks_reshard_like_stock_and_keep_its_strict_modes(tmp_pat
     if "safe_pinned" in out[0]:
         _check_reshard("safe_pinned", out, "safe", True)
     for r in out:
+        assert r["strategy"] == {"mismatches": [], "reports": 1, "metadata_keys_equal": True}, r["strategy"]
         assert r["odd"] == {"mismatches": [], "stock_mismatches": [], "same_as_stock": []}, r["odd"]
         strict = r["strict"]
         for mode in ("return_all", "return_unexpected"):

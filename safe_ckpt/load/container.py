@@ -114,7 +114,7 @@ def decode_chunk(data, where: str, sizes: tuple) -> torch.Tensor:
     """The tensor an item holds, through torch's weights-only loader (the general path)."""
     from .objects import decode
 
-    tensor = decode(data, where, map_location="cpu")
+    tensor = decode(data, where, map_location="cpu", megatron_globals=False)  # a tensor needs none
     if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != tuple(sizes):
         shown = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
         raise ReadError(f"{where}: holds {shown}, not the chunk of shape {tuple(sizes)} the index names")

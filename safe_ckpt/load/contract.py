@@ -37,6 +37,45 @@ def open_source(checkpoint_dir, options: LoadOptions):
     return DirectorySource(path)
 
 
+def read_common_state_dict(checkpoint_dir, options: LoadOptions | None = None) -> dict:
+    """The common state alone, as stock `load_common_state_dict` returns it (one rank, no peers)."""
+    options = options or LoadOptions()
+    source = open_source(checkpoint_dir, options)
+    try:
+        return objects.read_common_state(source, index_mod.read_index(source, checksums=False), options.safe_globals)
+    finally:
+        source.close()
+
+
+def read_sharded_metadata(checkpoint_dir, options: LoadOptions | None = None) -> dict:
+    """What stock `load_sharded_metadata` returns (one rank, no peers)."""
+    source = open_source(checkpoint_dir, options or LoadOptions())
+    try:
+        return index_mod.sharded_metadata(index_mod.read_index(source, checksums=False), with_common_state=True)
+    finally:
+        source.close()
+
+
+def load_sharded(tree, checkpoint_dir, options: LoadOptions | None = None, process_group=None):
+    """The sharded part alone (ShardedTensor / ShardedObject leaves), as a load strategy's `load`
+    returns it. Collective."""
+    options = options or LoadOptions()
+    where = os.fspath(checkpoint_dir)
+    coord = dist.coordinator(process_group, options.collective_timeout_s, target=f"load {where}")
+    source, index, failure = None, None, None
+    try:
+        source = open_source(checkpoint_dir, options)
+        index = index_mod.read_index(source, checksums=options.verify_checksums)
+    except Exception as exc:
+        failure = failure_from_exception(coord.rank, "index", exc)
+    try:
+        vote(coord, "opening", where, failure)
+        return read_sharded(tree, source, index, options, coord, where)
+    finally:
+        if source is not None:
+            source.close()
+
+
 def _as_validation(exc: BaseException) -> BaseException:
     """Megatron's CheckpointingException (a bad request, not bad bytes) as a ValidationError."""
     if type(exc).__name__ == "CheckpointingException":
@@ -90,7 +129,7 @@ def load(sharded_state_dict: dict, checkpoint_dir, options: LoadOptions | None =
         strict = parse_strict_flag(StrictHandling.ASSUME_OK_UNEXPECTED if strict is None else strict)
         local = [sh.without_data() for sh in nested_values(sharded)]
         global_metadata = None
-        if not torch.distributed.is_initialized():
+        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
             validate_access_integrity = False  # one process, no peers: megatron's check needs a process group
         if validate_access_integrity or StrictHandling.requires_global_app_metadata(strict):
             global_metadata = coord.exchange("load: sharding", local)

@@ -144,9 +144,9 @@ def read_index(source: Source, *, checksums: bool = True) -> CheckpointIndex:
     return CheckpointIndex(source.root, config, meta, tensors, objects, items, algorithm)
 
 
-def sharded_metadata(index: CheckpointIndex) -> dict:
-    """What stock `load_sharded_metadata` returns (data-less ShardedTensors and ShardedObjects by key),
-    for the strict-mode key check; the common state's object is the format's own, not a key."""
+def sharded_metadata(index: CheckpointIndex, with_common_state: bool = False) -> dict:
+    """What stock `load_sharded_metadata` returns (data-less ShardedTensors and ShardedObjects by key);
+    for the strict-mode key check without the common state's object (the format's own, not a key)."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
     from ..compat import COMMON_STATE_KEY
@@ -154,7 +154,7 @@ def sharded_metadata(index: CheckpointIndex) -> dict:
     out = {}
     for fqn in index.objects:
         obj = ShardedObject.empty_from_unique_key(fqn)
-        if obj.key != COMMON_STATE_KEY:
+        if with_common_state or obj.key != COMMON_STATE_KEY:
             out[obj.unique_key] = obj
     for fqn, t in index.tensors.items():
         out[fqn] = ShardedTensor.from_rank_offsets(fqn, torch.empty(t.size, dtype=t.dtype, device="meta")).without_data()

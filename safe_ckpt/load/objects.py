@@ -11,9 +11,11 @@ Must not: call `pickle.load` or `torch.load(weights_only=False)`.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import pickle
 import re
+import threading
 
 import torch
 
@@ -27,10 +29,10 @@ _WHY_IN_MESSAGE = re.compile(r"WeightsUnpickler error:\s*(.+?)\s*(?:\n\s*\n|$)",
 _COMMON_STATE_BYTES = 1 << 30
 
 
-def decode(data, where: str, safe_globals=(), map_location=None):
+def decode(data, where: str, safe_globals=(), map_location=None, megatron_globals: bool = True):
     """``torch.load(weights_only=True)`` of ``data`` with megatron-core's safe globals and ``safe_globals``."""
     try:
-        with torch.serialization.safe_globals([*compat.megatron_safe_globals(), *safe_globals]):
+        with _admitted([*compat.megatron_safe_globals(), *safe_globals] if megatron_globals else list(safe_globals)):
             return torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as exc:
         refused = _GLOBAL_IN_MESSAGE.search(str(exc))
@@ -44,6 +46,24 @@ def decode(data, where: str, safe_globals=(), map_location=None):
     except Exception as exc:
         raise ReadError(f"{where}: not a readable torch.save archive ({type(exc).__name__}: "
                         f"{_reason(str(exc))})") from None
+
+
+_admit_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _admitted(classes: list):
+    """Admit ``classes`` to torch's weights-only unpickler for the block. Only those not admitted
+    already: torch's `safe_globals` context removes on exit whatever it was given, which would take
+    away what megatron-core registers for the whole process at import."""
+    if not classes:
+        yield
+        return
+    with _admit_lock:
+        known = {id(c) for c in torch.serialization.get_safe_globals()}
+        missing = [c for c in classes if id(c) not in known]
+        with torch.serialization.safe_globals(missing):
+            yield
 
 
 def _reason(message: str) -> str:
