@@ -4,6 +4,8 @@ with stock Megatron's own writer path), load it with `safe_ckpt.load` and with s
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
 
 import torch
@@ -72,8 +74,25 @@ def _pin(tree):
             v.data = v.data.pin_memory()
 
 
+@contextlib.contextmanager
+def _through_the_pool(on: bool):
+    """Make host templates travel as GPU ones do (pieces of the pinned pool, then byte copies):
+    the copy path of GPU destinations, run on a CPU-only machine."""
+    from safe_ckpt.load import plan
+
+    stock_destination = plan.destination
+    if on:
+        plan.destination = lambda sh_ten: dataclasses.replace(stock_destination(sh_ten), memory=None)
+    try:
+        yield
+    finally:
+        plan.destination = stock_destination
+
+
 def reshard(rank, world, root, writer, tp, load_tp, memory) -> dict:
-    """Save at TP=tp, load at TP=load_tp in the other layout, with safe_ckpt and with stock."""
+    """Save at TP=tp, load at TP=load_tp in the other layout, with safe_ckpt and with stock.
+    ``memory``: the templates' "pageable" or "pinned" host memory, "cuda", or "pool" (host
+    memory reached the way GPU memory is)."""
     from megatron.core import dist_checkpointing
 
     spec = StateSpec(**SMALL)
@@ -82,14 +101,17 @@ def reshard(rank, world, root, writer, tp, load_tp, memory) -> dict:
     write(writer, build_state(rank, world, tp=tp, spec=spec, references=refs), path)
 
     def target():
-        t = build_state(rank, world, tp=load_tp, spec=spec, layout="alt", empty=True, references=refs, saved_tp=tp)
+        device = f"cuda:{rank % max(1, torch.cuda.device_count())}" if memory == "cuda" else "cpu"
+        t = build_state(rank, world, tp=load_tp, spec=spec, layout="alt", empty=True, references=refs, saved_tp=tp,
+                        device=device)
         if memory == "pinned":
             _pin(t)
         return t
 
     expected = build_state(rank, world, tp=load_tp, spec=spec, layout="alt", references=refs, saved_tp=tp)
     reports: list = []
-    ours = safe_ckpt.load(target(), path, load_options(reports))
+    with _through_the_pool(memory == "pool"):
+        ours = safe_ckpt.load(target(), path, load_options(reports))
     stock = dist_checkpointing.load(target(), path)
     return {
         "mismatches": compare_loaded(ours, expected),
@@ -97,6 +119,7 @@ def reshard(rank, world, root, writer, tp, load_tp, memory) -> dict:
         "same_as_stock": same_tree(ours, stock),
         "report": reports[0].__dict__ if reports else None,
         "pinned": memory != "pinned" or _all_pinned(ours),
+        "device": memory != "cuda" or _all_cuda(ours),
     }
 
 
@@ -106,6 +129,14 @@ def _all_pinned(tree) -> bool:
     if isinstance(tree, list):
         return all(_all_pinned(v) for v in tree)
     return not isinstance(tree, torch.Tensor) or tree.is_pinned()
+
+
+def _all_cuda(tree) -> bool:
+    if isinstance(tree, dict):
+        return all(_all_cuda(v) for v in tree.values())
+    if isinstance(tree, list):
+        return all(_all_cuda(v) for v in tree)
+    return not isinstance(tree, torch.Tensor) or tree.is_cuda
 
 
 def same_tree(a, b, path="") -> list[str]:
@@ -135,7 +166,7 @@ def suite(rank, world, root, cases) -> dict:
               "odd_templates": odd_templates, "via_strategy": via_strategy}
     out = {}
     for name, body, args in cases:
-        if args and args[-1] == "pinned" and not torch.cuda.is_available():
+        if args and args[-1] in ("pinned", "cuda") and not torch.cuda.is_available():
             continue
         out[name] = bodies[body](rank, world, os.path.join(root, name), *args)
     return out

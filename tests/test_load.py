@@ -15,7 +15,7 @@ def _check_reshard(name, out, writer, same_tp):
         assert r["stock_mismatches"] == [], r["stock_mismatches"][:5]  # the reference itself
         assert r["mismatches"] == [], (name, rank, r["mismatches"][:5])
         assert r["same_as_stock"] == [], (name, rank, r["same_as_stock"][:5])
-        assert r["pinned"], name
+        assert r["pinned"] and r["device"], name
         report = r["report"]
         assert report["items"] > 0 and report["decoded"] == 0, (name, report)  # stock archives: the fast path too
         if writer == "safe" and same_tp:
@@ -44,6 +44,8 @@ def test_two_and_four_ranks_reshard_like_stock_and_keep_its_strict_modes(tmp_pat
     cases = [("safe_tp2_to_1", "reshard", ("safe", 2, 1, "pageable")),
              ("stock_tp1_to_2", "reshard", ("stock", 1, 2, "pageable")),
              ("safe_pinned", "reshard", ("safe", 2, 2, "pinned")),
+             ("safe_via_pool", "reshard", ("safe", 2, 1, "pool")),
+             ("stock_via_pool", "reshard", ("stock", 1, 1, "pool")),
              ("odd", "odd_templates", ("stock",)),
              ("strict", "strictness", ()),
              ("strategy", "via_strategy", ("stock",)),
@@ -53,6 +55,8 @@ def test_two_and_four_ranks_reshard_like_stock_and_keep_its_strict_modes(tmp_pat
     _check_reshard("stock_tp1_to_2", out, "stock", False)
     if "safe_pinned" in out[0]:
         _check_reshard("safe_pinned", out, "safe", True)
+    _check_reshard("safe_via_pool", out, "safe", False)
+    _check_reshard("stock_via_pool", out, "stock", True)
     for r in out:
         assert r["strategy"] == {"mismatches": [], "reports": 1, "metadata_keys_equal": True}, r["strategy"]
         assert r["odd"] == {"mismatches": [], "stock_mismatches": [], "same_as_stock": []}, r["odd"]
