@@ -31,7 +31,9 @@ from ..errors import RankFailure, ReadError, failure_from_exception
 from . import boxes, container
 from .plan import DIRECT, FLAT, Batch, ItemRead, ReadPlan
 
-_MIN_PIECE_BYTES = 64 << 10
+# A whole item that is checksummed is read (and hashed) this much at a time, so the hash reads
+# bytes the read just brought into cache instead of fetching them from memory a second time.
+HASH_PIECE_BYTES = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -135,9 +137,12 @@ class _Worker:
     def run(self, batch: Batch) -> None:
         first = batch.items[0]
         whole = all(read.whole for read in batch.items)  # the planner batches whole items only
-        if whole and all(p.mode == DIRECT for read in batch.items for p in read.pieces):
+        hashed_big = len(batch.items) == 1 and first.checksum is not None \
+            and first.item.length_bytes > HASH_PIECE_BYTES
+        all_direct = all(p.mode == DIRECT for read in batch.items for p in read.pieces)
+        if whole and all_direct and not hashed_big:
             self.direct(batch)
-        elif whole and (len(batch.items) > 1 or batch.length_bytes <= self.r.piece_bytes):
+        elif whole and not all_direct and (len(batch.items) > 1 or batch.length_bytes <= self.r.piece_bytes):
             self.buffered(batch)
         else:
             self.single(first)
@@ -224,10 +229,14 @@ class _Worker:
         for p in read.pieces:
             dest = dests[p.dest]
             if p.mode == DIRECT:
-                m = dest.memory[p.dest_start:p.dest_start + p.payload_end - p.payload_start]
-                source.readv(path, payload_at + p.payload_start, [m])
-                feed(p.payload_start, m)
-                read_bytes += m.nbytes
+                step = HASH_PIECE_BYTES if hasher is not None else p.payload_end - p.payload_start
+                for start in range(p.payload_start, p.payload_end, max(step, 1)):
+                    n = min(step, p.payload_end - start)
+                    at = p.dest_start + start - p.payload_start
+                    m = dest.memory[at:at + n]
+                    source.readv(path, payload_at + start, [m])
+                    feed(start, m)
+                    read_bytes += n
             elif p.mode == FLAT:
                 for start in range(p.payload_start, p.payload_end, self.r.piece_bytes):
                     n = min(self.r.piece_bytes, p.payload_end - start)
