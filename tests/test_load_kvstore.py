@@ -8,7 +8,7 @@ pytest.importorskip("tensorstore")
 
 from tests import load_cases  # noqa: E402
 from tests.mp import run_world, values  # noqa: E402
-from tests.s3server import free_port, s3_server  # noqa: E402,F401  (fixture)
+from tests.s3server import free_port, s3_server  # noqa: E402,F401,F811  (fixture)
 
 
 def test_load_from_s3_and_kvstore_urls_equals_stock_load(s3_server, tmp_path):

@@ -78,11 +78,12 @@ class _ReadBySafeCkpt:
         return contract.read_common_state_dict(checkpoint_dir, self._options)
 
     def load(self, sharded_state_dict, checkpoint_dir, sharded_strategy=None, common_strategy=None,
-             validate_access_integrity=True, strict=None, verify_integrity=False, **kwargs):
+             validate_access_integrity=True, strict=None, verify_integrity=False, process_group=None):
         # The strategy stock built (a FullyParallel wrapper, a cached-metadata reader) is not used.
+        # A process group, where a caller passes one, must be a gloo group (safe_ckpt says so if not).
         result = contract.load(sharded_state_dict, checkpoint_dir, self._options, strict=strict,
                                validate_access_integrity=validate_access_integrity,
-                               verify_integrity=verify_integrity, process_group=None)
+                               verify_integrity=verify_integrity, process_group=process_group)
         state = result[0] if isinstance(result, tuple) else result
         self.read.append((os.fspath(checkpoint_dir), state))
         return result
