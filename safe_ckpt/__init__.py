@@ -5,7 +5,9 @@ tensor lives (GPU memory, pinned or pageable host memory) through a reusable pin
 staging pool, into the layout that stock Megatron and stock PyTorch DCP load.
 
 Data flow: plan → residence → staging → encoding → sinks → commit, coordinated by
-`dist` over a CPU (gloo) group; `save` wires the stages together.
+`dist` over a CPU (gloo) group; `save` wires the stages together. `load` reads any
+torch_dist checkpoint back with the contract of megatron-core's `dist_checkpointing.load`
+(`safe_ckpt/load/`: source → index → plan → execute, in parallel and safely).
 """
 
 from .errors import (
