@@ -20,7 +20,7 @@ from tests.load_cases import load_options
 from tests.mp import describe_exception
 
 CASES = ["truncated", "corrupt_payload", "corrupt_framing", "fifo", "symlink_out", "metadata_pickle",
-         "common_pickle", "object_class", "missing_key", "shape_mismatch", "no_metadata_json"]
+         "common_pickle", "object_class", "missing_key", "shape_mismatch", "no_metadata_json", "integrity_json"]
 
 
 class _Evil:
@@ -81,6 +81,16 @@ def _damage(case: str, path: str, root: str, marker: str) -> dict:
     if case == "no_metadata_json":
         os.remove(os.path.join(path, "metadata.json"))
         return {"names": ["not a distributed checkpoint"]}
+    if case == "integrity_json":  # Megatron's --verify-integrity manifest, then one data file changed
+        import hashlib
+
+        files = {n: hashlib.sha256(open(os.path.join(path, n), "rb").read()).hexdigest()
+                 for n in sorted(os.listdir(path))}
+        with open(os.path.join(path, "integrity.json"), "w") as f:
+            json.dump({"algorithm": "sha256", "files": files}, f)
+        with open(data_file, "ab") as f:
+            f.write(b"x")  # past every item: only the whole-file hash can see it
+        return {"names": ["integrity verification failed", "__1_0.distcp: hash mismatch"]}
     return {}
 
 
@@ -116,7 +126,7 @@ def hostile(rank, world, root, case) -> dict:
         expect = {"names": ["embedding.word_embeddings.weight", "global shape mismatch"]}
     out = {"expect": expect}
     try:
-        safe_ckpt.load(target, path, load_options())
+        safe_ckpt.load(target, path, load_options(), verify_integrity=case == "integrity_json")
         out["error"] = None
     except BaseException as exc:
         out["error"] = describe_exception(exc)
@@ -126,6 +136,10 @@ def hostile(rank, world, root, case) -> dict:
         target["counts"] = ShardedObject("counts", None, (world,), (rank,))
         loaded = safe_ckpt.load(target, path, load_options(safe_globals=(fractions.Fraction,)))
         out["with_remedy"] = loaded["counts"] == fractions.Fraction(1, rank + 2)
+    if case == "integrity_json":  # without the check it loads: the appended byte lies outside every item
+        target = build_state(rank, world, tp=world, spec=spec, layout=layout, empty=True, references=refs)
+        expected = build_state(rank, world, tp=world, spec=spec, layout=layout, references=refs)
+        out["unchecked_mismatches"] = compare_loaded(safe_ckpt.load(target, path, load_options()), expected)
     if case == "corrupt_payload":  # skipping the check loads the damaged bytes, as stock would
         target = build_state(rank, world, tp=world, spec=spec, layout=layout, empty=True, references=refs)
         expected = build_state(rank, world, tp=world, spec=spec, layout=layout, references=refs)

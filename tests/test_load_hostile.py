@@ -37,3 +37,5 @@ def test_hostile_checkpoint_is_refused_on_every_rank(refusals, case):
         assert all(r["with_remedy"] for r in out)
     if case == "corrupt_payload":
         assert any(r["unchecked_mismatches"] for r in out)  # the damage is real; only the check caught it
+    if case == "integrity_json":
+        assert all(r["unchecked_mismatches"] == [] for r in out)
