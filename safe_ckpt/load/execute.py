@@ -20,6 +20,7 @@ beyond the copies it issued.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -30,6 +31,8 @@ from .. import integrity
 from ..errors import RankFailure, ReadError, failure_from_exception
 from . import boxes, container
 from .plan import DIRECT, FLAT, Batch, ItemRead, ReadPlan
+
+log = logging.getLogger("safe_ckpt")
 
 # A whole item that is checksummed is read (and hashed) this much at a time, so the hash reads
 # bytes the read just brought into cache instead of fetching them from memory a second time.
@@ -304,7 +307,7 @@ class Reader:
     """Reads one plan with ``threads`` threads; `run` returns (report, first failure or None)."""
 
     def __init__(self, source, plan: ReadPlan, *, rank: int, threads: int, piece_bytes: int, pool,
-                 algorithm: str, timeout_s: float) -> None:
+                 algorithm: str, timeout_s: float, progress_interval_s: float = 0.0) -> None:
         self.source = source
         self.plan = plan
         self.rank = rank
@@ -313,6 +316,7 @@ class Reader:
         self.pool = pool  # () -> PinnedPool, called on the first read that needs a piece
         self.algorithm = algorithm
         self.timeout_s = timeout_s
+        self.progress_interval_s = progress_interval_s
         self.cancel = threading.Event()
         self.caller_streams = {}
         if torch.cuda.is_available():
@@ -328,6 +332,14 @@ class Reader:
         with self._lock:
             for k, v in kw.items():
                 self._counts[k] += v
+
+    def _progress(self, t0: float) -> None:
+        """A log line for a long read (every `progress_interval_s`)."""
+        if not self.progress_interval_s:
+            return
+        done, total, took = self._counts["nbytes"], self.plan.payload_bytes, time.perf_counter() - t0
+        log.info("safe_ckpt: rank %d read %.2f of %.2f GB in %.0f s (%.2f GB/s) from %s", self.rank, done / 1e9,
+                 total / 1e9, took, done / took / 1e9 if took else 0.0, self.source.root)
 
     def _fail(self, key: str | None, exc: BaseException) -> None:
         with self._lock:
@@ -365,7 +377,9 @@ class Reader:
             w.start()
         try:
             for w in workers:
-                w.join()
+                while w.is_alive():
+                    w.join(self.progress_interval_s or None)
+                    self._progress(t0)
         except BaseException as exc:  # an interrupt: stop the readers, then report it like theirs
             self._fail(None, exc)
             for w in workers:

@@ -44,6 +44,7 @@ class LoadOptions:
         ("s3://", "gs://", "file://", "memory://") is read through TensorStore too.
     kvstore_request_timeout_s: the most one kvstore read may take, TensorStore's own retries
         included; past it the load fails on every rank with `ReadError`.
+    progress_interval_s: period of each rank's progress log lines during a long read (0: none).
     on_read: called on each rank with its `ReadReport` (bytes, items, checksums verified, time)
         once its reads are done (benchmarks, monitoring); None: the report is only logged.
     """
@@ -57,6 +58,7 @@ class LoadOptions:
     safe_globals: tuple = ()
     kvstore_spec: Optional[dict] = None
     kvstore_request_timeout_s: float = 30.0
+    progress_interval_s: float = 10.0
     on_read: Optional[Callable] = None
 
     def __post_init__(self) -> None:
@@ -74,6 +76,8 @@ class LoadOptions:
             problems.append(f"collective_timeout_s={self.collective_timeout_s} must be positive")
         if not self.kvstore_request_timeout_s > 0:
             problems.append(f"kvstore_request_timeout_s={self.kvstore_request_timeout_s} must be positive")
+        if self.progress_interval_s < 0:
+            problems.append(f"progress_interval_s={self.progress_interval_s} must be >= 0")
         if not isinstance(self.safe_globals, (tuple, list)):
             problems.append("safe_globals must be a tuple of classes")
         if problems:

@@ -131,7 +131,8 @@ def read_sharded(tree, source, index, options: LoadOptions, coord, where: str):
                     return pools[0]
 
             reader = Reader(source, read_plan, rank=coord.rank, threads=threads, piece_bytes=piece, pool=pool,
-                            algorithm=index.checksum_algorithm, timeout_s=options.collective_timeout_s)
+                            algorithm=index.checksum_algorithm, timeout_s=options.collective_timeout_s,
+                            progress_interval_s=options.progress_interval_s)
             report, failure = reader.run()
         if failure is None:
             _objects(requested_objects, source, index, options.safe_globals, coord.rank, values)
