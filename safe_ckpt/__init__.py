@@ -5,7 +5,9 @@ tensor lives (GPU memory, pinned or pageable host memory) through a reusable pin
 staging pool, into the layout that stock Megatron and stock PyTorch DCP load.
 
 Data flow: plan → residence → staging → encoding → sinks → commit, coordinated by
-`dist` over a CPU (gloo) group; `save` wires the stages together.
+`dist` over a CPU (gloo) group; `save` wires the stages together. `load` reads any
+torch_dist checkpoint back with the contract of megatron-core's `dist_checkpointing.load`
+(`safe_ckpt/load/`: source → index → plan → execute, in parallel and safely).
 """
 
 from .errors import (
@@ -13,12 +15,15 @@ from .errors import (
     CommitError,
     CoordinationError,
     RankFailure,
+    ReadError,
     ResidenceError,
     SourceModifiedError,
     ValidationError,
     WriteError,
 )
 from .options import SaveOptions
+from .load import LoadOptions
+from .load import load  # the function: `safe_ckpt.load` (the package stays importable as safe_ckpt.load.*)
 from .results import SaveResult, SaveTimings
 from .saving import SaveHandle, async_save, save
 from .staging.pool import prepare as prepare_staging_pool
@@ -27,7 +32,8 @@ from .version import __version__
 
 
 __all__ = [
-    "CheckpointError", "CommitError", "CoordinationError", "RankFailure", "ResidenceError", "SaveHandle",
+    "CheckpointError", "CommitError", "CoordinationError", "LoadOptions", "RankFailure", "ReadError",
+    "ResidenceError", "SaveHandle",
     "SaveOptions", "SaveResult", "SaveTimings", "SourceModifiedError", "ValidationError", "WriteError",
-    "__version__", "async_save", "prepare_staging_pool", "release_staging_pool", "save",
+    "__version__", "async_save", "load", "prepare_staging_pool", "release_staging_pool", "save",
 ]

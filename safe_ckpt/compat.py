@@ -331,3 +331,41 @@ def register_default_save_strategy(strategy) -> bool:
 _installed = _installed_megatron_version()
 if _installed is not None and unsupported_megatron_reason(_installed) is not None:
     raise ImportError(unsupported_megatron_reason(_installed))
+
+
+# ------------------------------------------------------------------------ loading
+
+
+def torch_dist_load_strategy_base():
+    """The class a custom torch_dist load strategy subclasses: `TorchDistLoadShardedStrategy`,
+    whose backend checks (<= 0.16 registry) and metadata readers every version calls."""
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
+
+    return TorchDistLoadShardedStrategy
+
+
+def accepted_kwargs(fn, kwargs: dict) -> dict:
+    """The part of ``kwargs`` ``fn`` takes (its signature differs between versions:
+    `TorchDistLoadShardedStrategy()` takes none up to 0.16, `cache_metadata=...` and more from 0.17)."""
+    import inspect
+
+    params = inspect.signature(fn).parameters
+    if any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        return kwargs
+    return {k: v for k, v in kwargs.items() if k in params}
+
+
+def training_dist_checkpointing(checkpointing_module):
+    """The `megatron.core.dist_checkpointing` module as `megatron.training.checkpointing` names it
+    (`from megatron.core import dist_checkpointing` in Megatron-LM core_v0.15 ... core_v0.19 and
+    1dcf0dafa884); its `load` and `load_common_state_dict` are the only ways that module's
+    `load_checkpoint` reads a torch_dist checkpoint."""
+    import types
+
+    found = getattr(checkpointing_module, "dist_checkpointing", None)
+    found = getattr(found, "_stock", found)  # a load already in progress swapped it
+    if not isinstance(found, types.ModuleType) or not hasattr(found, "load") \
+            or not hasattr(found, "load_common_state_dict"):
+        raise ImportError("megatron.training.checkpointing has no dist_checkpointing module with load and "
+                          "load_common_state_dict: this Megatron-LM is not one safe_ckpt's load_checkpoint knows")
+    return found

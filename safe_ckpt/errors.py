@@ -72,6 +72,11 @@ class SourceModifiedError(CheckpointError):
     """A host tensor changed in place while an asynchronous save was still reading it."""
 
 
+class ReadError(CheckpointError, OSError):
+    """A checkpoint's bytes could not be read, or are not what its index says (missing, truncated,
+    corrupt, or refused as unsafe)."""
+
+
 _KINDS = {
     cls.__name__: cls
     for cls in (
@@ -82,6 +87,7 @@ _KINDS = {
         CommitError,
         CoordinationError,
         SourceModifiedError,
+        ReadError,
     )
 }
 

@@ -1,6 +1,8 @@
-"""Megatron adapters (the edge): `save_checkpoint` for megatron.training, and a torch_dist
-save strategy for code that calls megatron.core's `dist_checkpointing.save` itself."""
+"""Megatron adapters (the edge): `save_checkpoint` and `load_checkpoint` for megatron.training,
+and torch_dist save and load strategies for code that calls megatron.core's
+`dist_checkpointing.save` / `load` itself."""
 
+from .loading import LoadedCheckpoint, SafeTorchDistLoadStrategy, load_checkpoint, load_options_from_args, loaded_checkpoint
 from .strategy import SafeTorchDistSaveStrategy, install_as_default
 from .training import (
     REFUSED_SHARDING_TYPES,
@@ -14,7 +16,8 @@ from .training import (
 )
 
 __all__ = [
-    "REFUSED_SHARDING_TYPES", "SAFE_SHARDING_TYPES", "SafeTorchDistSaveStrategy", "check_sharding_type",
-    "finalize_async_saves", "install_as_default", "options_from_args", "retention_from_args", "save_checkpoint",
-    "save_state",
+    "REFUSED_SHARDING_TYPES", "SAFE_SHARDING_TYPES", "LoadedCheckpoint", "SafeTorchDistLoadStrategy",
+    "SafeTorchDistSaveStrategy", "check_sharding_type", "finalize_async_saves", "install_as_default",
+    "load_checkpoint", "load_options_from_args", "loaded_checkpoint", "options_from_args", "retention_from_args",
+    "save_checkpoint", "save_state",
 ]

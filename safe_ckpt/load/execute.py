@@ -1,0 +1,390 @@
+"""Carrying out a read plan: a bounded pool of threads moving bytes from the source to the tensors.
+
+One job: read every batch of a `plan.ReadPlan` into its destinations. Each thread takes the
+next batch (batches are in file order, so reads stay nearly sequential) and:
+- reads a batch of whole items bound for contiguous host tensors with one positioned call
+  straight into the tensors' memory (the items' small leading and trailing archive bytes go
+  to scratch buffers in the same call);
+- reads what goes to GPU tensors into two pieces of the process-wide pinned pool, in turn, and
+  copies each piece host-to-device on its own CUDA stream (ordered after the caller's stream),
+  so the next read overlaps the copy; a piece is reused only once its copy has finished;
+- reads strided overlaps (resharding across a non-leading axis, dtype conversion, tensor
+  subclasses) as whole rows of the stored chunk into a piece, then copies the sub-box;
+- checks each item's archive framing (`container`), decoding an item that is not the standard
+  archive with torch's weights-only loader instead, and, where the manifest records a
+  checksum, hashes every item it reads whole on the way and refuses a mismatch.
+The first failure stops the other threads; the caller votes on it, so every rank fails together.
+Must not: talk to other ranks, allocate pinned memory outside the pool, or block on the device
+beyond the copies it issued.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .. import integrity
+from ..errors import RankFailure, ReadError, failure_from_exception
+from . import boxes, container
+from .plan import DIRECT, FLAT, Batch, ItemRead, ReadPlan
+
+log = logging.getLogger("safe_ckpt")
+
+# A whole item that is checksummed is read (and hashed) this much at a time, so the hash reads
+# bytes the read just brought into cache instead of fetching them from memory a second time.
+HASH_PIECE_BYTES = 4 << 20
+
+
+@dataclass(frozen=True)
+class ReadReport:
+    bytes_read: int
+    items: int
+    verified: int  # items whose checksum matched
+    unverified: int  # items read in part (resharded), or with no checksum recorded
+    decoded: int  # items decoded with torch.load (not the standard archive)
+    threads: int
+    seconds: float
+
+
+def _where(source, read: ItemRead) -> str:
+    return f"{source.describe(read.item.relative_path)} at offset {read.item.offset_bytes} (key {read.fqn!r})"
+
+
+def _index(box: boxes.Box) -> tuple:
+    return tuple(slice(o, o + s) for o, s in zip(box.offsets, box.sizes))
+
+
+class _Worker:
+    """One reader thread's buffers and CUDA streams."""
+
+    def __init__(self, reader: "Reader") -> None:
+        self.r = reader
+        self.leases: list = []
+        self.events: list = [None, None]
+        self.turn = 0
+        self.streams: dict = {}
+
+    # ---- buffers and copies -------------------------------------------------------------
+    def buffer(self, nbytes: int):
+        """(slot, uint8 tensor, memoryview) of ``nbytes``: a pool piece (slot 0/1), or for a
+        read bigger than a piece, a temporary host tensor (slot None, copied synchronously)."""
+        if nbytes > self.r.piece_bytes:
+            t = torch.empty(nbytes, dtype=torch.uint8)
+            return None, t, memoryview(t.numpy()).cast("B")
+        if not self.leases:
+            pool = self.r.pool()
+            for _ in range(2):
+                self.leases.append(pool.lease(self.r.piece_bytes, timeout_s=self.r.timeout_s, cancel=self.r.cancel))
+        slot, self.turn = self.turn, self.turn ^ 1
+        if self.events[slot] is not None:
+            self.events[slot].synchronize()
+            self.events[slot] = None
+        t = self.leases[slot].tensor[:nbytes]
+        return slot, t, memoryview(t.numpy()).cast("B")
+
+    def _stream(self, device):
+        s = self.streams.get(device)
+        if s is None:
+            s = self.streams[device] = torch.cuda.Stream(device=device)
+            s.wait_stream(self.r.caller_streams[device])
+        return s
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, slot) -> None:
+        if dst.device.type != "cuda":
+            dst.copy_(src)
+            return
+        s = self._stream(dst.device)
+        with torch.cuda.stream(s):
+            dst.copy_(src, non_blocking=slot is not None)
+        if slot is not None:
+            event = torch.cuda.Event()
+            event.record(s)
+            self.events[slot] = event
+
+    def finish(self) -> None:
+        try:
+            for s in self.streams.values():
+                s.synchronize()
+        finally:
+            for lease in self.leases:
+                lease.release()
+            self.leases = []
+
+    # ---- checksums ----------------------------------------------------------------------
+    def hasher(self, read: ItemRead):
+        c = read.checksum
+        if c is None:
+            return None
+        if c.length_bytes != read.item.length_bytes:
+            raise ReadError(f"{_where(self.r.source, read)}: the checksum manifest records {c.length_bytes} bytes "
+                            f"for this item, the index {read.item.length_bytes}: the manifest does not belong to "
+                            f"this checkpoint")
+        try:
+            return integrity.item_hasher(c, self.r.algorithm)
+        except (RuntimeError, ValueError) as exc:
+            raise ReadError(f"{_where(self.r.source, read)}: cannot check its checksum: {exc}; "
+                            f"LoadOptions(verify_checksums=False) loads without checking") from None
+
+    def check(self, read: ItemRead, hasher) -> None:
+        if hasher.value() != read.checksum.checksum:
+            raise ReadError(f"{_where(self.r.source, read)}: checksum mismatch: the stored bytes differ from what was "
+                            f"saved (corrupted or modified since); restore the file or re-save. "
+                            f"LoadOptions(verify_checksums=False) skips the check")
+        self.r.count(verified=1)
+
+    # ---- the three ways an item travels -------------------------------------------------
+    def run(self, batch: Batch) -> None:
+        first = batch.items[0]
+        whole = all(read.whole for read in batch.items)  # the planner batches whole items only
+        hashed_big = len(batch.items) == 1 and first.checksum is not None \
+            and first.item.length_bytes > HASH_PIECE_BYTES
+        all_direct = all(p.mode == DIRECT for read in batch.items for p in read.pieces)
+        if whole and all_direct and not hashed_big:
+            self.direct(batch)
+        elif whole and not all_direct and (len(batch.items) > 1 or batch.length_bytes <= self.r.piece_bytes):
+            self.buffered(batch)
+        else:
+            self.single(first)
+
+    def direct(self, batch: Batch) -> None:
+        """Whole items to contiguous host tensors: one call, payloads straight into the tensors."""
+        dests = self.r.plan.destinations
+        frames, parts, iov = [], [], []
+        for read in batch.items:
+            head, tail = bytearray(read.frame.prefix_bytes), bytearray(read.frame.suffix_bytes)
+            mine = [dests[p.dest].memory[p.dest_start:p.dest_start + p.payload_end - p.payload_start]
+                    for p in read.pieces]
+            frames.append((head, tail))
+            parts.append(mine)
+            iov += [memoryview(head), *mine, memoryview(tail)]
+        self.r.source.readv(first_path(batch), batch.items[0].item.offset_bytes, iov)
+        for read, (head, tail), mine in zip(batch.items, frames, parts):
+            self.finish_whole(read, head, tail, mine)
+
+    def finish_whole(self, read: ItemRead, head, tail, payload_parts) -> None:
+        if not container.payload_is_framed(read.frame, head, tail):
+            self.decode(read)
+            return
+        hasher = self.hasher(read)
+        if hasher is None:
+            self.r.count(items=1, unverified=1, nbytes=read.item.length_bytes)
+            return
+        for part in (head, *payload_parts, tail):
+            hasher.update(part)
+        self.check(read, hasher)
+        self.r.count(items=1, nbytes=read.item.length_bytes)
+
+    def buffered(self, batch: Batch) -> None:
+        """Whole small items, some bound for the GPU: one read into a piece, then byte copies."""
+        dests = self.r.plan.destinations
+        total = batch.length_bytes
+        slot, t, mv = self.buffer(total)
+        self.r.source.readv(first_path(batch), batch.items[0].item.offset_bytes, [mv])
+        at = 0
+        for read in batch.items:
+            f, length = read.frame, read.item.length_bytes
+            head, tail = mv[at:at + f.prefix_bytes], mv[at + length - f.suffix_bytes:at + length]
+            if not container.payload_is_framed(f, head, tail):
+                self.decode(read)
+            else:
+                hasher = self.hasher(read)
+                if hasher is not None:
+                    hasher.update(mv[at:at + length])
+                    self.check(read, hasher)
+                payload_at = at + f.prefix_bytes
+                for p in read.pieces:
+                    n = p.payload_end - p.payload_start
+                    self.copy(dests[p.dest].flat_bytes[p.dest_start:p.dest_start + n],
+                              t[payload_at + p.payload_start:payload_at + p.payload_end], slot)
+                self.r.count(items=1, unverified=0 if hasher else 1, nbytes=length)
+            at += length
+
+    def single(self, read: ItemRead) -> None:
+        """One item read in parts: its framing, then each piece (through the pool where needed)."""
+        f = read.frame
+        if f is None:
+            self.decode(read)
+            return
+        source, path, base = self.r.source, read.item.relative_path, read.item.offset_bytes
+        head, tail = bytearray(f.prefix_bytes), bytearray(f.suffix_bytes)
+        source.readv(path, base, [memoryview(head)])
+        source.readv(path, base + read.item.length_bytes - f.suffix_bytes, [memoryview(tail)])
+        if not container.payload_is_framed(f, head, tail):
+            self.decode(read)
+            return
+        hasher = self.hasher(read)
+        if hasher is not None:
+            hasher.update(head)
+        cursor = [0]  # the payload hashed so far: only reads that continue it in order are hashed
+
+        def feed(start: int, data) -> None:
+            if hasher is not None and start == cursor[0]:
+                hasher.update(data)
+                cursor[0] += data.nbytes
+
+        payload_at = base + f.prefix_bytes
+        dests = self.r.plan.destinations
+        read_bytes = f.prefix_bytes + f.suffix_bytes
+        for p in read.pieces:
+            dest = dests[p.dest]
+            if p.mode == DIRECT:
+                step = HASH_PIECE_BYTES if hasher is not None else p.payload_end - p.payload_start
+                for start in range(p.payload_start, p.payload_end, max(step, 1)):
+                    n = min(step, p.payload_end - start)
+                    at = p.dest_start + start - p.payload_start
+                    m = dest.memory[at:at + n]
+                    source.readv(path, payload_at + start, [m])
+                    feed(start, m)
+                    read_bytes += n
+            elif p.mode == FLAT:
+                for start in range(p.payload_start, p.payload_end, self.r.piece_bytes):
+                    n = min(self.r.piece_bytes, p.payload_end - start)
+                    slot, t, mv = self.buffer(n)
+                    source.readv(path, payload_at + start, [mv])
+                    at = p.dest_start + start - p.payload_start
+                    self.copy(dest.flat_bytes[at:at + n], t, slot)
+                    feed(start, mv)
+                    read_bytes += n
+            else:
+                read_bytes += self.strided(read, p, payload_at, feed)
+        verified = hasher is not None and cursor[0] == f.payload_bytes
+        if verified:
+            hasher.update(tail)
+            self.check(read, hasher)
+        self.r.count(items=1, unverified=0 if verified else 1, nbytes=read_bytes)
+
+    def strided(self, read: ItemRead, p, payload_at: int, feed) -> int:
+        """Whole rows of the stored chunk through a buffer, then a strided (and converting) copy."""
+        dest = self.r.plan.destinations[p.dest]
+        itemsize = read.dtype.itemsize
+        if not read.sizes:  # a 0-dim tensor: its one element
+            slot, t, mv = self.buffer(itemsize)
+            self.r.source.readv(read.item.relative_path, payload_at, [mv])
+            feed(0, mv)
+            self.copy(dest.view, t.view(read.dtype).view(()), slot)
+            return itemsize
+        row = boxes.row_elements(read.sizes) * itemsize
+        rows = max(1, self.r.piece_bytes // max(row, 1))
+        first, end = p.in_chunk.offsets[0], p.in_chunk.offsets[0] + p.in_chunk.sizes[0]
+        inner_src = _index(boxes.Box(p.in_chunk.offsets[1:], p.in_chunk.sizes[1:]))
+        inner_dst = _index(boxes.Box(p.in_dest.offsets[1:], p.in_dest.sizes[1:]))
+        moved = 0
+        for r in range(first, end, rows):
+            k = min(rows, end - r)
+            slot, t, mv = self.buffer(k * row)
+            self.r.source.readv(read.item.relative_path, payload_at + r * row, [mv])
+            feed(r * row, mv)
+            src = t.view(read.dtype).view((k, *read.sizes[1:]))[(slice(None), *inner_src)]
+            d0 = p.in_dest.offsets[0] + r - first
+            self.copy(dest.view[(slice(d0, d0 + k), *inner_dst)], src, slot)
+            moved += k * row
+        return moved
+
+    def decode(self, read: ItemRead) -> None:
+        """The general path: the whole item through torch's weights-only loader, then sub-box copies."""
+        data = bytearray(read.item.length_bytes)
+        self.r.source.readv(read.item.relative_path, read.item.offset_bytes, [memoryview(data)])
+        hasher = self.hasher(read)
+        if hasher is not None:
+            hasher.update(data)
+            self.check(read, hasher)
+        tensor = container.decode_chunk(data, _where(self.r.source, read), read.sizes)
+        dests = self.r.plan.destinations
+        for p in read.pieces:
+            self.copy(dests[p.dest].view[_index(p.in_dest)], tensor[_index(p.in_chunk)], None)
+        self.r.count(items=1, decoded=1, unverified=0 if hasher else 1, nbytes=len(data))
+
+
+def first_path(batch: Batch) -> str:
+    return batch.items[0].item.relative_path
+
+
+class Reader:
+    """Reads one plan with ``threads`` threads; `run` returns (report, first failure or None)."""
+
+    def __init__(self, source, plan: ReadPlan, *, rank: int, threads: int, piece_bytes: int, pool,
+                 algorithm: str, timeout_s: float, progress_interval_s: float = 0.0) -> None:
+        self.source = source
+        self.plan = plan
+        self.rank = rank
+        self.threads = max(1, min(threads, len(plan.batches) or 1))
+        self.piece_bytes = piece_bytes
+        self.pool = pool  # () -> PinnedPool, called on the first read that needs a piece
+        self.algorithm = algorithm
+        self.timeout_s = timeout_s
+        self.progress_interval_s = progress_interval_s
+        self.cancel = threading.Event()
+        self.caller_streams = {}
+        if torch.cuda.is_available():
+            for d in plan.destinations:
+                if d.view.device.type == "cuda" and d.view.device not in self.caller_streams:
+                    self.caller_streams[d.view.device] = torch.cuda.current_stream(d.view.device)
+        self._lock = threading.Lock()
+        self._next = 0
+        self._counts = dict(items=0, verified=0, unverified=0, decoded=0, nbytes=0)
+        self._failure: RankFailure | None = None
+
+    def count(self, **kw) -> None:
+        with self._lock:
+            for k, v in kw.items():
+                self._counts[k] += v
+
+    def _progress(self, t0: float) -> None:
+        """A log line for a long read (every `progress_interval_s`)."""
+        if not self.progress_interval_s:
+            return
+        done, total, took = self._counts["nbytes"], self.plan.payload_bytes, time.perf_counter() - t0
+        log.info("safe_ckpt: rank %d read %.2f of %.2f GB in %.0f s (%.2f GB/s) from %s", self.rank, done / 1e9,
+                 total / 1e9, took, done / took / 1e9 if took else 0.0, self.source.root)
+
+    def _fail(self, key: str | None, exc: BaseException) -> None:
+        with self._lock:
+            if self._failure is None:
+                kind_exc = exc if isinstance(exc, (ReadError, KeyboardInterrupt, SystemExit)) else \
+                    ReadError(f"{type(exc).__name__}: {exc}")
+                self._failure = failure_from_exception(self.rank, "read", kind_exc, key=key)
+        self.cancel.set()
+
+    def _loop(self) -> None:
+        worker = _Worker(self)
+        try:
+            while not self.cancel.is_set():
+                with self._lock:
+                    i, self._next = self._next, self._next + 1
+                if i >= len(self.plan.batches):
+                    break
+                batch = self.plan.batches[i]
+                try:
+                    worker.run(batch)
+                except BaseException as exc:
+                    self._fail(batch.items[0].fqn, exc)
+                    break
+        finally:
+            try:
+                worker.finish()
+            except BaseException as exc:
+                self._fail(None, exc)
+
+    def run(self) -> tuple[ReadReport, RankFailure | None]:
+        t0 = time.perf_counter()
+        workers = [threading.Thread(target=self._loop, name=f"safe_ckpt-read-{i}", daemon=True)
+                   for i in range(self.threads)]
+        for w in workers:
+            w.start()
+        try:
+            for w in workers:
+                while w.is_alive():
+                    w.join(self.progress_interval_s or None)
+                    self._progress(t0)
+        except BaseException as exc:  # an interrupt: stop the readers, then report it like theirs
+            self._fail(None, exc)
+            for w in workers:
+                w.join()
+        c = self._counts
+        report = ReadReport(c["nbytes"], c["items"], c["verified"], c["unverified"], c["decoded"], self.threads,
+                            time.perf_counter() - t0)
+        return report, self._failure

@@ -1,0 +1,163 @@
+"""Megatron's load entry points, read by safe_ckpt.
+
+One job: put safe_ckpt's reader behind the two ways Megatron code loads a torch_dist checkpoint.
+- `load_checkpoint`: `megatron.training.checkpointing.load_checkpoint` itself, unchanged (its
+  tracker, `--ckpt-step`, `--finetune`, `--no-load-optim`, `--no-load-rng`, iteration, RNG,
+  optimizer, scheduler and argument checks all stay stock), run with the
+  `dist_checkpointing` module it calls swapped, for the call only, for one whose `load` is
+  `safe_ckpt.load` and whose `load_common_state_dict` reads the common state the same safe way.
+  Every version from megatron-core 0.15 to 0.19 (and slime's pin, Megatron-LM 1dcf0dafa884)
+  reaches the checkpoint only through those two names of that module (and its pure helpers,
+  left stock); the load strategy it builds, a `FullyParallelLoadStrategyWrapper` included, is
+  not used: each rank reads only what it needs.
+- `SafeTorchDistLoadStrategy`: a load strategy for code that calls
+  `dist_checkpointing.load(..., sharded_strategy=...)` itself (stock then runs the rest).
+After a load, `loaded_checkpoint()` says which save root and iteration it read; where
+`safe_ckpt.megatron.training.note_loaded` exists it is told too (retention keeps that one).
+Must not: change Megatron's state beyond what its own load_checkpoint changes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import dataclass
+
+from .. import compat
+from ..errors import ValidationError
+from ..load import LoadOptions
+from ..load import contract
+from ..options import GiB
+from ..sinks.tensorstore import is_kvstore_url
+
+log = logging.getLogger("safe_ckpt")
+
+
+@dataclass(frozen=True)
+class LoadedCheckpoint:
+    save_root: str  # the directory holding the tracker (Megatron's --load)
+    checkpoint_dir: str
+    iteration: int | None
+
+
+_loaded_lock = threading.Lock()
+_loaded: list = []  # the latest LoadedCheckpoint of this process
+
+
+def loaded_checkpoint() -> LoadedCheckpoint | None:
+    """The checkpoint the latest `load_checkpoint` of this process read (None before one)."""
+    with _loaded_lock:
+        return _loaded[-1] if _loaded else None
+
+
+def load_options_from_args(args) -> LoadOptions:
+    """LoadOptions from Megatron args (the `--safe-ckpt-*` flags, where registered)."""
+    budget = getattr(args, "safe_ckpt_staging_budget_gib", None)
+    return LoadOptions(
+        io_threads=getattr(args, "safe_ckpt_io_threads", None),
+        staging_budget_bytes=int(budget * GiB) if budget else None,
+        collective_timeout_s=float(getattr(args, "safe_ckpt_timeout_s", None) or 600.0),
+        verify_checksums=not getattr(args, "safe_ckpt_no_verify_checksums", False),
+    )
+
+
+class _ReadBySafeCkpt:
+    """`megatron.core.dist_checkpointing` as `megatron.training.checkpointing` sees it during one
+    `load_checkpoint`: its reading entry points through safe_ckpt, everything else stock."""
+
+    def __init__(self, stock, options: LoadOptions) -> None:
+        self._stock = stock
+        self._options = options
+        self.read: list[tuple[str, object]] = []  # (checkpoint_dir, common state) of each full load
+
+    def __getattr__(self, name):
+        return getattr(self._stock, name)
+
+    def load_common_state_dict(self, checkpoint_dir):
+        return contract.read_common_state_dict(checkpoint_dir, self._options)
+
+    def load(self, sharded_state_dict, checkpoint_dir, sharded_strategy=None, common_strategy=None,
+             validate_access_integrity=True, strict=None, verify_integrity=False, process_group=None):
+        # The strategy stock built (a FullyParallel wrapper, a cached-metadata reader) is not used.
+        # A process group, where a caller passes one, must be a gloo group (safe_ckpt says so if not).
+        result = contract.load(sharded_state_dict, checkpoint_dir, self._options, strict=strict,
+                               validate_access_integrity=validate_access_integrity,
+                               verify_integrity=verify_integrity, process_group=process_group)
+        state = result[0] if isinstance(result, tuple) else result
+        self.read.append((os.fspath(checkpoint_dir), state))
+        return result
+
+
+def _note(reader: _ReadBySafeCkpt, load_dir: str) -> None:
+    if not reader.read:
+        return
+    checkpoint_dir, state = reader.read[-1]
+    iteration = state.get("iteration") if isinstance(state, dict) else None
+    loaded = LoadedCheckpoint(os.path.abspath(load_dir), checkpoint_dir, iteration)
+    with _loaded_lock:
+        _loaded[:] = [loaded]
+    from . import training
+
+    note = getattr(training, "note_loaded", None)
+    if note is not None:
+        note(loaded.save_root, loaded.iteration)
+
+
+def load_checkpoint(ddp_model, optimizer, opt_param_scheduler, load_arg="load", strict=True,
+                    checkpointing_context=None, *args, safe_ckpt_options: LoadOptions | None = None, **kwargs):
+    """`megatron.training.checkpointing.load_checkpoint`, with the checkpoint read by safe_ckpt.
+
+    Same arguments (those of the installed Megatron-LM pass through), same return value
+    ``(iteration, num_floating_point_operations_so_far)``, same effects; so
+    ``megatron.training.checkpointing.load_checkpoint = safe_ckpt.megatron.load_checkpoint``
+    works. ``safe_ckpt_options`` overrides the `--safe-ckpt-*` flags. Reads a local `--load`
+    directory (for an object store, use `safe_ckpt.load`, or copy the checkpoint down first).
+    """
+    from megatron.training import checkpointing as mck
+    from megatron.training.global_vars import get_args
+
+    margs = get_args()
+    load_dir = getattr(margs, load_arg, None)
+    if isinstance(load_dir, str) and is_kvstore_url(load_dir):
+        raise ValidationError(f"--{load_arg.replace('_', '-')} {load_dir}: safe_ckpt.megatron.load_checkpoint reads a "
+                              f"local directory (Megatron's tracker and format checks are file system calls); "
+                              f"copy the checkpoint down with `safe-ckpt copy`, or load it with safe_ckpt.load")
+    options = safe_ckpt_options or load_options_from_args(margs)
+    stock = compat.training_dist_checkpointing(mck)
+    reader = _ReadBySafeCkpt(stock, options)
+    with _swap_lock:
+        mck.dist_checkpointing = reader
+        try:
+            result = mck.load_checkpoint(ddp_model, optimizer, opt_param_scheduler, load_arg, strict,
+                                         checkpointing_context, *args, **kwargs)
+        finally:
+            mck.dist_checkpointing = stock
+    if load_dir is not None:
+        _note(reader, load_dir)
+    return result
+
+
+_swap_lock = threading.Lock()  # one load at a time swaps the module
+
+
+class SafeTorchDistLoadStrategy(compat.torch_dist_load_strategy_base()):
+    """A torch_dist load strategy whose reads go through safe_ckpt: for
+    `dist_checkpointing.load(sharded_state_dict, checkpoint_dir, sharded_strategy=SafeTorchDistLoadStrategy())`.
+    Stock `load` still reads the common state and `.metadata` for strict modes its own way; use
+    `safe_ckpt.load` to have every part read safely."""
+
+    def __init__(self, options: LoadOptions | None = None, process_group=None, **kwargs) -> None:
+        super().__init__(**compat.accepted_kwargs(super().__init__, kwargs))
+        self.options = options or LoadOptions()
+        self.process_group = process_group
+
+    def load(self, sharded_state_dict, checkpoint_dir, *args, **kwargs):
+        return contract.load_sharded(sharded_state_dict, checkpoint_dir, self.options, self.process_group)
+
+    def load_tensors_metadata(self, checkpoint_dir, metadata=None):
+        return {k: v for k, v in self.load_sharded_metadata(checkpoint_dir).items()
+                if type(v).__name__ == "ShardedTensor"}
+
+    def load_sharded_metadata(self, checkpoint_dir):
+        return contract.read_sharded_metadata(checkpoint_dir, self.options)
