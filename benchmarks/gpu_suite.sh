@@ -9,6 +9,8 @@
 #   slimereal slime's own save_model (SLIME_SRC=.slime, from scripts/export_slime.sh) on a real GPTModel;
 #   slimeshipped slime as it ships (.slime; its Megatron patch's DDP buffers on a patched copy of megatron-core,
 #            its args, torch_memory_saver preloaded): the asleep save and one --release-train cycle, then slimemodes;
+#   load     benchmarks/load_bench.py: safe_ckpt.load beside stock Megatron, DCP and the read ceiling into GPU
+#            templates (LOAD_TARGETS, LOAD_PRESETS, LOAD_N ranks sharing the GPU); loadtests: the GPU load tests;
 #   slimemodes benchmarks/slime_modes_bench.py: per-step checkpoint cost in --offload-train and --release-train,
 #            stock against safe_ckpt (REPS rounds, MODES_TARGET, default tmpfs);
 #   smoke    a 1 GiB benchmark of every peer with memcpy counts, and the same as one Ray actor;
@@ -142,6 +144,34 @@ part_slimemodes() {
   $PY benchmarks/slime_modes_bench.py --slime-src .slime --rounds ${REPS:-2} --target "${MODES_TARGET:-$SHM/slime_modes}" \
     ${SLIME_MEGATRON_PATCH:+--megatron-patch "$SLIME_MEGATRON_PATCH"} --out "$RES/slime_modes" > "$RES/slime_modes.log" 2>&1
   echo "slime_modes_bench rc $?"; grep -E "^\||^row|slime megatron patch|Error|State per" "$RES/slime_modes.log" | tail -24 | cut -c1-400
+}
+
+# Loading (benchmarks/load_bench.py): safe_ckpt.load against stock Megatron load, DCP load and the read
+# ceiling (the same threads reading the same files) into GPU templates, every load bit-exact: the anchor
+# state (8.6 GiB) and one qwen3-4b-dp8 rank (1217 shards) on one rank, then LOAD_N ranks sharing the GPU
+# (the anchor split N ways); tmpfs warm; a disk target drops the page cache (posix_fadvise) before each run.
+part_load() {
+  local T tag cold pre n=${LOAD_N:-8}
+  for T in ${LOAD_TARGETS:-$SHM}; do
+    tag=tmpfs; cold=""; [ "$T" != "$SHM" ] && { tag=disk; cold=--cold; }
+    for pre in ${LOAD_PRESETS:-anchor qwen3-4b-dp8}; do
+      $PY benchmarks/load_bench.py --preset "$pre" --threads "${THREADS:-16}" --reps "${REPS:-3}" $cold \
+        --target "$T/load" --out "$RES/load_${pre}_1rank_$tag" > "$RES/load_${pre}_1rank_$tag.log" 2>&1
+      echo "load $pre 1 rank $tag rc $?"; grep '^|' "$RES/load_${pre}_1rank_$tag.md"
+      tar -czf "$OUT/results.tgz" -C "$RES" .
+    done
+    if [ "$n" -gt 1 ]; then
+      $PY benchmarks/load_bench.py --preset anchor --gib "$(python3 -c "print(round(8.6/$n, 3))")" --ranks "$n" \
+        --share-gpu --threads $(( ${THREADS:-16} / n > 0 ? ${THREADS:-16} / n : 1 )) --reps "${REPS:-3}" $cold \
+        --target "$T/load" --out "$RES/load_anchor_${n}ranks_$tag" > "$RES/load_anchor_${n}ranks_$tag.log" 2>&1
+      echo "load anchor $n ranks $tag rc $?"; grep '^|' "$RES/load_anchor_${n}ranks_$tag.md"
+    fi
+  done
+}
+
+part_loadtests() {
+  $PYTEST -m gpu tests/test_gpu_load.py -rA -s --timeout 600 > "$RES/gpu_load_tests.log" 2>&1
+  grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed" "$RES/gpu_load_tests.log" | tail -8
 }
 
 part_slimeloop() {
@@ -293,7 +323,7 @@ part_resume() {
 [ $# -eq 0 ] && set -- tests
 for part in "$@"; do
   case "$part" in
-    cpu|gputests|smoke|tests|asleep|slimereal|slimeshipped|slimemodes|slimeloop|gil|bench|mixes|bench2|node|resume|diag|diagvs) echo "== $part $(date +%T)"; "part_$part" ;;
+    cpu|gputests|smoke|tests|asleep|slimereal|slimeshipped|slimemodes|load|loadtests|slimeloop|gil|bench|mixes|bench2|node|resume|diag|diagvs) echo "== $part $(date +%T)"; "part_$part" ;;
     all) part_tests; part_bench; part_mixes ;;
     *) echo "unknown part: $part" >&2; exit 2 ;;
   esac
