@@ -17,8 +17,11 @@ a sink factory that raises, a writer's error, an exception in ``post_commit``) g
 the next collective, always a vote (`ballot`): every rank raises the same
 `CheckpointError` once all have reached it, rank 0 removes the staging directory, and
 the group stays in step. A `KeyboardInterrupt` or `SystemExit` is handled the same way
-(writers cancelled and joined, nothing published) and re-raised as itself on its rank;
-one that arrives after the commit vote leaves the published checkpoint in place.
+(writers cancelled and joined, nothing published) and re-raised as itself on its rank.
+Once the checkpoint is in place (`commit.publish` swapped or renamed it) the save finishes:
+an interrupt arriving from then on (a SIGINT is held through the publish and the
+``post_commit`` step) is re-raised on its rank only after the checkpoint is durable and the
+tracker written, with a log line saying so; the other ranks succeed.
 
 Concurrency: one save runs at a time per process (`slot`), sync and async alike, from
 any thread: a later save waits for the earlier one to end (its handle to finish), at
@@ -240,17 +243,22 @@ class _Job:
             except BaseException as exc:
                 self.note("commit", exc)
                 self._abort()
-        self.ballot.vote("commit")
+        self.ballot.vote("commit", decides=True)
         if self.post_commit is not None:
             try:
-                self.post_commit(self.coord)
+                with self.coord.interrupts_held():  # the tracker is written before a SIGINT acts
+                    self.post_commit(self.coord)
             except BaseException as exc:
                 if self.coord.lost:  # no collective can pair any more: report what broke
                     self.ballot.raise_interrupt()
                     raise
                 self.note("post-commit", exc)
             self.ballot.vote("post-commit")
-        self.ballot.raise_interrupt()  # one that arrived after the commit vote: the checkpoint stays
+        if self.ballot.interrupt is not None:  # it arrived once the commit was under way: the checkpoint stays
+            log.warning("safe_ckpt: %s was published%s before the interrupt (%s) took effect; raising it now",
+                        self.checkpoint_dir, " and the tracker written" if self.post_commit is not None else "",
+                        type(self.ballot.interrupt).__name__)
+        self.ballot.raise_interrupt()
         t_end = time.perf_counter()
         total = t_end - self.t0
         result = SaveResult(
@@ -326,10 +334,12 @@ class _Job:
             self.sink.write_file(name, small[name])
         self.sink.sync_root()
         if self.sharded_only:
-            commit.publish_into(self.area, last=METADATA_FILE, fsync=self.options.fsync)
+            published = commit.publish_into(self.area, last=METADATA_FILE, fsync=self.options.fsync)
         else:
-            commit.publish(self.area, fsync=self.options.fsync)
+            published = commit.publish(self.area, fsync=self.options.fsync)
         self.area = None
+        # An interrupt that arrived once the checkpoint was in place: raised when the save is over.
+        self.ballot.keep_interrupt(published.interrupt)
 
     def _abort(self) -> None:
         if self.area is not None:

@@ -48,7 +48,7 @@ def test_interrupted_in_place_publish_never_reads_as_complete(tmp_path, monkeypa
         real_replace(src, dst)
 
     monkeypatch.setattr(commit.os, "replace", crash_on_second)
-    with pytest.raises(OSError, match="simulated crash"):
+    with pytest.raises(CommitError, match="simulated crash.*holds no checkpoint now"):
         commit.publish_into(area, last=".metadata", fsync=False)
     monkeypatch.setattr(commit.os, "replace", real_replace)
     # new __0_0 beside old __1_0 and __2_0: the directory must not read as a checkpoint
