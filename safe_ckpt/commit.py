@@ -252,7 +252,7 @@ class _Switched:
     old: str | None  # where the previous checkpoint now is (None: there was none)
 
 
-def publish(area: StagingArea, fsync: bool = True) -> Published:
+def publish(area: StagingArea, fsync: bool = True, interrupts: Deferred | None = None) -> Published:
     """Make the staged checkpoint visible under its final name, atomically.
 
     Until the swap (or rename) into place a failure changes nothing (the caller's `abort`
@@ -266,13 +266,15 @@ def publish(area: StagingArea, fsync: bool = True) -> Published:
         `CommitError`: nothing is published, and the staging directory holds this save's
         checkpoint again for `abort` to remove. Should putting it back fail too, nothing is
         removed: the error says where each checkpoint is.
+    ``interrupts``: where to keep the interrupts (the caller's, so that it has them even when
+    this raises).
     """
     _check_still_ours(area)
     if area.claim is not None:
         area.claim.stop_heartbeat()
     if fsync:
         fsync_path(area.staging_dir, directory=True)
-    deferred = Deferred()
+    deferred = interrupts if interrupts is not None else Deferred()
     with deferred.holding_sigint():
         switched, failure = _switch(area, deferred)
         if failure is None and fsync:
@@ -397,7 +399,7 @@ def _release(area: StagingArea, record_in: str | None = None) -> None:
         area.claim.release(record_in)
 
 
-def publish_into(area: StagingArea, last: str, fsync: bool = True) -> Published:
+def publish_into(area: StagingArea, last: str, fsync: bool = True, interrupts: Deferred | None = None) -> Published:
     """Move the staged files into the (existing) target directory, ``last`` at the very end.
 
     For writers that own only part of a directory another component is filling (Megatron's
@@ -411,11 +413,11 @@ def publish_into(area: StagingArea, last: str, fsync: bool = True) -> Published:
     Removing the old index is the point of no return (the previous checkpoint stops being one):
     from there an interrupt is kept for the caller (as `publish` does) and the move finishes;
     an I/O error leaves the directory without an index (no checkpoint, never a mixed one) and
-    raises `CommitError`.
+    raises `CommitError`. ``interrupts`` as for `publish`.
     """
     _check_still_ours(area)
     os.makedirs(area.final_dir, exist_ok=True)
-    deferred = Deferred()
+    deferred = interrupts if interrupts is not None else Deferred()
     with deferred.holding_sigint():
         old_index = os.path.join(area.final_dir, last)
         if os.path.lexists(old_index):

@@ -40,7 +40,7 @@ import logging
 import os
 import time
 
-from . import commit, commit_files, cpu, dist, gcfreeze, slot
+from . import commit, commit_files, cpu, dist, endpoints, gcfreeze, slot
 from .encoding.layout import lay_out, lay_out_rank
 from .encoding.metadata import METADATA_FILE
 from .errors import CheckpointError, problems_error
@@ -56,6 +56,7 @@ from .sinks.posix import PosixSink
 from .sinks.tensorstore import is_kvstore_url
 from .staging.pool import shared_pool
 from .handle import SaveHandle
+from .interrupts import Deferred
 from .staging.stager import Stager, record_producer_fence
 
 log = logging.getLogger("safe_ckpt")
@@ -326,20 +327,25 @@ class _Job:
         small = self._prebuilt or self._small_files()
         if self.options.checksums:
             small = commit_files.with_manifest(small, checksums, save_id=self.save_id, world_size=self.coord.world_size)
-        if self.kv:
-            kvcommit.publish(self.sink, small, {f.relative_path for lay in layouts for f in lay.files},
-                             owner=kvcommit.owner_key(self.save_id))
-            return
-        for name in commit_files.write_order(small):
-            self.sink.write_file(name, small[name])
-        self.sink.sync_root()
-        if self.sharded_only:
-            published = commit.publish_into(self.area, last=METADATA_FILE, fsync=self.options.fsync)
-        else:
-            published = commit.publish(self.area, fsync=self.options.fsync)
-        self.area = None
-        # An interrupt that arrived once the checkpoint was in place: raised when the save is over.
-        self.ballot.keep_interrupt(published.interrupt)
+        # An interrupt that arrives once the publish is under way is raised when the save is over
+        # (or, should the publish fail, with its failure).
+        deferred = Deferred()
+        try:
+            if self.kv:
+                with deferred.holding_sigint():  # its last write decides: a SIGINT waits for the outcome
+                    kvcommit.publish(self.sink, small, {f.relative_path for lay in layouts for f in lay.files},
+                                     owner=kvcommit.owner_key(self.save_id))
+                return
+            for name in commit_files.write_order(small):
+                self.sink.write_file(name, small[name])
+            self.sink.sync_root()
+            if self.sharded_only:
+                commit.publish_into(self.area, last=METADATA_FILE, fsync=self.options.fsync, interrupts=deferred)
+            else:
+                commit.publish(self.area, fsync=self.options.fsync, interrupts=deferred)
+            self.area = None
+        finally:
+            self.ballot.keep_interrupt(deferred.first)
 
     def _abort(self) -> None:
         if self.area is not None:
@@ -355,7 +361,8 @@ def start(sharded_state_dict: dict, checkpoint_dir, *, process_group=None, optio
     """Plan and start writing (collective); for the adapters at the edges. The returned job
     is finished with `.finish()`, or (``asynchronous``) handed to `SaveHandle` after
     `.wait_staged()`. Waits for this process's previous save to end first (see above)."""
-    options = options or SaveOptions()
+    # An `s3://` URL goes where the environment's AWS_ENDPOINT_URL_S3 says, as on the command line.
+    checkpoint_dir, options = endpoints.save_target(checkpoint_dir, options or SaveOptions())
     job = _Job(sharded_state_dict, checkpoint_dir, process_group, options, content_metadata,
                sharded_only=sharded_only, post_commit=post_commit, asynchronous=asynchronous)
     job.slot = slot.acquire(job.checkpoint_dir, options.collective_timeout_s)

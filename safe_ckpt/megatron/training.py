@@ -71,13 +71,13 @@ def options_from_args(args) -> SaveOptions:
 
 
 def save_target(save: str, options: SaveOptions, environ) -> tuple:
-    """``--save`` as (save root, options): an `s3://bucket/prefix` URL with `AWS_ENDPOINT_URL_S3`
-    (or `AWS_ENDPOINT_URL`) set, as boto3 reads them, goes to that S3-compatible endpoint; the
-    root is then the prefix inside `options.kvstore_spec`. Other URLs and paths pass unchanged."""
-    target = resolve_target(save, options.kvstore_spec, kvtools.endpoint_from(environ), kvtools.region_from(environ))
-    if target.spec is not None and options.kvstore_spec is None:
-        options = dataclasses.replace(options, kvstore_spec=target.spec)
-    return target.path, options
+    """``--save`` as (save root, options), by the rule every entry point follows
+    (`safe_ckpt.endpoints`): an `s3://bucket/prefix` URL with `AWS_ENDPOINT_URL_S3` (or
+    `AWS_ENDPOINT_URL`) set goes to that S3-compatible endpoint; the root is then the prefix
+    inside `options.kvstore_spec`. Other URLs and paths pass unchanged."""
+    from .. import endpoints
+
+    return endpoints.save_target(save, options, environ)
 
 
 def check_sharding_type(args, optimizer, metadata: dict | None) -> None:
