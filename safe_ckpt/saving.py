@@ -352,7 +352,8 @@ class _Job:
             commit.abort(self.area)
             self.area = None
         if self.kv_sink is not None and getattr(self, "save_id", None) and self.coord.rank == 0:
-            kvcommit.abort(self.kv_sink, kvcommit.new_file_tag(self.save_id))
+            kv_sink, self.kv_sink = self.kv_sink, None  # once: a failed commit and its vote both abort
+            kvcommit.abort(kv_sink, kvcommit.new_file_tag(self.save_id))
 
 
 def start(sharded_state_dict: dict, checkpoint_dir, *, process_group=None, options: SaveOptions | None = None,
