@@ -3,8 +3,8 @@
 One job: parse arguments, set up logging, read environment variables (the edge), call
 the library, and turn every outcome into a message and an exit code: 0 success, 1 a bad
 checkpoint or a failed operation, 2 a usage error (bad path, not a directory, a prefix with
-no key or a bucket that does not exist, bad argument), 130 interrupted. Must not: contain save logic, or print a traceback unless
-asked with -v.
+no key or a bucket that does not exist, bad argument), 130 interrupted. Must not: contain
+save logic, or print a traceback unless asked with -v.
 """
 
 from __future__ import annotations

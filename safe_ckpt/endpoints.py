@@ -58,3 +58,16 @@ def save_target(target, options, environ: Optional[Mapping[str, str]] = None) ->
     if resolved.spec is not None and resolved.spec != options.kvstore_spec:
         options = dataclasses.replace(options, kvstore_spec=resolved.spec)
     return resolved.path, options
+
+
+def save_state_targets(save_dir, checkpoint_dir, options, environ: Optional[Mapping[str, str]] = None) -> tuple:
+    """A training save's root and checkpoint directory by the same rule: (save_dir, checkpoint_dir,
+    options). Two `s3://` URLs become paths inside one `s3` spec; they must name the same bucket."""
+    root, root_options = save_target(save_dir, options, environ)
+    checkpoint, checkpoint_options = save_target(checkpoint_dir, options, environ)
+    if root_options.kvstore_spec != checkpoint_options.kvstore_spec:
+        from .errors import ValidationError
+
+        raise ValidationError(f"the save root {save_dir} and the checkpoint {checkpoint_dir} must lie in one store "
+                              "(the same bucket and endpoint)")
+    return root, checkpoint, checkpoint_options

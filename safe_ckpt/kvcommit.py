@@ -360,23 +360,26 @@ def _remove_owner(sink, owner: str) -> None:
 
 
 def abort(sink: TensorStoreSink, tag: str) -> None:
-    """Remove the data files this save wrote and its owner object (best effort, within
-    `ABORT_BUDGET_S`: the store may be the reason the save failed). Checked first: where the
-    store shows this save's commit (a `metadata.json` over an index naming its data files), or
-    cannot be asked, no data file is removed."""
+    """Remove the data files this save wrote, its owner object, and the small files of its commit
+    if that was cut short before the marker (best effort, within `ABORT_BUDGET_S`: the store may
+    be the reason the save failed). Checked first: where the store shows this save's commit (a
+    `metadata.json` over an index naming its data files), or cannot be asked, no data file is
+    removed."""
     save_id = tag.lstrip("-")
     release(save_id)
     quick = TensorStoreSink(sink.location, KvDeadlines(ABORT_REQUEST_TIMEOUT_S, time.monotonic() + ABORT_BUDGET_S))
     try:
         names = quick.list()
-        if CONFIG_FILE in names and _commits(quick, tag):
+        ours = METADATA_FILE in names and _commits(quick, tag)
+        if CONFIG_FILE in names and ours:
             log.warning("safe_ckpt: %s holds this save's commit (metadata.json over its index): its data files "
                         "are kept; `safe-ckpt verify %s` tells whether it is whole", sink.root, sink.root)
             _remove_owner(quick, owner_key(save_id))
             return
-        for name in names:
-            if name.endswith(f"{tag}.distcp") or name == owner_key(save_id):
-                quick.delete(name)
+        # The small files of a commit cut short before its marker (its index names this save's files).
+        small = [n for n in SMALL_FILES if n in names and n != CONFIG_FILE] if ours else []
+        for name in small + [n for n in sorted(names) if n.endswith(f"{tag}.distcp") or n == owner_key(save_id)]:
+            quick.delete(name)
     except Exception as exc:
         log.warning("safe_ckpt: could not remove the failed save's data files under %s (%s); "
                     "`safe-ckpt gc` removes them later", sink.root, exc)

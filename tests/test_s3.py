@@ -192,7 +192,8 @@ def test_killed_save_leftovers_go_stale_gc_removes_them_and_a_resave_leaves_none
     # Its process ran on this machine and has exited: stale at once.
     assert kvtools.find(KvTarget("ck", spec)) == expected
     # Had it run elsewhere, its heartbeat would decide: fresh for STALE_AFTER_S (60 s) after the last one ...
-    record = _owner_record(s3_server, "leftover", owner_key, machine="another-host/boot/ns", written_at_unix_s=time.time())
+    record = _owner_record(s3_server, "leftover", owner_key, machine="another-host/boot/ns",
+                           written_at_unix_s=time.time())
     assert record["stale_after_s"] == kvcommit.STALE_AFTER_S <= 60 and record["heartbeat_s"] < record["stale_after_s"]
     assert kvtools.find(KvTarget("ck", spec)) == []
     # ... and a new save of the prefix is refused meanwhile (one save per prefix), naming the way out

@@ -60,7 +60,8 @@ def test_an_s3_save_root_from_the_python_api_is_verified_through_its_tracker(s3_
     assert _quiet(proc.stderr), proc.stderr
     proc = _cli("inspect", "--json", "s3://edges/run")
     info = json.loads(proc.stdout)
-    assert proc.returncode == 0 and info["followed_tracker"] == "5" and info["directory"] == "s3://edges/run/iter_0000005/"
+    assert proc.returncode == 0 and info["followed_tracker"] == "5"
+    assert info["directory"] == "s3://edges/run/iter_0000005/"
     assert info["tracker"] == "5" and _quiet(proc.stderr), proc.stderr
     assert kvtools.verify(root).directory == "s3://edges/run/iter_0000005/"  # the library follows it too
 
@@ -109,13 +110,20 @@ def test_the_python_api_the_command_line_and_the_adapter_share_one_endpoint_rule
     assert (api_path, api_opts.kvstore_spec) == ("run/iter_0000001", expected)
     root, opts = adapter_target("s3://bkt/run", safe_ckpt.SaveOptions(), os.environ)
     assert (root, opts.kvstore_spec) == ("run", expected)
+    # `save_state` with URLs: the tracker goes where the checkpoint goes
+    root, ckpt, opts = endpoints.save_state_targets("s3://bkt/run", "s3://bkt/run/iter_0000001",
+                                                    safe_ckpt.SaveOptions())
+    assert (root, ckpt, opts.kvstore_spec) == ("run", "run/iter_0000001", expected)
+    with pytest.raises(safe_ckpt.ValidationError, match="one store"):
+        endpoints.save_state_targets("s3://bkt/run", "s3://other/run/iter_0000001", safe_ckpt.SaveOptions())
     args = cli.build_parser().parse_args(["verify", "s3://bkt/run/iter_0000001"])
     target = cli._kv_target(args, args.directory, None)
     assert (target.path, target.spec) == ("run/iter_0000001", expected)
     args = cli.build_parser().parse_args(["verify", "s3://bkt/x", "--endpoint", "http://flag:3"])
     assert cli._kv_target(args, args.directory, None).spec["endpoint"] == "http://flag:3"  # the flag first
     monkeypatch.delenv("AWS_ENDPOINT_URL_S3")
-    assert endpoints.save_target("s3://bkt/x", safe_ckpt.SaveOptions())[1].kvstore_spec["endpoint"] == "http://generic:1"
+    generic = endpoints.save_target("s3://bkt/x", safe_ckpt.SaveOptions())[1].kvstore_spec
+    assert generic["endpoint"] == "http://generic:1"
     # a spec given by the user keeps its own credentials; local paths and other URLs pass untouched
     own = {"driver": "s3", "bucket": "b", "aws_credentials": {"type": "anonymous"}}
     assert endpoints.save_target("p", safe_ckpt.SaveOptions(kvstore_spec=own))[1].kvstore_spec == own
