@@ -221,7 +221,8 @@ def _index_files(sink, data: bytes) -> set[str]:
 
 
 _complete_lock = threading.Lock()
-_complete_seen: dict = {}  # (root, keys) -> verdict: a prefix's index is read once while its keys stay the same
+# (root, endpoint, keys) -> verdict: a prefix's index is read once while its keys stay the same
+_complete_seen: dict = {}
 _COMPLETE_SEEN_MAX = 4096
 
 
@@ -232,7 +233,7 @@ def is_complete(sink, names) -> bool:
     names = frozenset(names)
     if CONFIG_FILE not in names or METADATA_FILE not in names:
         return False
-    key = (sink.root, names)
+    key = (sink.root, getattr(getattr(sink, "location", None), "endpoint", None), names)
     with _complete_lock:
         if key in _complete_seen:
             return _complete_seen[key]
