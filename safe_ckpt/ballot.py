@@ -4,9 +4,10 @@ One job: keep what went wrong on this rank since the last collective (its first 
 and any `KeyboardInterrupt`/`SystemExit`) and hand it to the next vote, which every rank
 takes part in; after a failed vote, clean up (the caller's ``on_failure``: rank 0 removes
 the staging directory) and raise the same `CheckpointError` on every rank, or, on a rank
-that was interrupted, the interrupt itself. Whatever a rank meets between two collectives
-so reaches its peers at the next one, never a collective later or not at all, and the
-group leaves every save in step.
+that was interrupted, the interrupt itself (once the commit vote has passed, an interrupt no
+longer fails the save: it is raised on its rank when the save is over). Whatever a rank
+meets between two collectives so reaches its peers at the next one, never a collective
+later or not at all, and the group leaves every save in step.
 Must not: decide what a failure means for the save, or talk to other ranks except
 through `Coordinator.vote`.
 """
@@ -30,6 +31,9 @@ class Ballot:
         self.interrupt: BaseException | None = None  # raised as itself once the vote is done
         self._on_failure = on_failure
         self._stops: list[Callable[[], None]] = []
+        # The checkpoint is published: an interrupt from here on is raised once the save is over,
+        # and no longer fails it on the other ranks.
+        self.decided = False
 
     def on_note(self, stop: Callable[[], None]) -> None:
         """Call ``stop`` (e.g. cancel the writers) whenever a failure is noted."""
@@ -42,6 +46,8 @@ class Ballot:
     def note(self, stage: str, exc: BaseException, key: str | None = None) -> None:
         """Keep this rank's first failure for the next vote."""
         self.keep_interrupt(exc)
+        if self.decided and isinstance(exc, INTERRUPTS):
+            return
         if self.failure is None:
             if not isinstance(exc, (CheckpointError, *INTERRUPTS)):
                 log.debug("safe_ckpt: rank %d failed during %s", self.coord.rank, stage, exc_info=exc)
@@ -58,9 +64,10 @@ class Ballot:
         held, self.coord.interrupted = self.coord.interrupted, None
         return held
 
-    def vote(self, stage: str, report=None) -> list:
+    def vote(self, stage: str, report=None, decides: bool = False) -> list:
         """Every rank's ``report``; or, if any rank failed, the same error on every rank once
-        ``on_failure`` has run (an interrupt is raised as itself instead)."""
+        ``on_failure`` has run (an interrupt is raised as itself instead). A vote that ``decides``
+        the save (the commit vote), once passed, makes later interrupts wait for the save's end."""
         failure, self.failure = self.failure, None
         try:
             reports = self.coord.vote(stage, failure, report)
@@ -68,6 +75,7 @@ class Ballot:
             self._on_failure()
             self.raise_interrupt()
             raise
+        self.decided = self.decided or decides
         held = self.take_held()
         if held is not None:
             self.note(f"after {stage}", held)

@@ -2,9 +2,9 @@
 
 One job: parse arguments, set up logging, read environment variables (the edge), call
 the library, and turn every outcome into a message and an exit code: 0 success, 1 a bad
-checkpoint or a failed operation, 2 a usage error (bad path, not a directory, bad
-argument), 130 interrupted. Must not: contain save logic, or print a traceback unless
-asked with -v.
+checkpoint or a failed operation, 2 a usage error (bad path, not a directory, a prefix with
+no key or a bucket that does not exist, bad argument), 130 interrupted. Must not: contain
+save logic, or print a traceback unless asked with -v.
 """
 
 from __future__ import annotations
@@ -71,18 +71,27 @@ def _located(path: str):
     return located
 
 
+def _kv_located(args: argparse.Namespace, target):
+    """A kvstore argument's checkpoint prefix, following a save root's tracker (said on stderr)."""
+    from .tools import kvtools
+
+    located = kvtools.locate(target, args.request_timeout_s)
+    if located.note():
+        print(located.note(), file=sys.stderr)
+    return located
+
+
 def _kv_target(args: argparse.Namespace, path: str, spec_json: str | None = None, flag: str = "--kvstore-spec"):
     """The kvstore target of a tool argument (None: a local directory); ``flag`` names the
-    argument ``spec_json`` came from. The endpoint of an `s3://` URL: --endpoint, else
-    AWS_ENDPOINT_URL_S3, else AWS_ENDPOINT_URL (as boto3 reads them)."""
-    import os
-
-    from .tools.kvtools import endpoint_from, kv_target, region_from
+    argument ``spec_json`` came from. The endpoint of an `s3://` URL: --endpoint, else the
+    environment's, by the rule every entry point follows (`safe_ckpt.endpoints`)."""
+    from .endpoints import tool_target
 
     spec = _json_arg(spec_json, flag)
     if spec is not None:
         _check_kv_spec(spec, flag)
-    return kv_target(path, spec, args.endpoint or endpoint_from(os.environ), region_from(os.environ))
+    target = tool_target(path, spec, args.endpoint)
+    return target if target.is_kvstore else None
 
 
 def _add_kv_arguments(p: argparse.ArgumentParser, spec: bool = True) -> None:
@@ -102,13 +111,13 @@ def _verify(args: argparse.Namespace) -> int:
     from .tools.verify import verify
 
     target = _kv_target(args, args.directory, args.kvstore_spec)
-    located = _located(args.directory) if target is None else None
+    located = _located(args.directory) if target is None else _kv_located(args, target)
     quiet_megatron_import()
     bar = None if args.json else Bar("verify")
     report = verify(located.directory, deep=args.deep, progress=bar) if target is None else \
-        kvtools.verify(target, deep=args.deep, progress=bar, request_timeout_s=args.request_timeout_s)
+        kvtools.verify(located.target, deep=args.deep, progress=bar, request_timeout_s=args.request_timeout_s)
     if args.json:
-        print(json.dumps({"directory": report.directory, "followed_tracker": located.via_tracker if located else None,
+        print(json.dumps({"directory": report.directory, "followed_tracker": located.via_tracker,
                           "ok": report.ok,
                           "items": report.items_checked, "bytes": report.bytes_checked,
                           "checksummed_items": report.checksummed_items, "object_items": report.object_items,
@@ -137,10 +146,10 @@ def _inspect(args: argparse.Namespace) -> int:
     from .tools.inspect import inspect, to_text
 
     target = _kv_target(args, args.directory, args.kvstore_spec)
-    located = _located(args.directory) if target is None else None
+    located = _located(args.directory) if target is None else _kv_located(args, target)
     quiet_megatron_import()
-    info = inspect(located.directory) if target is None else kvtools.inspect(target, args.request_timeout_s)
-    info["followed_tracker"] = located.via_tracker if located else None
+    info = inspect(located.directory) if target is None else kvtools.inspect(located.target, args.request_timeout_s)
+    info["followed_tracker"] = located.via_tracker
     print(json.dumps(info, indent=1, default=str) if args.json else to_text(info))
     return EXIT_OK
 
@@ -151,8 +160,12 @@ def _gc(args: argparse.Namespace) -> int:
     from .tools.locate import require_directory
 
     target = _kv_target(args, args.root, args.kvstore_spec)
-    found = collect(require_directory(args.root, "save root"), dry_run=args.dry_run) if target is None else \
-        kvtools.collect(target, dry_run=args.dry_run, request_timeout_s=args.request_timeout_s)
+    if target is None:
+        found = collect(require_directory(args.root, "save root"), dry_run=args.dry_run,
+                        **({"stale_after_s": 0.0} if args.force else {}))
+    else:
+        found = kvtools.collect(target, dry_run=args.dry_run, request_timeout_s=args.request_timeout_s,
+                                force=args.force)
     for path in found:
         print(("would remove " if args.dry_run else "removed ") + path)
     if not found:
@@ -270,6 +283,9 @@ def _add_gc(sub) -> None:
     p = sub.add_parser("gc", help="remove what interrupted saves left under ROOT (hidden .safe_ckpt-* dirs)")
     p.add_argument("root", help="the save root (the directory holding the iter_* checkpoints)")
     p.add_argument("--dry-run", action="store_true", help="only list what would be removed")
+    p.add_argument("--force", action="store_true",
+                   help="no save of ROOT is running: take every owner record or owner object as stale, however "
+                        "recent its heartbeat (a local save still holding its lock is left alone)")
     _add_kv_arguments(p)
     p.set_defaults(func=_gc)
 
@@ -307,6 +323,7 @@ def _fail(command: str, message: str) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run a parsed command and map its outcome to an exit code."""
     from .errors import CheckpointError
+    from .sinks.tensorstore import StoreNotFoundError
     from .tools.locate import PathUsageError, TrackerError
 
     try:
@@ -314,7 +331,7 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         _fail(args.command, "interrupted")
         return EXIT_INTERRUPTED
-    except (UsageError, PathUsageError) as exc:
+    except (UsageError, PathUsageError, StoreNotFoundError) as exc:  # a missing bucket is a missing path
         _fail(args.command, f"error: {exc}")
         return EXIT_USAGE
     except (CheckpointError, TrackerError) as exc:

@@ -36,6 +36,14 @@ reported success, so the name returns to what it held); the staged new one is th
 stale leftover. A `replaced` directory is deleted only while the target name holds a
 complete checkpoint (or when it is not one itself): the only complete copy is never deleted.
 
+Once the staged directory is under the final name (the rename, the exchange, or the second of
+the two renames), the outcome is decided (`publish`): the save finishes (the parent directory
+synced, the previous checkpoint removed), an interrupt arriving meanwhile waiting for the end
+of the save; or, if the parent directory cannot be synced (EIO: the swap may not be on disk),
+the previous checkpoint is put back under its name and the save fails. Nothing is ever removed
+by a name whose content changed: `abort` removes a staging name only while it still holds this
+save's owner record (after an exchange it holds the previous checkpoint).
+
 A target that is a symbolic link is refused (publishing renames, which would replace
 the link by a directory); save to the path it resolves to. Hidden names of long targets
 use a shortened, hashed form of the name, so any name the filesystem accepts can be saved.
@@ -59,6 +67,7 @@ from dataclasses import dataclass, field
 
 from .claim import _NO_LOCKS, OWNER_FILE, STALE_AFTER_S, Claim, Owner, read_owner
 from .errors import CommitError
+from .interrupts import INTERRUPTS, Deferred
 from .leftovers import (  # noqa: F401 (the names callers know from here)
     DELETING_MARK, ID_CHARS, LEFTOVER_MARKS, REPLACED_MARK, STAGING_MARK, Sweep, hidden_base, hidden_path,
     is_complete_checkpoint, leftovers_of, staging_dir_for, sweep,
@@ -229,37 +238,168 @@ def _check_still_ours(area: StagingArea) -> None:
                           "before it could be published; nothing is published")
 
 
-def publish(area: StagingArea, fsync: bool = True) -> None:
-    """Make the staged checkpoint visible under its final name, atomically."""
+def _holds(path: str, save_id: str) -> bool:
+    """Whether the directory at ``path`` is this save's staged checkpoint (its owner record names
+    ``save_id``; the record travels with the directory through every rename and exchange)."""
+    owner = read_owner(path)
+    return owner is not None and owner.save_id == save_id
+
+
+@dataclass(frozen=True)
+class Published:
+    """What `publish` did, once the checkpoint is in place: ``interrupt`` is a `KeyboardInterrupt`
+    or `SystemExit` that arrived meanwhile; the caller raises it once its save is over (tracker
+    included), never before."""
+
+    interrupt: BaseException | None = None
+
+
+@dataclass(frozen=True)
+class _Switched:
+    how: str  # "rename" (a new name), "exchange", "two_renames"
+    old: str | None  # where the previous checkpoint now is (None: there was none)
+
+
+def publish(area: StagingArea, fsync: bool = True, interrupts: Deferred | None = None) -> Published:
+    """Make the staged checkpoint visible under its final name, atomically.
+
+    Until the swap (or rename) into place a failure changes nothing (the caller's `abort`
+    removes the staging directory). From the swap on the outcome is decided here, with any
+    interrupt kept for the caller (a SIGINT to the main thread is held, an idempotent step an
+    interrupt cuts short runs again):
+      - finish: the parent directory is synced (the checkpoint is durable), the previous
+        checkpoint and the owner record removed; returns `Published`;
+      - or, when the parent directory cannot be synced (EIO: the swap may not be on disk), put
+        the previous checkpoint back (exchange or rename back), sync again, and raise
+        `CommitError`: nothing is published, and the staging directory holds this save's
+        checkpoint again for `abort` to remove. Should putting it back fail too, nothing is
+        removed: the error says where each checkpoint is.
+    ``interrupts``: where to keep the interrupts (the caller's, so that it has them even when
+    this raises).
+    """
     _check_still_ours(area)
     if area.claim is not None:
         area.claim.stop_heartbeat()
     if fsync:
         fsync_path(area.staging_dir, directory=True)
-    parent = os.path.dirname(area.final_dir)
-    if not os.path.lexists(area.final_dir):
-        os.rename(area.staging_dir, area.final_dir)
-    elif _exchange(area.staging_dir, area.final_dir):
-        # The staging name now holds the previous checkpoint; it goes once the swap is durable.
-        if fsync:
-            fsync_path(parent, directory=True)
-        shutil.rmtree(area.staging_dir, ignore_errors=True)
-    else:
-        aside = hidden_path(area.final_dir, REPLACED_MARK, area.save_id)
-        os.rename(area.final_dir, aside)
+    deferred = interrupts if interrupts is not None else Deferred()
+    with deferred.holding_sigint():
+        switched, failure = _switch(area, deferred)
+        if failure is None and fsync:
+            try:
+                deferred.step(lambda: fsync_path(os.path.dirname(area.final_dir), directory=True))
+            except Exception as exc:
+                failure = exc
+        if failure is not None:
+            _roll_back(area, switched, failure, fsync, deferred)
+        _tidy(area, switched, fsync, deferred)
+    return Published(deferred.first)
+
+
+def _switch(area: StagingArea, deferred: Deferred) -> tuple[_Switched, BaseException | None]:
+    """Put the staged directory under the final name. Returns how, and an error met once it was
+    there (the caller rolls back); raises with everything as it was if it never got there."""
+    final, staging = area.final_dir, area.staging_dir
+
+    def landed(exc: BaseException) -> BaseException | None:
+        """``exc`` came from a renaming call: re-raise it if the staged directory is not in place;
+        otherwise keep an interrupt (None) or hand the error on for a roll-back."""
+        if not _holds(final, area.save_id):
+            raise exc
+        if isinstance(exc, INTERRUPTS):
+            deferred.keep(exc)
+            return None
+        return exc
+
+    if not os.path.lexists(final):
         try:
-            os.rename(area.staging_dir, area.final_dir)
-        except BaseException:
-            os.rename(aside, area.final_dir)  # the name keeps what it held
+            os.rename(staging, final)
+            return _Switched("rename", None), None
+        except BaseException as exc:
+            return _Switched("rename", None), landed(exc)
+    try:
+        exchanged = _exchange(staging, final)
+    except BaseException as exc:
+        return _Switched("exchange", staging), landed(exc)
+    if exchanged:
+        # The staging name now holds the previous checkpoint; it goes once the swap is durable.
+        return _Switched("exchange", staging), None
+    aside = hidden_path(final, REPLACED_MARK, area.save_id)
+    try:
+        os.rename(final, aside)
+    except BaseException:
+        if os.path.lexists(aside) and not os.path.lexists(final):  # it moved, then came the interrupt
+            os.rename(aside, final)
+        raise
+    try:
+        os.rename(staging, final)
+        return _Switched("two_renames", aside), None
+    except BaseException as exc:
+        if not _holds(final, area.save_id):
+            os.rename(aside, final)  # the name keeps what it held
             raise
-        if fsync:
-            fsync_path(parent, directory=True)
-        shutil.rmtree(aside, ignore_errors=True)
-    # The owner record travelled with the directory: it must not stay in the checkpoint.
-    _release(area, record_in=area.final_dir)
+        return _Switched("two_renames", aside), landed(exc)
+
+
+def _roll_back(area: StagingArea, switched: _Switched, failure: BaseException, fsync: bool,
+               deferred: Deferred) -> None:
+    """Put what the final name held back under it (see `publish`); always raises `CommitError`."""
+    final, staging, parent = area.final_dir, area.staging_dir, os.path.dirname(area.final_dir)
+    what = f"{final} was put in place but could not be made durable ({type(failure).__name__}: {failure})"
+    try:
+        if switched.how == "exchange":
+            if not deferred.step(lambda: _holds(staging, area.save_id) or _exchange(final, staging)):
+                raise OSError(errno.ENOTSUP, "renameat2(RENAME_EXCHANGE) no longer supported")
+        else:
+            deferred.step(lambda: _holds(staging, area.save_id) or os.rename(final, staging))
+            if switched.how == "two_renames":
+                deferred.step(lambda: os.path.lexists(final) or os.rename(switched.old, final))
+    except Exception as exc:
+        kept = switched.old
+        if switched.how == "exchange" and not _holds(staging, area.save_id):
+            kept = _set_aside(staging, final, area.save_id)  # never a stale "staging" directory that gc removes
+        log.error("safe_ckpt: %s; putting the previous checkpoint back failed too (%s)", what, exc)
+        raise CommitError(
+            f"{what}, and putting the previous checkpoint back failed too ({type(exc).__name__}: {exc}). "
+            f"Nothing was deleted: {final} may hold this save's checkpoint"
+            + (f", the previous one is at {kept}" if kept else "")
+            + "; check the disk, then compare them (safe-ckpt verify)") from failure
     if fsync:
-        fsync_path(area.final_dir, directory=True)
-        fsync_path(parent, directory=True)
+        try:
+            deferred.step(lambda: fsync_path(parent, directory=True))
+        except Exception as exc:
+            log.warning("safe_ckpt: syncing %s after putting the previous checkpoint back failed too: %s", parent, exc)
+    log.error("safe_ckpt: %s; the previous checkpoint was put back", what)
+    raise CommitError(f"{what}; the previous checkpoint was put back under its name: nothing is published") \
+        from failure
+
+
+def _set_aside(path: str, final_dir: str, save_id: str) -> str:
+    """The previous checkpoint left at the staging name by a failed roll-back, renamed to the
+    `replaced` name whose recovery rules keep it (best effort: where it is, if that fails too)."""
+    aside = hidden_path(final_dir, REPLACED_MARK, save_id)
+    try:
+        os.rename(path, aside)
+        return aside
+    except OSError:
+        return path
+
+
+def _tidy(area: StagingArea, switched: _Switched, fsync: bool, deferred: Deferred) -> None:
+    """After the checkpoint is in place and durable: remove the previous one and the owner record.
+    Nothing here can undo the publish: a failure is logged (gc removes what stays)."""
+    final, parent = area.final_dir, os.path.dirname(area.final_dir)
+    try:
+        if switched.old is not None and not _holds(switched.old, area.save_id):
+            deferred.step(lambda: shutil.rmtree(switched.old, ignore_errors=True))
+        # The owner record travelled with the directory: it must not stay in the checkpoint.
+        deferred.step(lambda: _release(area, record_in=final))
+        if fsync:
+            deferred.step(lambda: fsync_path(final, directory=True))
+            deferred.step(lambda: fsync_path(parent, directory=True))
+    except Exception as exc:
+        log.warning("safe_ckpt: %s is published, but tidying up after it failed (%s: %s); `safe-ckpt gc %s` "
+                    "removes what was left", final, type(exc).__name__, exc, parent)
 
 
 def _release(area: StagingArea, record_in: str | None = None) -> None:
@@ -267,50 +407,16 @@ def _release(area: StagingArea, record_in: str | None = None) -> None:
         area.claim.release(record_in)
 
 
-def publish_into(area: StagingArea, last: str, fsync: bool = True) -> None:
-    """Move the staged files into the (existing) target directory, ``last`` at the very end.
-
-    For writers that own only part of a directory another component is filling (Megatron's
-    save calls a sharded strategy after writing `common.pt` itself). This path is not atomic:
-    a crash part-way leaves the directory holding a mix of old and new files. It never shows
-    such a mix as a complete checkpoint: the loader keys on ``last`` (`.metadata`), so an
-    existing one is removed (and the removal made durable) before any file moves, data files
-    (`__*.distcp`) of an earlier save that this save did not write are removed, and the new
-    ``last`` lands only after every other file.
-    """
-    _check_still_ours(area)
-    os.makedirs(area.final_dir, exist_ok=True)
-    old_index = os.path.join(area.final_dir, last)
-    if os.path.lexists(old_index):
-        # Until the new index lands, the directory must not read as a (mixed) checkpoint.
-        os.unlink(old_index)
-        if fsync:
-            fsync_path(area.final_dir, directory=True)
-    names = sorted(n for n in os.listdir(area.staging_dir) if n != OWNER_FILE)
-    for name in names:
-        if name != last:
-            os.replace(os.path.join(area.staging_dir, name), os.path.join(area.final_dir, name))
-    for name in sorted(os.listdir(area.final_dir)):  # an earlier save's shards would confuse readers
-        if _is_data_file(name) and name not in names:
-            os.unlink(os.path.join(area.final_dir, name))
-    if last in names:
-        if fsync:
-            fsync_path(area.final_dir, directory=True)
-        os.replace(os.path.join(area.staging_dir, last), os.path.join(area.final_dir, last))
-    if fsync:
-        fsync_path(area.final_dir, directory=True)
-    _release(area)
-    os.rmdir(area.staging_dir)
-
-
-def _is_data_file(name: str) -> bool:
-    return name.startswith("__") and name.endswith(".distcp")
-
-
 def abort(area: StagingArea) -> None:
-    """Remove the staging directory of a failed save (best effort) and give up its claim."""
+    """Remove the staging directory of a failed save (best effort) and give up its claim. Only
+    while that name still holds this save's directory: after a publish swapped it, the name holds
+    the previous checkpoint, which is never removed by it."""
+    ours = _holds(area.staging_dir, area.save_id)
     _release(area)
-    shutil.rmtree(area.staging_dir, ignore_errors=True)
+    if ours:
+        shutil.rmtree(area.staging_dir, ignore_errors=True)
+    elif os.path.lexists(area.staging_dir):
+        log.warning("safe_ckpt: not removing %s: it no longer holds save %s's files", area.staging_dir, area.save_id)
 
 
 def write_tracker(save_root: str, iteration, fsync: bool = True) -> None:
@@ -332,3 +438,6 @@ def write_tracker(save_root: str, iteration, fsync: bool = True) -> None:
         except OSError:
             pass
         raise CommitError(f"cannot update {path}: {exc}") from exc
+
+
+from .inplace import publish_into  # noqa: E402,F401  (the in-place variant; callers know it from here)

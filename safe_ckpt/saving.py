@@ -17,8 +17,11 @@ a sink factory that raises, a writer's error, an exception in ``post_commit``) g
 the next collective, always a vote (`ballot`): every rank raises the same
 `CheckpointError` once all have reached it, rank 0 removes the staging directory, and
 the group stays in step. A `KeyboardInterrupt` or `SystemExit` is handled the same way
-(writers cancelled and joined, nothing published) and re-raised as itself on its rank;
-one that arrives after the commit vote leaves the published checkpoint in place.
+(writers cancelled and joined, nothing published) and re-raised as itself on its rank.
+Once the checkpoint is in place (`commit.publish` swapped or renamed it) the save finishes:
+an interrupt arriving from then on (a SIGINT is held through the publish and the
+``post_commit`` step) is re-raised on its rank only after the checkpoint is durable and the
+tracker written, with a log line saying so; the other ranks succeed.
 
 Concurrency: one save runs at a time per process (`slot`), sync and async alike, from
 any thread: a later save waits for the earlier one to end (its handle to finish), at
@@ -37,7 +40,7 @@ import logging
 import os
 import time
 
-from . import commit, commit_files, cpu, dist, gcfreeze, slot
+from . import commit, commit_files, cpu, dist, endpoints, gcfreeze, slot
 from .encoding.layout import lay_out, lay_out_rank
 from .encoding.metadata import METADATA_FILE
 from .errors import CheckpointError, problems_error
@@ -53,6 +56,7 @@ from .sinks.posix import PosixSink
 from .sinks.tensorstore import is_kvstore_url
 from .staging.pool import shared_pool
 from .handle import SaveHandle
+from .interrupts import Deferred
 from .staging.stager import Stager, record_producer_fence
 
 log = logging.getLogger("safe_ckpt")
@@ -241,17 +245,22 @@ class _Job:
             except BaseException as exc:
                 self.note("commit", exc)
                 self._abort()
-        self.ballot.vote("commit")
+        self.ballot.vote("commit", decides=True)
         if self.post_commit is not None:
             try:
-                self.post_commit(self.coord)
+                with self.coord.interrupts_held():  # the tracker is written before a SIGINT acts
+                    self.post_commit(self.coord)
             except BaseException as exc:
                 if self.coord.lost:  # no collective can pair any more: report what broke
                     self.ballot.raise_interrupt()
                     raise
                 self.note("post-commit", exc)
             self.ballot.vote("post-commit")
-        self.ballot.raise_interrupt()  # one that arrived after the commit vote: the checkpoint stays
+        if self.ballot.interrupt is not None:  # it arrived once the commit was under way: the checkpoint stays
+            log.warning("safe_ckpt: %s was published%s before the interrupt (%s) took effect; raising it now",
+                        self.checkpoint_dir, " and the tracker written" if self.post_commit is not None else "",
+                        type(self.ballot.interrupt).__name__)
+        self.ballot.raise_interrupt()
         t_end = time.perf_counter()
         total = t_end - self.t0
         result = SaveResult(
@@ -323,25 +332,33 @@ class _Job:
         if self.options.integrity_manifest:
             small = commit_files.with_integrity(small, {k: v for r in reports for k, v in r.file_digests.items()},
                                                 into=self.area.final_dir if self.sharded_only and self.area else None)
-        if self.kv:
-            kvcommit.publish(self.sink, small, {f.relative_path for lay in layouts for f in lay.files},
-                             owner=kvcommit.owner_key(self.save_id))
-            return
-        for name in commit_files.write_order(small):
-            self.sink.write_file(name, small[name])
-        self.sink.sync_root()
-        if self.sharded_only:
-            commit.publish_into(self.area, last=METADATA_FILE, fsync=self.options.fsync)
-        else:
-            commit.publish(self.area, fsync=self.options.fsync)
-        self.area = None
+        # An interrupt that arrives once the publish is under way is raised when the save is over
+        # (or, should the publish fail, with its failure).
+        deferred = Deferred()
+        try:
+            if self.kv:
+                with deferred.holding_sigint():  # its last write decides: a SIGINT waits for the outcome
+                    kvcommit.publish(self.sink, small, {f.relative_path for lay in layouts for f in lay.files},
+                                     owner=kvcommit.owner_key(self.save_id))
+                return
+            for name in commit_files.write_order(small):
+                self.sink.write_file(name, small[name])
+            self.sink.sync_root()
+            if self.sharded_only:
+                commit.publish_into(self.area, last=METADATA_FILE, fsync=self.options.fsync, interrupts=deferred)
+            else:
+                commit.publish(self.area, fsync=self.options.fsync, interrupts=deferred)
+            self.area = None
+        finally:
+            self.ballot.keep_interrupt(deferred.first)
 
     def _abort(self) -> None:
         if self.area is not None:
             commit.abort(self.area)
             self.area = None
         if self.kv_sink is not None and getattr(self, "save_id", None) and self.coord.rank == 0:
-            kvcommit.abort(self.kv_sink, kvcommit.new_file_tag(self.save_id))
+            kv_sink, self.kv_sink = self.kv_sink, None  # once: a failed commit and its vote both abort
+            kvcommit.abort(kv_sink, kvcommit.new_file_tag(self.save_id))
 
 
 def start(sharded_state_dict: dict, checkpoint_dir, *, process_group=None, options: SaveOptions | None = None,
@@ -350,7 +367,8 @@ def start(sharded_state_dict: dict, checkpoint_dir, *, process_group=None, optio
     """Plan and start writing (collective); for the adapters at the edges. The returned job
     is finished with `.finish()`, or (``asynchronous``) handed to `SaveHandle` after
     `.wait_staged()`. Waits for this process's previous save to end first (see above)."""
-    options = options or SaveOptions()
+    # An `s3://` URL goes where the environment's AWS_ENDPOINT_URL_S3 says, as on the command line.
+    checkpoint_dir, options = endpoints.save_target(checkpoint_dir, options or SaveOptions())
     job = _Job(sharded_state_dict, checkpoint_dir, process_group, options, content_metadata,
                sharded_only=sharded_only, post_commit=post_commit, asynchronous=asynchronous)
     job.slot = slot.acquire(job.checkpoint_dir, options.collective_timeout_s)

@@ -159,3 +159,60 @@ def s3_save(rank, world, bucket_spec, prefix, seed_spec=None) -> dict:
 def expected_whole(seed_spec=None) -> dict:
     spec = StateSpec(**(seed_spec or SMALL))
     return reference_tensors(spec, 1)
+
+
+class AmbiguousMarker:
+    """The real kvstore sink, except that the commit's last write (`metadata.json`) is not confirmed:
+    ``landed``: it reaches the store, then the client reports a timeout (the usual ambiguous S3 failure);
+    ``unknown``: the same, and reading it back times out too; ``lost``: the timeout comes before it
+    reaches the store."""
+
+    def __init__(self, inner, mode: str) -> None:
+        self.inner, self.mode, self.root = inner, mode, inner.root
+
+    def __getattr__(self, name):  # open, list, delete, one_item_per_file, ...
+        return getattr(self.inner, name)
+
+    def _timeout(self, name):
+        from safe_ckpt.errors import WriteError
+
+        return WriteError(f"{self.root}{name}: the store did not answer within 5.0 s (injected)")
+
+    def write_file(self, relative_path, data):
+        if relative_path != "metadata.json":
+            return self.inner.write_file(relative_path, data)
+        if self.mode in ("landed", "unknown"):
+            self.inner.write_file(relative_path, data)
+        raise self._timeout(relative_path)
+
+    def read(self, relative_path):
+        if self.mode == "unknown" and relative_path == "metadata.json":
+            raise self._timeout(relative_path)
+        return self.inner.read(relative_path)
+
+
+AMBIGUOUS_MODES = {2: "landed", 3: "unknown", 4: "lost"}  # iteration -> how its last write fails on rank 0
+
+
+def seeded(iteration: int) -> dict:
+    return {**SMALL, "seed": 1000 + iteration}
+
+
+def s3_ambiguous_commits(rank, world, bucket_spec) -> dict:
+    """Iteration 1 saved cleanly through the Megatron adapter, then iterations 2-4 with rank 0's
+    last commit write made ambiguous (`AMBIGUOUS_MODES`)."""
+    from safe_ckpt.megatron import save_state
+
+    out = {}
+    for iteration in (1, *AMBIGUOUS_MODES):
+        mode = AMBIGUOUS_MODES.get(iteration)
+        spec = StateSpec(**seeded(iteration))
+        factory = (lambda inner, mode=mode: AmbiguousMarker(inner, mode)) if rank == 0 and mode else None
+        try:
+            save_state(_state(rank, world, spec, reference_tensors(spec, 1)), "run", f"run/iter_{iteration:07d}",
+                       str(iteration), options=small_options(kvstore_spec=bucket_spec, sink_factory=factory))
+            out[iteration] = None
+        except BaseException as exc:
+            out[iteration] = describe_exception(exc)
+        torch.distributed.barrier()
+    return out

@@ -48,7 +48,7 @@ def test_interrupted_in_place_publish_never_reads_as_complete(tmp_path, monkeypa
         real_replace(src, dst)
 
     monkeypatch.setattr(commit.os, "replace", crash_on_second)
-    with pytest.raises(OSError, match="simulated crash"):
+    with pytest.raises(CommitError, match="simulated crash.*holds no checkpoint now"):
         commit.publish_into(area, last=".metadata", fsync=False)
     monkeypatch.setattr(commit.os, "replace", real_replace)
     # new __0_0 beside old __1_0 and __2_0: the directory must not read as a checkpoint
@@ -255,3 +255,21 @@ def test_gc_waits_for_a_save_between_creating_and_claiming_its_staging_directory
     assert isinstance(area, commit.StagingArea), area
     assert outcome["gc"] == [] and os.path.isdir(area.staging_dir)
     area.claim.release()
+
+
+def test_gc_force_takes_a_fresh_owner_of_another_host_as_stale_but_never_a_locked_one(tmp_path, capsys):
+    import json
+
+    from safe_ckpt.cli import main
+
+    elsewhere = claim.Owner("e" * 16, str(tmp_path / "ck"), 4242, "other-host", "other-host/boot/ns")
+    dead_remote = tmp_path / f".ck{leftovers.STAGING_MARK}{'e' * 16}"
+    dead_remote.mkdir()
+    (dead_remote / claim.OWNER_FILE).write_text(json.dumps(elsewhere.__dict__))  # a heartbeat just now
+    running = commit.prepare(str(tmp_path / "other"), commit.new_save_id())  # holds its lock
+    assert main(["gc", str(tmp_path)]) == 0 and dead_remote.is_dir()  # fresh: it may still be running
+    assert main(["gc", "--force", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert f"removed {dead_remote}" in out and not dead_remote.exists()
+    assert os.path.isdir(running.staging_dir)
+    commit.abort(running)

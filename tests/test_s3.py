@@ -165,7 +165,14 @@ def test_store_killed_after_the_first_object_landed(s3_server, tmp_path):
         assert r["usable_after"]
 
 
-def test_killed_save_leftovers_next_save_gc_and_publish_keeps_other_saves_files(s3_server, tmp_path):
+def _owner_record(s3_server, bucket, key, **changes):
+    record = json.loads(s3_server.client().get_object(Bucket=bucket, Key=key)["Body"].read())
+    record.update(changes)
+    s3_server.client().put_object(Bucket=bucket, Key=key, Body=json.dumps(record).encode())
+    return record
+
+
+def test_killed_save_leftovers_go_stale_gc_removes_them_and_a_resave_leaves_none_inside(s3_server, tmp_path):
     from safe_ckpt import kvcommit
     from safe_ckpt.sinks.tensorstore import KvTarget
     from safe_ckpt.tools import kvtools
@@ -180,32 +187,41 @@ def test_killed_save_leftovers_next_save_gc_and_publish_keeps_other_saves_files(
     assert len({kvcommit.save_id_of(n) for n in left}) == 1  # one save's tag
     owners = [n for n in left if n.startswith(kvcommit.OWNER_PREFIX)]
     assert len(owners) == 1
-    # While its owner object is fresh the killed save may still be running: gc leaves it alone.
+    owner_key = f"{prefix}/{owners[0]}"
+    expected = sorted(f"iter_0000003/{n}" for n in left)
+    # Its process ran on this machine and has exited: stale at once.
+    assert kvtools.find(KvTarget("ck", spec)) == expected
+    # Had it run elsewhere, its heartbeat would decide: fresh for STALE_AFTER_S (60 s) after the last one ...
+    record = _owner_record(s3_server, "leftover", owner_key, machine="another-host/boot/ns",
+                           written_at_unix_s=time.time())
+    assert record["stale_after_s"] == kvcommit.STALE_AFTER_S <= 60 and record["heartbeat_s"] < record["stale_after_s"]
     assert kvtools.find(KvTarget("ck", spec)) == []
-    # Time passes beyond the owner object's own staleness bound.
-    record = json.loads(s3_server.client().get_object(Bucket="leftover", Key=f"{prefix}/{owners[0]}")["Body"].read())
-    record["written_at_unix_s"] -= record["stale_after_s"] + 1
-    s3_server.client().put_object(Bucket="leftover", Key=f"{prefix}/{owners[0]}", Body=json.dumps(record).encode())
-    assert kvtools.find(KvTarget("ck", spec)) == sorted(f"iter_0000003/{n}" for n in left)
+    # ... and a new save of the prefix is refused meanwhile (one save per prefix), naming the way out
+    with pytest.raises(safe_ckpt.CommitError, match=r"another save of .*gc --force"):
+        s3_cases.s3_save(0, 1, spec, prefix)
+    # ... then stale (time passes beyond the bound), or removed at once with --force.
+    _owner_record(s3_server, "leftover", owner_key, written_at_unix_s=time.time() - kvcommit.STALE_AFTER_S - 1)
+    assert kvtools.find(KvTarget("ck", spec)) == expected
+    _owner_record(s3_server, "leftover", owner_key, written_at_unix_s=time.time())
+    proc = _cli("gc", "s3://leftover/ck", "--dry-run", "--force", "--endpoint", s3_server.endpoint)
+    assert proc.returncode == 0 and proc.stdout.count("would remove ") == len(left), proc.stdout + proc.stderr
 
-    # The next save of the prefix is not refused as foreign data, and its publish keeps the
-    # killed save's files (not its own to remove); gc then removes exactly those.
+    # Once it is stale, the next save of the prefix publishes a checkpoint without the dead save's keys.
+    _owner_record(s3_server, "leftover", owner_key, written_at_unix_s=time.time() - kvcommit.STALE_AFTER_S - 1)
     values(run_world(2, s3_cases.s3_save, (spec, prefix)))
     after = [k.rsplit("/", 1)[1] for k in s3_server.keys("leftover", prefix + "/")]
-    assert set(left) <= set(after) and "metadata.json" in after
-    assert kvtools.find(KvTarget("ck", spec)) == sorted(f"iter_0000003/{n}" for n in left)
-    # A re-save of the complete checkpoint removes the replaced checkpoint's files only.
-    first = set(after) - set(left)
-    values(run_world(2, s3_cases.s3_save, (spec, prefix)))
-    now = set(k.rsplit("/", 1)[1] for k in s3_server.keys("leftover", prefix + "/"))
-    assert set(left) <= now and not ({n for n in first if n.endswith(".distcp")} & now)
-
-    proc = _cli("gc", "s3://leftover/ck", "--endpoint", s3_server.endpoint)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.count("removed ") == len(left)
-    assert not set(left) & set(k.rsplit("/", 1)[1] for k in s3_server.keys("leftover", prefix + "/"))
+    assert "metadata.json" in after and not set(left) & set(after), after
     report = kvtools.verify(KvTarget(prefix, spec))
     assert report.ok and not [f for f in report.findings if "extra" in f.message], report.findings
+    # A re-save of the complete checkpoint removes the replaced checkpoint's objects.
+    first = set(after)
+    values(run_world(2, s3_cases.s3_save, (spec, prefix)))
+    now = set(k.rsplit("/", 1)[1] for k in s3_server.keys("leftover", prefix + "/"))
+    assert not ({n for n in first if n.endswith(".distcp")} & now)
+    assert not [n for n in now if n.startswith(kvcommit.OWNER_PREFIX)]
+    report = kvtools.verify(KvTarget(prefix, spec))
+    assert report.ok and not [f for f in report.findings if "extra" in f.message], report.findings
+    assert kvtools.find(KvTarget("ck", spec)) == []
     local = str(tmp_path / "local")
     from safe_ckpt.tools.copy import copy
 

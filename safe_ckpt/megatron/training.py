@@ -73,13 +73,17 @@ def options_from_args(args) -> SaveOptions:
 
 
 def save_target(save: str, options: SaveOptions, environ) -> tuple:
-    """``--save`` as (save root, options): an `s3://bucket/prefix` URL with `AWS_ENDPOINT_URL_S3`
-    (or `AWS_ENDPOINT_URL`) set, as boto3 reads them, goes to that S3-compatible endpoint; the
-    root is then the prefix inside `options.kvstore_spec`. Other URLs and paths pass unchanged."""
-    target = resolve_target(save, options.kvstore_spec, kvtools.endpoint_from(environ), kvtools.region_from(environ))
-    if target.spec is not None and options.kvstore_spec is None:
-        options = dataclasses.replace(options, kvstore_spec=target.spec)
-    return target.path, options
+    """``--save`` as (save root, options), by the rule every entry point follows
+    (`safe_ckpt.endpoints`): an `s3://bucket/prefix` URL with `AWS_ENDPOINT_URL_S3` (or
+    `AWS_ENDPOINT_URL`) set goes to that S3-compatible endpoint; the root is then the prefix
+    inside `options.kvstore_spec`. Other URLs and paths pass unchanged."""
+    return _endpoints().save_target(save, options, environ)
+
+
+def _endpoints():
+    from .. import endpoints  # the one rule for every entry point
+
+    return endpoints
 
 
 def check_sharding_type(args, optimizer, metadata: dict | None) -> None:
@@ -142,6 +146,7 @@ def save_state(state_dict: dict, save_dir: str, checkpoint_dir: str, tracker_val
     background (tracker and retention included); `finalize_async_saves()` waits for it.
     """
     options = options or SaveOptions()
+    save_dir, checkpoint_dir, options = _endpoints().save_state_targets(save_dir, checkpoint_dir, options)
     # A kvstore save root (a URL, or a path inside options.kvstore_spec): tracker and retention there.
     kv_root = KvTarget(save_dir, options.kvstore_spec) \
         if options.kvstore_spec is not None or is_kvstore_url(save_dir) else None

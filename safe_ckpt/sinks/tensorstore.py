@@ -17,15 +17,25 @@ Must not: know about tensors, assume a rename exists, or read environment variab
 
 from __future__ import annotations
 
+import re
+import socket
 import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
+from urllib.parse import urlsplit
 
 from ..errors import WriteError
 from .base import Buffer
 
 DEFAULT_REQUEST_TIMEOUT_S = 30.0
 DEFAULT_REGION = "us-east-1"
+PROBE_TIMEOUT_S = 2.0  # a TCP connect to the endpoint, to tell a refused connection from a silent store
+# TensorStore's error text carries the raw HTTP response (S3's XML) and headers as "[name='value']" parts.
+_ANNOTATION = re.compile(r"\s*\[[a-z0-9_-]+='(?:[^'\\]|\\.)*'\]", re.IGNORECASE)
+
+
+class StoreNotFoundError(WriteError):
+    """The bucket (or the store itself) a kvstore target names does not exist."""
 
 
 def _ts():
@@ -67,19 +77,33 @@ class KvTarget:
         return KvTarget(self.path.rstrip("/") + "/" + name, self.spec)
 
 
+ENVIRONMENT_CREDENTIALS = {"type": "environment"}
+
+
 def resolve_target(target: str, spec: Optional[dict] = None, endpoint: Optional[str] = None,
-                   region: Optional[str] = None) -> KvTarget:
+                   region: Optional[str] = None, credentials: Optional[dict] = None) -> KvTarget:
     """``s3://bucket/prefix`` with an ``endpoint`` (an S3-compatible store: MinIO, Ceph RGW)
     becomes the `s3` driver's spec for that endpoint and the prefix inside it; TensorStore's
-    own URL form carries no endpoint. With ``spec`` the target is already a path inside it."""
+    own URL form carries no endpoint. With ``spec`` the target is already a path inside it.
+    ``credentials`` (a TensorStore `aws_credentials` spec, e.g. `ENVIRONMENT_CREDENTIALS`) goes
+    into every `s3` spec that names none; an `s3://` URL then becomes a spec too."""
     if spec is not None:
-        return KvTarget(target, dict(spec))
-    if endpoint and isinstance(target, str) and target.startswith("s3://"):
+        spec = dict(spec)
+        if credentials is not None and spec.get("driver") == "s3" and "aws_credentials" not in spec:
+            spec["aws_credentials"] = dict(credentials)
+        return KvTarget(target, spec)
+    if (endpoint or credentials is not None) and isinstance(target, str) and target.startswith("s3://"):
         bucket, _, prefix = target[len("s3://"):].partition("/")
         if not bucket:
             raise WriteError(f"{target!r}: an s3:// URL needs a bucket (s3://BUCKET/PREFIX)")
-        return KvTarget(prefix.strip("/"), {"driver": "s3", "bucket": bucket, "endpoint": endpoint,
-                                            "aws_region": region or DEFAULT_REGION})
+        spec = {"driver": "s3", "bucket": bucket}
+        if endpoint:
+            spec.update(endpoint=endpoint, aws_region=region or DEFAULT_REGION)
+        elif region:
+            spec["aws_region"] = region
+        if credentials is not None:
+            spec["aws_credentials"] = dict(credentials)
+        return KvTarget(prefix.strip("/"), spec)
     return KvTarget(target, None)
 
 
@@ -103,19 +127,52 @@ def deadlines_for(options) -> KvDeadlines:
     return KvDeadlines(options.kvstore_request_timeout_s, None if total is None else time.monotonic() + total)
 
 
-def bounded(future, timeout_s: float, what: str):
+def unreachable(endpoint: Optional[str], timeout_s: float = PROBE_TIMEOUT_S) -> Optional[str]:
+    """Why nothing can be asked at ``endpoint`` (an http(s) URL): a refused connection or a host
+    name that does not resolve; None when a connection opens (or there is no endpoint to try)."""
+    if not endpoint:
+        return None
+    parts = urlsplit(endpoint)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return None
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        socket.create_connection((parts.hostname, port), timeout=timeout_s).close()
+    except ConnectionRefusedError:
+        return f"the connection to {endpoint} was refused (nothing listens there)"
+    except socket.gaierror as exc:
+        return f"the host of {endpoint} cannot be resolved ({exc.strerror or exc})"
+    except OSError:
+        return None  # slow or filtered: the request's own deadline speaks for it
+    return None
+
+
+def store_error(what: str, exc: BaseException) -> WriteError:
+    """TensorStore's error as one line: no raw HTTP body or headers; a missing bucket named as such."""
+    text = _ANNOTATION.sub("", str(exc)).strip()
+    if "NoSuchBucket" in str(exc):
+        return StoreNotFoundError(f"{what}: the bucket does not exist (NoSuchBucket); create it, or check "
+                                  "the bucket name and the endpoint")
+    return WriteError(f"{what}: {text}")
+
+
+def bounded(future, timeout_s: float, what: str, endpoint: Optional[str] = None):
     """``future``'s result within ``timeout_s``, or a `WriteError` (the request is cancelled)."""
     try:
         return future.result(timeout=timeout_s)
     except TimeoutError as exc:
         future.cancel()
+        why = unreachable(endpoint)
+        if why is not None:
+            raise WriteError(f"{what}: {why}; check the endpoint (--endpoint, AWS_ENDPOINT_URL_S3), "
+                             "then retry") from exc
         raise WriteError(
             f"{what}: the store did not answer within {timeout_s:.1f} s (unreachable, or too slow); "
             "check the endpoint and credentials, or raise SaveOptions.kvstore_request_timeout_s "
             "(--request-timeout-s on the command line)"
         ) from exc
     except Exception as exc:
-        raise WriteError(f"{what}: {exc}") from exc
+        raise store_error(what, exc) from exc
 
 
 @dataclass(frozen=True)
@@ -124,7 +181,8 @@ class KvLocation:
 
     kvstore: object
     prefix: str
-    description: str
+    description: str  # printed before key names: e.g. "s3://bucket/run/iter_0000042/"
+    endpoint: Optional[str] = None  # an S3-compatible store's URL, for wording a failed request
 
 
 def open_location(checkpoint_dir: str, spec: dict | None = None,
@@ -132,20 +190,35 @@ def open_location(checkpoint_dir: str, spec: dict | None = None,
     """``checkpoint_dir`` as a URL ("file:///ckpt/iter_0000042", "gs://bucket/ckpt/iter_1", "memory://x"),
     or a path inside the kvstore described by ``spec`` (a TensorStore kvstore spec)."""
     ts = _ts()
+    endpoint = (spec or {}).get("endpoint")
     try:
         if spec is not None:
             kv = bounded(ts.KvStore.open(spec, context=_shared_context()), deadlines.timeout_s(),
                          f"opening kvstore {spec.get('driver')}")
             prefix = checkpoint_dir.strip("/") + "/" if checkpoint_dir.strip("/") else ""
-            where = spec.get("endpoint") or spec.get("bucket") or ""
-            return KvLocation(kv, prefix, f"{spec.get('driver', 'kvstore')}:{where}:{kv.path}{prefix}")
-        url = checkpoint_dir.rstrip("/") + "/"
-        kv = bounded(ts.KvStore.open(url, context=_shared_context()), deadlines.timeout_s(), f"opening {url}")
-        return KvLocation(kv, "", url)
-    except WriteError as exc:
-        raise WriteError(f"cannot open kvstore {checkpoint_dir!r}: {exc}") from exc
+            description = _describe(spec, f"{kv.path}{prefix}")
+        else:
+            url = checkpoint_dir.rstrip("/") + "/"
+            kv = bounded(ts.KvStore.open(url, context=_shared_context()), deadlines.timeout_s(), f"opening {url}")
+            prefix, description = "", url
+    except StoreNotFoundError:
+        raise
     except Exception as exc:
         raise WriteError(f"cannot open kvstore {checkpoint_dir!r}: {exc}") from exc
+    why = unreachable(endpoint)
+    if why is not None:  # TensorStore would retry a refused connection until the deadline: say so now
+        raise WriteError(f"cannot open kvstore {description}: {why}; check the endpoint (--endpoint, "
+                         "AWS_ENDPOINT_URL_S3), then retry")
+    return KvLocation(kv, prefix, description, endpoint)
+
+
+def _describe(spec: dict, path: str) -> str:
+    """A kvstore path as a user writes it: `s3://bucket/path`, `gs://bucket/path`, `file:///path`."""
+    driver = spec.get("driver", "kvstore")
+    scheme = {"s3": "s3", "gcs": "gs"}.get(driver)
+    if scheme and spec.get("bucket"):
+        return f"{scheme}://{spec['bucket']}/{path}"
+    return f"{driver}://{path}"
 
 
 def _successor(prefix: str) -> str:
@@ -194,7 +267,7 @@ class TensorStoreSink:
             raise WriteError(f"{self.root}{relative_path}: {exc}") from exc
 
     def _wait(self, relative_path: str, future):
-        return bounded(future, self.deadlines.timeout_s(), f"{self.root}{relative_path}")
+        return bounded(future, self.deadlines.timeout_s(), f"{self.root}{relative_path}", self.location.endpoint)
 
     def open(self, relative_path: str, size_bytes: int) -> TensorStoreFile:
         return TensorStoreFile(self, relative_path)
@@ -237,8 +310,8 @@ class TensorStoreSink:
         """The sink of a directory below this one (same store, same deadlines)."""
         loc = self.location
         prefix = loc.prefix + relative_dir.strip("/") + "/"
-        return TensorStoreSink(KvLocation(loc.kvstore, prefix, loc.description + relative_dir.strip("/") + "/"),
-                               self.deadlines)
+        return TensorStoreSink(KvLocation(loc.kvstore, prefix, loc.description + relative_dir.strip("/") + "/",
+                                          loc.endpoint), self.deadlines)
 
 
 def open_sink(target: KvTarget, deadlines: KvDeadlines = KvDeadlines()) -> TensorStoreSink:

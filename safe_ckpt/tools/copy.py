@@ -6,8 +6,9 @@ visible as a checkpoint only when it is whole; e.g. a local directory to a bucke
 bucket to a local directory for loading with stock Megatron. Each file travels as one
 value (kvstores take whole values), so memory peaks at the largest file, and each
 request is bounded by ``request_timeout_s`` (see `SaveOptions.kvstore_request_timeout_s`).
-A source that cannot be listed or read is a `CommitError` naming the file; a write that
-fails is the sink's `WriteError`; either way the destination never becomes a checkpoint.
+A source that cannot be listed or read is a `CommitError` naming the file (one with no key, or
+in a bucket that does not exist, a `PathUsageError`); a write that fails is the sink's
+`WriteError`; either way the destination never becomes a checkpoint.
 Must not: modify the source.
 """
 
@@ -17,7 +18,8 @@ from dataclasses import dataclass
 
 from .. import kvcommit
 from ..errors import CommitError
-from ..sinks.tensorstore import DEFAULT_REQUEST_TIMEOUT_S, KvDeadlines, KvTarget, open_sink
+from ..sinks.tensorstore import DEFAULT_REQUEST_TIMEOUT_S, KvDeadlines, KvTarget, StoreNotFoundError, open_sink
+from .locate import PathUsageError
 
 
 @dataclass(frozen=True)
@@ -41,8 +43,12 @@ def copy(src: str, dst: str, *, src_spec: dict | None = None, dst_spec: dict | N
     source, target = open_sink(KvTarget(src, src_spec), deadlines), open_sink(KvTarget(dst, dst_spec), deadlines)
     try:
         names = source.list()
+    except StoreNotFoundError as exc:
+        raise PathUsageError(str(exc)) from None
     except Exception as exc:  # a kvstore's own error types: one message naming the source
         raise CommitError(f"cannot list the source {source.root}: {type(exc).__name__}: {exc}") from exc
+    if not names:
+        raise PathUsageError(f"{source.root}: no such checkpoint (no key under it)")
     if kvcommit.METADATA_FILE not in names or kvcommit.CONFIG_FILE not in names:
         raise CommitError(f"{source.root} is not a complete torch_dist checkpoint (no .metadata / metadata.json)")
     kvcommit.check_target(target, replace)

@@ -2,18 +2,22 @@
 
 One job: give `verify`, `inspect`, `gc` and the Megatron entry point's tracker file and
 retention the same meaning on a kvstore prefix (a bucket path, a TensorStore spec) as on
-a directory. `verify` and `inspect` read every file of the prefix into a temporary local
+a directory. `verify` and `inspect` follow a save root's tracker to the checkpoint it names
+(`locate`, as for directories), then read every file of the prefix into a temporary local
 directory and run the directory tools there (verify reads every byte anyway; the copy
-costs local disk of the checkpoint's size). `gc` finds what interrupted saves left: keys
+costs local disk of the checkpoint's size). A prefix with no keys, or a bucket that does not
+exist, is a `PathUsageError` (a missing path). `gc` finds what interrupted saves left: keys
 of a prefix without `metadata.json` that only a save writes (`kvcommit.is_save_leftover`),
-and data files a complete checkpoint's `.metadata` does not name. Retention deletes an
-iteration's `metadata.json` first, so a crash mid-delete leaves keys `gc` recognises,
-never a prefix that looks like a checkpoint with files missing.
+data files a complete checkpoint's `.metadata` does not name, and a prefix whose
+`metadata.json` stands over missing data files (a broken checkpoint, removed marker first).
+Retention counts only complete checkpoints (`kvcommit.is_complete`: every data file its index
+names is there) and deletes an iteration's `metadata.json` first, so a crash mid-delete leaves
+keys `gc` recognises, never a prefix that looks like a checkpoint with files missing.
 
 Must not: read environment variables, or touch a key `gc` cannot attribute to a save
 (no `safe_ckpt`-named data file, a prefix holding foreign keys, or one whose `.metadata`
-the restricted unpickler refuses), or the keys of a save whose owner object is fresh
-(`kvcommit.running_saves`: a save still running).
+the restricted unpickler refuses), or the keys of a save whose owner object is live
+(`kvcommit.running_saves`: a save still running), unless told no save is running (``force``).
 """
 
 from __future__ import annotations
@@ -21,39 +25,84 @@ from __future__ import annotations
 import logging
 import re
 import tempfile
+from dataclasses import dataclass
 
 from .. import kvcommit
 from ..commit import TRACKER_FILE
 from ..retention import Retention, to_remove
-from ..sinks.tensorstore import DEFAULT_REQUEST_TIMEOUT_S, KvDeadlines, KvTarget, TensorStoreSink, open_sink
+from ..sinks.tensorstore import (
+    DEFAULT_REQUEST_TIMEOUT_S, KvDeadlines, KvTarget, StoreNotFoundError, TensorStoreSink, open_sink,
+)
 from .copy import download
+from .locate import PathUsageError, TrackerError, tracker_directory
 
 log = logging.getLogger("safe_ckpt")
 _ITER = re.compile(r"^iter_(\d{7,})$")
+
+
+@dataclass(frozen=True)
+class KvLocated:
+    """The checkpoint prefix a tool argument means; ``via_tracker``: the tracker's content, when
+    the argument was a save root."""
+
+    target: KvTarget
+    description: str
+    via_tracker: str | None = None
+
+    def note(self) -> str | None:
+        if self.via_tracker is None:
+            return None
+        return f"followed {TRACKER_FILE} ({self.via_tracker}) to {self.description}"
+
+
+def locate(target: KvTarget, request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S) -> KvLocated:
+    """``target``, or where its tracker points when it is a save root (a `latest_checkpointed_iteration.txt`
+    and no `.metadata`); a `PathUsageError` where there is nothing (no key, no bucket)."""
+    sink = open_sink(target, KvDeadlines(request_timeout_s))
+    names = _existing(sink, target)
+    if kvcommit.METADATA_FILE in names or TRACKER_FILE not in names:
+        return KvLocated(target, sink.root)
+    content = sink.read(TRACKER_FILE).decode(errors="replace").strip()[:64]
+    child = tracker_directory("", content).lstrip("/")
+    checkpoint = target.child(child)
+    located = open_sink(checkpoint, KvDeadlines(request_timeout_s))
+    if not located.list():
+        raise TrackerError(f"{sink.root}{TRACKER_FILE} names {content!r}, but {located.root} holds nothing")
+    return KvLocated(checkpoint, located.root, content)
+
+
+def _existing(sink: TensorStoreSink, target: KvTarget) -> list[str]:
+    try:
+        names = sink.list()
+    except StoreNotFoundError as exc:
+        raise PathUsageError(str(exc)) from None
+    if not names:
+        raise PathUsageError(f"{sink.root}: no such checkpoint prefix (no key under it)")
+    return names
 
 
 def verify(target: KvTarget, *, deep: bool = False, progress=None,
            request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S):
     from .verify import verify as verify_dir
 
-    sink = open_sink(target, KvDeadlines(request_timeout_s))
+    located = locate(target, request_timeout_s)
     with tempfile.TemporaryDirectory(prefix="safe_ckpt-verify-") as local:
-        download(target, local, request_timeout_s)
+        download(located.target, local, request_timeout_s)
         report = verify_dir(local, deep=deep, progress=progress)
-    report.directory = sink.root
+    report.directory = located.description
     return report
 
 
 def inspect(target: KvTarget, request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S) -> dict:
     from .inspect import inspect as inspect_dir
 
-    sink = open_sink(target, KvDeadlines(request_timeout_s))
+    located = locate(target, request_timeout_s)
     with tempfile.TemporaryDirectory(prefix="safe_ckpt-inspect-") as local:
-        download(target, local, request_timeout_s)
+        download(located.target, local, request_timeout_s)
         info = inspect_dir(local)
-    info["directory"] = sink.root
+    info["directory"] = located.description
     info.pop("tracker", None)  # the temporary directory's parent is not the save root
-    parent = _parent(target)
+    parent = _parent(located.target)
     if parent is not None:
         try:
             info["tracker"] = open_sink(parent, KvDeadlines(request_timeout_s)).read(TRACKER_FILE).decode().strip()
@@ -81,10 +130,11 @@ def _by_directory(keys: list[str]) -> dict[str, list[str]]:
     return out
 
 
-def leftovers_in(sink: TensorStoreSink, names: list[str]) -> list[str]:
+def leftovers_in(sink: TensorStoreSink, names: list[str], force: bool = False) -> list[str]:
     """The keys of one prefix (its ``names``) that an interrupted save left there. A save whose
-    owner object is fresh is running: its keys, and the prefix's small files, are not leftovers."""
-    running = kvcommit.running_saves(sink, names)
+    owner object is live is running: its keys, and the prefix's small files, are not leftovers
+    (``force``: no save is running)."""
+    running = kvcommit.running_saves(sink, names, force=force)
     if running:
         log.info("safe_ckpt: gc leaves the keys of running save(s) %s under %s alone", sorted(running), sink.root)
     if kvcommit.is_save_leftover(names):
@@ -101,28 +151,46 @@ def leftovers_in(sink: TensorStoreSink, names: list[str]) -> list[str]:
         return []
     if not referenced:
         return []  # an index we cannot read: keep everything
+    if not referenced <= set(names):
+        # A marker over missing data (a commit whose data was removed): not a checkpoint.
+        if running or not kvcommit.only_ours(names):
+            log.warning("safe_ckpt: gc leaves %s alone: its metadata.json stands over %d missing data file(s), "
+                        "but %s", sink.root, len(referenced - set(names)),
+                        "a save of it is running" if running else "it holds keys safe_ckpt did not write")
+            return []
+        log.warning("safe_ckpt: %s is a broken checkpoint: its index names %d data file(s) that are not there",
+                    sink.root, len(referenced - set(names)))
+        return sorted(names)
     return sorted(n for n in names if n not in referenced and kvcommit.save_id_of(n) is not None
                   and kvcommit.save_id_of(n) not in running)
 
 
-def find(target: KvTarget, request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S) -> list[str]:
+def find(target: KvTarget, request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S, force: bool = False) -> list[str]:
     """Leftover keys under ``target`` and one level below (as `gc` does for directories),
     relative to ``target``."""
     root = open_sink(target, KvDeadlines(request_timeout_s))
+    try:
+        keys = root.list_tree()
+    except StoreNotFoundError as exc:
+        raise PathUsageError(str(exc)) from None
+    if not keys:
+        raise PathUsageError(f"{root.root}: no such prefix (no key under it)")
     found = []
-    for directory, names in sorted(_by_directory(root.list_tree()).items()):
+    for directory, names in sorted(_by_directory(keys).items()):
         if directory.count("/") > 0:
             continue  # deeper than one level below the root
         sink = root.child(directory) if directory else root
-        found += [f"{directory}/{n}" if directory else n for n in leftovers_in(sink, names)]
+        found += [f"{directory}/{n}" if directory else n for n in leftovers_in(sink, names, force)]
     return found
 
 
-def collect(target: KvTarget, dry_run: bool = False, request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S) -> list[str]:
-    found = find(target, request_timeout_s)
+def collect(target: KvTarget, dry_run: bool = False, request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
+            force: bool = False) -> list[str]:
+    found = find(target, request_timeout_s, force)
     if not dry_run:
         root = open_sink(target, KvDeadlines(request_timeout_s))
-        for key in found:
+        # A marker first: a removal cut short never leaves a prefix that reads as a checkpoint.
+        for key in sorted(found, key=lambda k: (k.rpartition("/")[2] != kvcommit.CONFIG_FILE, k)):
             root.delete(key)
     return found
 
@@ -137,12 +205,13 @@ def write_tracker(save_root: KvTarget, iteration, deadlines: KvDeadlines = KvDea
 
 
 def iterations(save_root: KvTarget, deadlines: KvDeadlines = KvDeadlines()) -> dict[int, str]:
-    """Iteration prefixes under the save root that hold a complete checkpoint."""
-    keys = open_sink(save_root, deadlines).list_tree()
+    """Iteration prefixes under the save root that hold a complete checkpoint (`kvcommit.is_complete`:
+    a marker over an index whose data files are all there)."""
+    root = open_sink(save_root, deadlines)
     out = {}
-    for directory, names in _by_directory(keys).items():
+    for directory, names in _by_directory(root.list_tree()).items():
         m = _ITER.match(directory)
-        if m and kvcommit.CONFIG_FILE in names:
+        if m and kvcommit.is_complete(root.child(directory), names):
             out[int(m.group(1))] = directory
     return out
 
@@ -185,11 +254,5 @@ def kv_target(path: str, spec: dict | None = None, endpoint: str | None = None,
     return target if target.is_kvstore else None
 
 
-def endpoint_from(environ) -> str | None:
-    """The S3 endpoint boto3 would use: `AWS_ENDPOINT_URL_S3`, else `AWS_ENDPOINT_URL` (the edges
-    pass their environment in)."""
-    return environ.get("AWS_ENDPOINT_URL_S3") or environ.get("AWS_ENDPOINT_URL") or None
-
-
-def region_from(environ) -> str | None:
-    return environ.get("AWS_REGION") or environ.get("AWS_DEFAULT_REGION") or None
+# The environment's endpoint rule lives in `safe_ckpt.endpoints` (the names stay here for callers).
+from ..endpoints import endpoint_from, region_from  # noqa: E402,F401
