@@ -12,6 +12,7 @@ from .errors import (
     CheckpointError,
     CommitError,
     CoordinationError,
+    MissingDependencyError,
     RankFailure,
     ResidenceError,
     SourceModifiedError,
@@ -27,7 +28,7 @@ from .version import __version__
 
 
 __all__ = [
-    "CheckpointError", "CommitError", "CoordinationError", "RankFailure", "ResidenceError", "SaveHandle",
+    "CheckpointError", "CommitError", "CoordinationError", "MissingDependencyError", "RankFailure", "ResidenceError", "SaveHandle",
     "SaveOptions", "SaveResult", "SaveTimings", "SourceModifiedError", "ValidationError", "WriteError",
     "__version__", "async_save", "prepare_staging_pool", "release_staging_pool", "save",
 ]

@@ -72,6 +72,10 @@ class SourceModifiedError(CheckpointError):
     """A host tensor changed in place while an asynchronous save was still reading it."""
 
 
+class MissingDependencyError(CheckpointError, ImportError):
+    """A package an entry point needs is not importable; the message names it and the remedy."""
+
+
 _KINDS = {
     cls.__name__: cls
     for cls in (

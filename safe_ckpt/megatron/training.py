@@ -24,7 +24,7 @@ from .. import commit, compat
 from . import resume
 from ..tools import kvtools
 from .. import saving as save_mod
-from ..errors import ValidationError, failure_from_exception
+from ..errors import MissingDependencyError, ValidationError, failure_from_exception
 from ..options import GiB, SaveOptions
 from ..results import SaveResult
 from ..retention import Retention, prune
@@ -234,6 +234,24 @@ def _rerun_state(args, data_iterator):
                                                                "ckpt_format": args.ckpt_format}))
 
 
+def _megatron_training():
+    """Megatron-LM's `checkpointing` module and `get_args`, or an error naming the remedy."""
+    try:
+        from megatron.training import checkpointing as mck
+        from megatron.training.global_vars import get_args
+    except ModuleNotFoundError as exc:
+        if exc.name not in ("megatron", "megatron.training"):
+            raise MissingDependencyError(
+                f"safe_ckpt.megatron.save_checkpoint: importing Megatron-LM's megatron.training failed: no module "
+                f"named {exc.name!r}, which it needs; install it (see Megatron-LM's requirements)") from exc
+        raise MissingDependencyError(
+            "safe_ckpt.megatron.save_checkpoint needs Megatron-LM's megatron.training, which is not installed "
+            f"(megatron-core {compat.package_version('megatron-core') or 'is not installed either'}): install "
+            "megatron-core >= 0.19, which ships megatron.training, or put a Megatron-LM checkout on PYTHONPATH; "
+            "safe_ckpt.megatron.save_state needs megatron-core only") from exc
+    return mck, get_args
+
+
 def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far=0,
                     checkpointing_context=None, pipeline_rank=None, expert_rank=None, tensor_rank=None,
                     pipeline_parallel=None, expert_parallel=None, non_persistent_ckpt=False,
@@ -245,9 +263,7 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
     `--async-save` (then it returns a handle and finishes in the background: call
     `finalize_async_saves()`). Retention keeps the checkpoint this run loaded (`resume`).
     """
-    from megatron.training import checkpointing as mck
-    from megatron.training.global_vars import get_args
-
+    mck, get_args = _megatron_training()
     args = get_args()
     if getattr(args, "ckpt_format", "torch_dist") != "torch_dist":
         raise ValidationError(f"safe_ckpt writes --ckpt-format torch_dist, not {args.ckpt_format!r}")
