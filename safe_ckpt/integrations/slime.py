@@ -117,7 +117,7 @@ def install(args, model_module: str | None = None) -> None:
     from ..megatron import training
 
     training.note_loaded_from_args(args)
-    log.info("safe_ckpt: slime checkpoints now go through safe_ckpt (%s.save_checkpoint)", module.__name__)
+    log.info("slime checkpoints now go through safe_ckpt (%s.save_checkpoint)", module.__name__)
     from .slime_asleep import install_on_actor
 
     saves = install_on_actor(args)

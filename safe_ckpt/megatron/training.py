@@ -60,7 +60,7 @@ def options_from_args(args) -> SaveOptions:
     budget = getattr(args, "safe_ckpt_staging_budget_gib", None)
     integrity = bool(getattr(args, "verify_integrity", False))
     if integrity and not compat.stock_integrity_manifest():
-        log.warning("safe_ckpt: --verify-integrity is set but the installed megatron-core (%s) cannot check "
+        log.warning("--verify-integrity is set but the installed megatron-core (%s) cannot check "
                     "integrity.json on load (0.18 and later can); it is written anyway", compat.megatron_version())
     return SaveOptions(
         io_threads=getattr(args, "safe_ckpt_io_threads", None),  # None: from the rank's share of its host
@@ -290,7 +290,7 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
     save_root, options = save_target(args.save, options_from_args(args), os.environ)
     note_loaded_from_args(args)
     checkpoint_name = mck.get_checkpoint_name(save_root, iteration, release=release, return_base_dir=True)
-    log.info("safe_ckpt: saving iteration %s to %s (sharding %s)", iteration, checkpoint_name,
+    log.info("saving iteration %s to %s (sharding %s)", iteration, checkpoint_name,
              (metadata or {}).get("distrib_optim_sharding_type"))
     return save_state(
         state_dict, save_root, checkpoint_name, "release" if release else str(iteration),
