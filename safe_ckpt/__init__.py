@@ -6,8 +6,13 @@ staging pool, into the layout that stock Megatron and stock PyTorch DCP load.
 
 Data flow: plan → residence → staging → encoding → sinks → commit, coordinated by
 `dist` over a CPU (gloo) group; `save` wires the stages together.
+
+The public API is what `__all__` names (saving, checking a checkpoint, the errors, progress
+on a terminal), plus the `safe_ckpt.megatron` and `safe_ckpt.integrations.slime` adapters.
+Every other module is internal and may change between versions.
 """
 
+from .api_tools import inspect, verify
 from .errors import (
     CheckpointError,
     CommitError,
@@ -20,15 +25,32 @@ from .errors import (
     WriteError,
 )
 from .options import SaveOptions
+from .progress import show_progress
 from .results import SaveResult, SaveTimings
 from .saving import SaveHandle, async_save, save
 from .staging.pool import prepare as prepare_staging_pool
 from .staging.pool import release as release_staging_pool
+from .tools.verify import VerifyReport
 from .version import __version__
 
-
 __all__ = [
-    "CheckpointError", "CommitError", "CoordinationError", "MissingDependencyError", "RankFailure", "ResidenceError", "SaveHandle",
-    "SaveOptions", "SaveResult", "SaveTimings", "SourceModifiedError", "ValidationError", "WriteError",
-    "__version__", "async_save", "prepare_staging_pool", "release_staging_pool", "save",
+    # saving
+    "save", "async_save", "SaveOptions", "SaveResult", "SaveTimings", "SaveHandle",
+    "prepare_staging_pool", "release_staging_pool",
+    # loading: `load` (and its options and error) join here once the load package lands
+    # checking a checkpoint
+    "verify", "inspect", "VerifyReport",
+    # errors: every failure of a save is a CheckpointError
+    "CheckpointError", "ValidationError", "ResidenceError", "WriteError", "CommitError", "CoordinationError",
+    "SourceModifiedError", "MissingDependencyError", "RankFailure",
+    # progress lines on a terminal
+    "show_progress",
+    "__version__",
 ]
+
+_PUBLIC_SUBPACKAGES = ["integrations", "megatron"]
+
+
+def __dir__() -> list[str]:
+    # the public surface, not every internal module an import happened to load
+    return sorted(set(__all__) | set(_PUBLIC_SUBPACKAGES))
