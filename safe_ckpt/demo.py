@@ -215,7 +215,7 @@ def filesystem_line(path: str) -> str:
     elif fs in ("?", "overlay"):
         kind = "whatever lies under it (disk or memory)"
     else:
-        kind = "a disk (pass --out on /dev/shm to measure tmpfs)"
+        kind = "a disk-backed filesystem (--out DIR on a tmpfs such as /dev/shm measures memory instead)"
     return f"target: {path} on {fs}, {kind}"
 
 

@@ -86,3 +86,13 @@ def test_demo_warns_when_the_target_itself_was_noisy():
     assert "varied 9.1x between rounds" in demo.noise_line([0.29, 0.75, 2.65])
     assert demo.noise_line([0.70, 0.75, 0.80]) == ""
     assert demo.noise_line([0.70]) == ""
+
+
+def test_filesystem_is_the_mount_that_holds_the_path(tmp_path):
+    """/tmpfoo is not on the /tmp mount: a mount point holds itself and what lies below it."""
+    mounts = tmp_path / "mounts"
+    mounts.write_text("/dev/vda / ext4 rw 0 0\ntmpfs /tmp tmpfs rw 0 0\ntmpfs /dev/shm tmpfs rw 0 0\n")
+    assert fs_type("/tmp", str(mounts)) == "tmpfs"
+    assert fs_type("/tmp/demo", str(mounts)) == "tmpfs"
+    assert fs_type("/tmpfoo/demo", str(mounts)) == "ext4"
+    assert fs_type("/home/x", str(mounts)) == "ext4"
