@@ -8,12 +8,18 @@ Data flow: plan → residence → staging → encoding → sinks → commit, coo
 `dist` over a CPU (gloo) group; `save` wires the stages together. `load` reads any
 torch_dist checkpoint back with the contract of megatron-core's `dist_checkpointing.load`
 (`safe_ckpt/load/`: source → index → plan → execute, in parallel and safely).
+
+The public API is what `__all__` names (saving, loading, checking a checkpoint, the errors,
+progress on a terminal), plus the `safe_ckpt.megatron` and `safe_ckpt.integrations.slime`
+adapters. Every other module is internal and may change between versions.
 """
 
+from .api_tools import inspect, verify
 from .errors import (
     CheckpointError,
     CommitError,
     CoordinationError,
+    MissingDependencyError,
     RankFailure,
     ReadError,
     ResidenceError,
@@ -24,16 +30,33 @@ from .errors import (
 from .options import SaveOptions
 from .load import LoadOptions
 from .load import load  # the function: `safe_ckpt.load` (the package stays importable as safe_ckpt.load.*)
+from .progress import show_progress
 from .results import SaveResult, SaveTimings
 from .saving import SaveHandle, async_save, save
 from .staging.pool import prepare as prepare_staging_pool
 from .staging.pool import release as release_staging_pool
+from .tools.verify import VerifyReport
 from .version import __version__
 
-
 __all__ = [
-    "CheckpointError", "CommitError", "CoordinationError", "LoadOptions", "RankFailure", "ReadError",
-    "ResidenceError", "SaveHandle",
-    "SaveOptions", "SaveResult", "SaveTimings", "SourceModifiedError", "ValidationError", "WriteError",
-    "__version__", "async_save", "load", "prepare_staging_pool", "release_staging_pool", "save",
+    # saving
+    "save", "async_save", "SaveOptions", "SaveResult", "SaveTimings", "SaveHandle",
+    "prepare_staging_pool", "release_staging_pool",
+    # loading
+    "load", "LoadOptions",
+    # checking a checkpoint
+    "verify", "inspect", "VerifyReport",
+    # errors: every failure of a save is a CheckpointError
+    "CheckpointError", "ValidationError", "ResidenceError", "WriteError", "CommitError", "CoordinationError",
+    "SourceModifiedError", "ReadError", "MissingDependencyError", "RankFailure",
+    # progress lines on a terminal
+    "show_progress",
+    "__version__",
 ]
+
+_PUBLIC_SUBPACKAGES = ["integrations", "megatron"]
+
+
+def __dir__() -> list[str]:
+    # the public surface, not every internal module an import happened to load
+    return sorted(set(__all__) | set(_PUBLIC_SUBPACKAGES))

@@ -50,7 +50,7 @@ class Ballot:
             return
         if self.failure is None:
             if not isinstance(exc, (CheckpointError, *INTERRUPTS)):
-                log.debug("safe_ckpt: rank %d failed during %s", self.coord.rank, stage, exc_info=exc)
+                log.debug("rank %d failed during %s", self.coord.rank, stage, exc_info=exc)
             self.failure = failure_from_exception(self.coord.rank, stage, exc, key)
         for stop in self._stops:
             stop()

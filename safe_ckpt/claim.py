@@ -204,9 +204,9 @@ def _beat(claim_ref, stop: threading.Event, record: str, heartbeat_s: float) -> 
             # A passing fault (a stale NFS handle, a full quota) must not make the save look dead
             # for good; if the directory was taken away, the pre-publish check says so.
             if not failing:
-                log.warning("safe_ckpt: cannot refresh %s (%s); retrying every %.0f s", record, exc, heartbeat_s)
+                log.warning("cannot refresh %s (%s); retrying every %.0f s", record, exc, heartbeat_s)
             failing = True
             continue
         if failing:
-            log.info("safe_ckpt: refreshed %s again", record)
+            log.info("refreshed %s again", record)
         failing = False

@@ -55,7 +55,7 @@ def spare_cpus(count: int) -> None:
             return
         os.sched_setaffinity(0, allowed[:-count])
     except OSError as exc:
-        log.debug("safe_ckpt: writer cores unchanged: %s", exc)
+        log.debug("writer cores unchanged: %s", exc)
 
 
 def lower_thread_priority(increment: int) -> None:
@@ -68,7 +68,7 @@ def lower_thread_priority(increment: int) -> None:
         tid = threading.get_native_id()
         os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + increment))
     except OSError as exc:
-        log.debug("safe_ckpt: writer priority unchanged: %s", exc)
+        log.debug("writer priority unchanged: %s", exc)
 
 
 def checksum_threads(asked: int | None, lanes: int, cores: int | None = None) -> int:
@@ -224,7 +224,7 @@ def resolve(options, reports: list, rank: int):
     resolved = dataclasses.replace(options, io_threads=io_threads, staging_budget_bytes=budget,
                                    checksum_threads=hashers)
     if resolved != options:
-        log.debug("safe_ckpt: rank %d of %d on its host (%.1f cores, %.1f GiB available to it): io_threads %d, "
+        log.debug("rank %d of %d on its host (%.1f cores, %.1f GiB available to it): io_threads %d, "
                   "staging_budget_bytes %d, checksum_threads %d", rank, mine.local_ranks, mine.core_share,
                   (mine.memory_share_bytes or 0) / 2**30, io_threads, budget, hashers)
     return resolved

@@ -9,7 +9,9 @@ back under a different sharding; every tensor is compared bit for bit. Beside ea
 in the same rounds (each round in another order): the target's write ceiling (each rank writes as many bytes as its
 files hold, with as many threads, then fsyncs: `bench.ceilings.write_seconds`) and stock
 DCP (`torch.distributed.checkpoint.save`) of the same tensors with as many threads.
-Sizes are in MiB (2**20 bytes) everywhere, as in the README.
+Every figure is a median with its spread over the rounds, the target's filesystem is named,
+and the line against DCP claims only what every round showed. The size asked for is the size
+saved. Sizes are in MiB (2**20 bytes) everywhere, as in the README.
 Must not: be imported by the library; leave anything in the target but the checkpoint
 and its tracker file.
 """
@@ -73,7 +75,7 @@ def _rank_main(rank: int, world_size: int, init_file: str, out_dir: str, size_mb
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
-        spec = StateSpec.for_bytes(size_mb * MiB)
+        spec = StateSpec.for_saved_bytes(size_mb * MiB, tp=world_size)
         refs = reference_tensors(spec, world_size)
         state = build_state(rank, world_size, tp=world_size, spec=spec, references=refs)
         plain = _dcp_tensors(state, rank)
@@ -182,10 +184,66 @@ def _compare(loaded, expected, bits_equal) -> tuple[int, list[str]]:
     return checked, bad
 
 
-def _best(per_rank: dict, name: str) -> float:
-    """The best round of ``name``, a round lasting as long as its slowest rank."""
+def _rounds(per_rank: dict, name: str) -> list[float]:
+    """Seconds of ``name`` in every round, a round lasting as long as its slowest rank."""
     rounds = len(next(iter(per_rank.values()))["times"][name])
-    return min(max(v["times"][name][i] for v in per_rank.values()) for i in range(rounds))
+    return [max(v["times"][name][i] for v in per_rank.values()) for i in range(rounds)]
+
+
+def _median(xs: list[float]) -> float:
+    s = sorted(xs)
+    mid = len(s) // 2
+    return s[mid] if len(s) % 2 else (s[mid - 1] + s[mid]) / 2
+
+
+def _spread(xs: list[float], fmt: str, unit: str = "") -> str:
+    """``median unit (rounds: min-max unit)``, each number in ``fmt``; one round: the number alone."""
+    if len(xs) == 1:
+        return f"{format(xs[0], fmt)}{unit}"
+    return f"{format(_median(xs), fmt)}{unit} (rounds: {format(min(xs), fmt)}-{format(max(xs), fmt)}{unit})"
+
+
+def filesystem_line(path: str) -> str:
+    """Name the filesystem a demo writes to, and what its ceiling therefore measures."""
+    from .bench.machine import fs_type
+
+    fs = fs_type(os.path.realpath(path))
+    if fs in ("tmpfs", "ramfs"):
+        kind = "memory: the write ceiling is a memory copy, no disk is involved"
+    elif fs.startswith(("nfs", "cifs", "smb", "lustre", "fuse", "9p", "virtiofs")):
+        kind = "a network or user-space filesystem"
+    elif fs in ("?", "overlay"):
+        kind = "whatever lies under it (disk or memory)"
+    else:
+        kind = "a disk-backed filesystem (--out DIR on a tmpfs such as /dev/shm measures memory instead)"
+    return f"target: {path} on {fs}, {kind}"
+
+
+def dcp_verdict(safe_s: list[float], dcp_s: list[float]) -> str:
+    """What the rounds show about safe_ckpt against DCP: faster or slower only when it was so
+    in every round (each round's pair measured back to back), else as fast."""
+    ratios = [d / s for s, d in zip(safe_s, dcp_s)]
+    if min(ratios) > 1:
+        claim = "faster than stock DCP in every round"
+    elif max(ratios) < 1:
+        claim = "slower than stock DCP in every round"
+    else:
+        claim = "as fast as stock DCP, here (neither was faster in every round)"
+    return f"safe_ckpt {claim}: DCP took {_spread(ratios, '.2f', 'x')} as long"
+
+
+def noise_line(ceiling_s: list[float], limit: float = 1.5) -> str:
+    """A warning when the target's own speed moved more than ``limit``x between rounds (a busy
+    machine or a throttled disk): then a single ratio says little."""
+    if len(ceiling_s) < 2 or max(ceiling_s) <= limit * min(ceiling_s):
+        return ""
+    return (f"the target's own speed varied {max(ceiling_s) / min(ceiling_s):.1f}x between rounds (write ceiling "
+            f"{min(ceiling_s):.2f}-{max(ceiling_s):.2f} s): the machine or its disk was busy, so read the ranges, "
+            "not the medians; more rounds or a quieter machine narrow them")
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
 def dispose(out_dir: str, keep: bool) -> str:
@@ -199,7 +257,7 @@ def dispose(out_dir: str, keep: bool) -> str:
 
 
 def main(world_size: int = 2, size_mb: int = 384, out: str | None = None, keep: bool = False,
-         io_threads: int = 4, rounds: int = 3) -> int:
+         io_threads: int = 4, rounds: int = 5) -> int:
     import torch.multiprocessing as mp
 
     out_dir = os.path.abspath(out or tempfile.mkdtemp(prefix="safe_ckpt_demo_"))
@@ -230,19 +288,23 @@ def main(world_size: int = 2, size_mb: int = 384, out: str | None = None, keep: 
     r0 = per_rank[0]
     ckpt = os.path.join(out_dir, f"iter_{ITERATION:07d}")
     mib = r0["bytes"] / MiB
-    safe_s, ceil_s, dcp_s = (_best(per_rank, n) for n in ("safe_ckpt", "ceiling", "dcp"))
-    ceil_mib = sum(v["rank_bytes"] for v in per_rank.values()) // io_threads * io_threads / MiB
+    safe_s, ceil_s, dcp_s = (_rounds(per_rank, n) for n in ("safe_ckpt", "ceiling", "dcp"))
+    ceil_mib = sum(v["rank_bytes"] // io_threads * io_threads for v in per_rank.values()) / MiB
+    of_ceiling = [100 * (mib / s) / (ceil_mib / c) for s, c in zip(safe_s, ceil_s)]
     checked = sum(v["checked"] for v in per_rank.values())
     bad = [b for v in per_rank.values() for b in v["bad"]]
-    print(f"safe_ckpt demo: {world_size} ranks saved {mib:.1f} MiB of Megatron-shaped state "
+    print(f"safe_ckpt demo: {_plural(world_size, 'rank')} saved {mib:.1f} MiB of Megatron-shaped state "
           f"(TP-split weights, distributed-optimizer shards, objects) to {ckpt}")
-    print(f"  measured in this run on the same target, {io_threads} writer threads a rank, "
-          f"best of {rounds} interleaved rounds:")
-    print(f"    safe_ckpt.save                               {safe_s:6.2f} s  {mib / safe_s:8.1f} MiB/s")
-    print(f"    write ceiling (same bytes, pwrite + fsync)   {ceil_s:6.2f} s  {ceil_mib / ceil_s:8.1f} MiB/s"
-          f"   safe_ckpt at {100 * (mib / safe_s) / (ceil_mib / ceil_s):.0f} % of it")
-    print(f"    stock DCP save of the same tensors           {dcp_s:6.2f} s  {mib / dcp_s:8.1f} MiB/s"
-          f"   safe_ckpt {dcp_s / safe_s:.2f}x as fast")
+    print(f"  {filesystem_line(out_dir)}")
+    print(f"  measured in this run on the same target, {_plural(io_threads, 'writer thread')} a rank, "
+          f"{_plural(rounds, 'interleaved round')}: medians, and the fastest and slowest round")
+    for label, mb, xs in (("safe_ckpt.save", mib, safe_s), ("write ceiling (same bytes, pwrite + fsync)", ceil_mib, ceil_s),
+                          ("stock DCP save of the same tensors", mib, dcp_s)):
+        print(f"    {label:<44} {mb / _median(xs):8.1f} MiB/s  {_spread(xs, '.2f', ' s')}")
+    print(f"  safe_ckpt at {_spread(of_ceiling, '.0f', ' %')} of the write ceiling, each round against its own")
+    print(f"  {dcp_verdict(safe_s, dcp_s)}")
+    if noisy := noise_line(ceil_s):
+        print(f"  {noisy}")
     print(f"  files: {', '.join(r0['files'])}")
     print(f"  stock megatron.core.dist_checkpointing.load under a different sharding: {checked} tensors/objects, "
           f"{'all bit-exact' if not bad else f'{len(bad)} DIFFER: {bad[:5]}'} "

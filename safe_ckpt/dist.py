@@ -207,7 +207,7 @@ class Coordinator:
         try:
             store.delete_key(previous)
         except Exception as exc:  # a store without deletion only grows, as before
-            log.debug("safe_ckpt: cannot delete %s from the store: %s", previous, exc)
+            log.debug("cannot delete %s from the store: %s", previous, exc)
 
     def vote(self, stage: str, failure: RankFailure | None, report=None) -> list:
         """Raise the same error on every rank if any rank reports a failure; otherwise

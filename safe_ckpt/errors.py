@@ -77,6 +77,10 @@ class ReadError(CheckpointError, OSError):
     corrupt, or refused as unsafe)."""
 
 
+class MissingDependencyError(CheckpointError, ImportError):
+    """A package an entry point needs is not importable; the message names it and the remedy."""
+
+
 _KINDS = {
     cls.__name__: cls
     for cls in (

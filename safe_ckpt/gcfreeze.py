@@ -68,10 +68,10 @@ class _Freezer:
                 if not self._process_freezes and gc.get_freeze_count() == 0:
                     gc.freeze()
                     self._sentinel = [None]  # a list is tracked from birth, so it starts in generation 0
-                    log.debug("safe_ckpt: froze the heap for the save")
+                    log.debug("froze the heap for the save")
                 else:
                     if not self._process_freezes:
-                        log.debug("safe_ckpt: the process freezes objects itself; the save holds off "
+                        log.debug("the process freezes objects itself; the save holds off "
                                   "the collector's oldest generation instead")
                     self._process_freezes = True
                     self._hold_oldest()
@@ -92,7 +92,7 @@ class _Freezer:
         if now[2] == HELD_THRESHOLD:  # the younger generations' values are whatever the process set meanwhile
             gc.set_threshold(now[0], now[1], before)
         else:  # the process set its own oldest threshold meanwhile: it stands
-            log.debug("safe_ckpt: the collector's oldest threshold changed during the save; left as it is")
+            log.debug("the collector's oldest threshold changed during the save; left as it is")
 
     def release(self) -> None:
         with self._lock:

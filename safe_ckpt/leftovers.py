@@ -133,7 +133,7 @@ def sweep(paths: list[str], dry_run: bool = False, stale_after_s: float = STALE_
         elif item.target is None:
             out.kept.append(f"{item.path}: cannot tell which checkpoint name it belongs to; rename it back by hand")
         elif not os.path.lexists(item.target):
-            log.warning("safe_ckpt: %s restored from %s, which a save interrupted while replacing it left",
+            log.warning("%s restored from %s, which a save interrupted while replacing it left",
                         item.target, item.path)
             if not dry_run:
                 os.rename(item.path, item.target)
@@ -145,13 +145,13 @@ def sweep(paths: list[str], dry_run: bool = False, stale_after_s: float = STALE_
             out.kept.append(f"{item.path}: the only complete checkpoint of {item.target}, which holds an "
                             "incomplete one; compare them and remove one by hand")
     for line in out.kept:
-        log.warning("safe_ckpt: kept %s", line)
+        log.warning("kept %s", line)
     return out
 
 
 def _remove(path: str, dry_run: bool, out: Sweep) -> None:
     if not dry_run:
-        log.info("safe_ckpt: removing %s left by an interrupted save", path)
+        log.info("removing %s left by an interrupted save", path)
         if os.path.isdir(path) and not os.path.islink(path):
             doomed = _doomed(path)
             if doomed is not None:
@@ -162,7 +162,7 @@ def _remove(path: str, dry_run: bool, out: Sweep) -> None:
             except FileNotFoundError:
                 pass
         if os.path.lexists(path):
-            log.warning("safe_ckpt: could not remove %s", path)
+            log.warning("could not remove %s", path)
             return
     out.removed.append(path)
 
@@ -179,6 +179,6 @@ def _doomed(path: str) -> str | None:
     try:
         os.rename(path, doomed)
     except OSError as exc:
-        log.warning("safe_ckpt: cannot rename %s to %s before removing it (%s); leaving it", path, doomed, exc)
+        log.warning("cannot rename %s to %s before removing it (%s); leaving it", path, doomed, exc)
         return None
     return doomed

@@ -56,7 +56,7 @@ def _classify(local: LocalState, options: SaveOptions):
 
 def _failed(rank: int, exc: BaseException) -> Problem:
     if not isinstance(exc, INTERRUPTS):
-        log.error("safe_ckpt: rank %d failed while planning", rank, exc_info=exc)
+        log.error("rank %d failed while planning", rank, exc_info=exc)
     return Problem("CheckpointError", "<planning>", (rank,), failure_from_exception(rank, "planning", exc).message)
 
 

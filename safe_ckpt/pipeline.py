@@ -174,7 +174,7 @@ class RankWriter:
                 try:
                     handle.close()
                 except Exception as exc:  # the save already failed; the first error is the one to report
-                    log.debug("safe_ckpt: closing an abandoned file failed: %s", exc)
+                    log.debug("closing an abandoned file failed: %s", exc)
         if self._writes.hasher is not None:
             self._writes.hasher.shutdown(wait=True)
         files = len(self.work.layout.files)
@@ -303,7 +303,7 @@ class RankWriter:
             lower_thread_priority(cpu.WRITER_NICE_INCREMENT if self._nice is None else self._nice)
             spare_cpus(cpu.WRITER_SPARED_CPUS)
         except Exception as exc:  # a priority or affinity left as it was must not cost the save a writer
-            log.warning("safe_ckpt: writer thread kept its priority and cores: %s", exc)
+            log.warning("writer thread kept its priority and cores: %s", exc)
         self._write_loop()
 
     def _write_loop(self) -> None:

@@ -1,16 +1,18 @@
 """Progress of a long save: periodic log lines (bytes, rate, ETA) and a summary line.
 
-One job: count bytes from any thread and log at most once per interval, and word the line
-that sums up a finished save. Must not: block writers (logging happens in whichever thread
-crosses the interval).
+One job: count bytes from any thread and log at most once per interval, word the line that
+sums up a finished save, and (`show_progress`) put the "safe_ckpt" logger's lines on a
+terminal for a script that configured no logging. Must not: block writers (logging happens
+in whichever thread crosses the interval).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import sys
 import time
-from typing import Callable, Optional
+from typing import Callable, Optional, TextIO
 
 log = logging.getLogger("safe_ckpt")
 
@@ -50,9 +52,9 @@ class Progress:
             rate = done / elapsed if elapsed > 0 else 0.0
             eta = (self.total_bytes - done) / rate if rate > 0 else float("inf")
             log.info(
-                "safe_ckpt: rank %d wrote %s of %s (%.0f%%) at %.2f GB/s, ETA %.1f s",
+                "rank %d wrote %s of %s (%.0f%%) at %s/s, ETA %.1f s",
                 self.rank, human_bytes(done), human_bytes(self.total_bytes),
-                100.0 * done / max(1, self.total_bytes), rate / 1e9, eta,
+                100.0 * done / max(1, self.total_bytes), human_bytes(rate), eta,
             )
 
 
@@ -62,8 +64,46 @@ def log_saved(r) -> None:
     level = logging.INFO if r.rank == 0 else logging.DEBUG
     log.log(
         level,
-        "safe_ckpt: saved %s: %s on %d rank(s) in %.2f s (%.2f GB/s), stall %.2f s; rank %d: %s",
+        "saved %s: %s on %d rank(s) in %.2f s (%s/s), stall %.2f s; rank %d: %s",
         r.checkpoint_dir, human_bytes(r.total_file_bytes), r.world_size, t.total_s,
-        r.throughput_bytes_per_s / 1e9, t.stall_s, r.rank,
+        human_bytes(r.throughput_bytes_per_s), t.stall_s, r.rank,
         ", ".join(f"{k} {human_bytes(v)}" for k, v in sorted(r.bytes_by_residence.items())) or "nothing",
     )
+
+
+class _Lines(logging.Formatter):
+    """``12:00:01 safe_ckpt: message``; the level is named only when it is not INFO."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        level = "" if record.levelno == logging.INFO else f" {record.levelname}"
+        line = f"{self.formatTime(record, '%H:%M:%S')} safe_ckpt{level}: {record.getMessage()}"
+        if record.exc_info:
+            line += "\n" + self.formatException(record.exc_info)
+        return line
+
+
+class _ProgressHandler(logging.StreamHandler):
+    """The handler `show_progress` attaches; its type is how a second call finds it."""
+
+
+def show_progress(stream: Optional[TextIO] = None) -> logging.Handler:
+    """Show safe_ckpt's progress lines and save summaries (INFO and above) on ``stream``
+    (default: stderr), for a script that configured no logging. Idempotent: a second call
+    returns the handler the first attached (pointing it at ``stream`` if one is given).
+
+    The "safe_ckpt" logger is set to INFO and stops passing its records to the root logger,
+    so each line appears once; a script that configures logging itself at INFO
+    (`logging.basicConfig(level=logging.INFO)`) sees the same lines without this call.
+    Undo with ``logging.getLogger("safe_ckpt").removeHandler(handler)`` and ``propagate = True``.
+    """
+    handler = next((h for h in log.handlers if isinstance(h, _ProgressHandler)), None)
+    if handler is None:
+        handler = _ProgressHandler(stream if stream is not None else sys.stderr)
+        handler.setFormatter(_Lines())
+        log.addHandler(handler)
+    elif stream is not None:
+        handler.setStream(stream)
+    if log.level == logging.NOTSET or log.level > logging.INFO:
+        log.setLevel(logging.INFO)
+    log.propagate = False
+    return handler

@@ -101,7 +101,7 @@ def _cpu_backup(tensor: torch.Tensor) -> torch.Tensor | None:
         except TypeError:  # versions before zero_copy always clone
             backup = getter(query)
     except Exception as exc:
-        log.warning("safe_ckpt: torch_memory_saver.get_cpu_backup failed: %s", exc)
+        log.warning("torch_memory_saver.get_cpu_backup failed: %s", exc)
         return None
     if backup is None or query is tensor:
         return backup

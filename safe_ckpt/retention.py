@@ -105,11 +105,11 @@ def report_newer(newer: list[int], current: int, policy: Retention, resumed_from
             "(Retention(remove_newer=True)); delete them yourself once they are not needed")
     resumed = sorted(i for i in _kept_for_resume(resumed_from) if i < min(newer))
     if resumed:
-        log.warning("safe_ckpt: iterations %s are newer than iteration %d, which this run resumed from, and than "
+        log.warning("iterations %s are newer than iteration %d, which this run resumed from, and than "
                     "the current %d: the run went back past them (a --ckpt-step rollback), so they belong to the "
                     "abandoned line; retention %s", newer, resumed[-1], current, what)
     else:
-        log.warning("safe_ckpt: iterations %s are newer than the current %d (left by an earlier run?); retention %s",
+        log.warning("iterations %s are newer than the current %d (left by an earlier run?); retention %s",
                     newer, current, what)
 
 
@@ -119,9 +119,9 @@ def prune(save_dir: str, current: int, policy: Retention, resumed_from=None) -> 
     found = survey(save_dir)
     report_newer(sorted(i for i in found.complete if i > current), current, policy, resumed_from)
     if found.links and policy.active:
-        log.info("safe_ckpt: retention leaves symbolic links alone: %s", sorted(found.links.values()))
+        log.info("retention leaves symbolic links alone: %s", sorted(found.links.values()))
     if found.incomplete and policy.active:
-        log.info("safe_ckpt: retention leaves directories that hold no complete checkpoint alone: %s",
+        log.info("retention leaves directories that hold no complete checkpoint alone: %s",
                  sorted(found.incomplete.values()))
     removed = []
     for it in to_remove(list(found.complete), current, policy, resumed_from):
@@ -129,7 +129,7 @@ def prune(save_dir: str, current: int, policy: Retention, resumed_from=None) -> 
             remove_checkpoint(found.complete[it])
             removed.append(it)
         except (OSError, CommitError) as exc:
-            log.warning("safe_ckpt: could not remove old checkpoint %s: %s", found.complete[it], exc)
+            log.warning("could not remove old checkpoint %s: %s", found.complete[it], exc)
     if removed:
-        log.info("safe_ckpt: retention removed iterations %s", removed)
+        log.info("retention removed iterations %s", removed)
     return removed

@@ -15,8 +15,10 @@ Must not: be imported by the save path.
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 from dataclasses import dataclass
+from math import gcd as _gcd
 
 import torch
 
@@ -44,6 +46,25 @@ class StateSpec:
                 return spec
             hidden += 256
 
+    @staticmethod
+    def for_saved_bytes(target_bytes: int, tp: int, seed: int = 1234) -> "StateSpec":
+        """A spec whose tensors, as a TP=``tp`` save writes them, hold ``target_bytes`` to
+        within a few KiB: the weights take about half, the optimizer buckets (sized to the
+        element) the rest."""
+        step = 64 * tp // _gcd(64, tp)  # every TP-split axis (h, 3h, 4h, 8h) divides by tp
+        hidden = step
+        while 2 * _weight_bytes(hidden + step) <= target_bytes:
+            hidden += step
+        spec = StateSpec(hidden=hidden, ffn=4 * hidden, vocab=8 * hidden, layers=4, seq=256, buckets=2,
+                         bucket_numel=1, seed=seed)
+        per_element = 3 * 4 * spec.buckets * tp  # param, exp_avg, exp_avg_sq in fp32, per TP rank
+        rest = target_bytes - spec.saved_bytes(tp) + per_element
+        return dataclasses.replace(spec, bucket_numel=max(spec.pieces_per_rank + 1, rest // per_element))
+
+    def saved_bytes(self, tp: int) -> int:
+        """The tensor bytes a TP=``tp`` save writes (each TP rank has its own optimizer buckets)."""
+        return self.global_bytes() + 3 * 4 * self.buckets * self.bucket_numel * (tp - 1)
+
     def weight_shapes(self) -> dict[str, tuple[tuple[int, ...], int | None]]:
         """Global shape of every weight and the axis split across TP (None: replicated)."""
         h, f, v, L = self.hidden, self.ffn, self.vocab, self.layers
@@ -62,6 +83,12 @@ class StateSpec:
         fc1 = self.layers * 2 * self.ffn * self.hidden * 2
         optim = 3 * 4 * self.buckets * self.bucket_numel
         return weights + fc1 + optim + self.seq * 8
+
+
+def _weight_bytes(hidden: int) -> int:
+    """Bytes of the bf16 weights of a `for_saved_bytes` spec (layers=4, ffn=4h, vocab=8h)."""
+    spec = StateSpec(hidden=hidden, ffn=4 * hidden, vocab=8 * hidden, layers=4, buckets=2, bucket_numel=0)
+    return spec.global_bytes() - spec.seq * 8
 
 
 def _numel(shape) -> int:

@@ -59,6 +59,9 @@ def test_readme_python_blocks_run(name, source, tmp_path):
         assert re.search(r"saved [0-9.]+ MiB in [0-9.]+ s", proc.stdout)
         assert "loaded back bit-exact with megatron.core.dist_checkpointing.load" in proc.stdout
         assert re.search(r"training waited [0-9.]+ s", proc.stdout)
+        # show_progress(): the summary of each save on stderr, with the logger's name said once
+        assert re.search(r"^\d\d:\d\d:\d\d safe_ckpt: saved \S*iter_0000042: ", proc.stderr, flags=re.M), proc.stderr
+        assert "safe_ckpt: safe_ckpt" not in proc.stderr
 
 
 def test_readme_skips_at_most_two_blocks():

@@ -46,14 +46,17 @@ def machine() -> dict:
     return info
 
 
-def fs_type(path: str) -> str:
+def fs_type(path: str, mounts: str = "/proc/mounts") -> str:
     best, fstype = "", "?"
     try:
-        with open("/proc/mounts") as f:
+        with open(mounts) as f:
             for line in f:
                 parts = line.split()
-                if path.startswith(parts[1]) and len(parts[1]) > len(best):
-                    best, fstype = parts[1], parts[2]
+                point = parts[1]
+                # a mount point holds the path itself and what lies below it, not /tmpfoo for /tmp
+                inside = path == point or path.startswith(point.rstrip("/") + "/")
+                if inside and len(point) > len(best):
+                    best, fstype = point, parts[2]
     except OSError:
         pass
     return fstype

@@ -15,7 +15,8 @@ With `--offload-train`, `install` also replaces the actor's `save_model` so that
 saves without waking up (`slime_asleep`; `--safe-ckpt-save-awake` turns that off).
 
 Ways to enable it:
-- `python -m safe_ckpt.integrations.slime <train.py arguments> --ckpt-backend safe`
+- `python -m safe_ckpt.integrations.slime <train.py arguments> --ckpt-backend safe` (its `--help`
+  works without slime; without slime any other call is one line naming the remedy, exit 2)
 - or add to slime's command line `--custom-megatron-init-path safe_ckpt.integrations.slime.install`
   and pass `add_custom_arguments=safe_ckpt.integrations.slime.add_arguments` to
   `slime.utils.arguments.parse_args` (see README, "With slime").
@@ -116,7 +117,7 @@ def install(args, model_module: str | None = None) -> None:
     from ..megatron import training
 
     training.note_loaded_from_args(args)
-    log.info("safe_ckpt: slime checkpoints now go through safe_ckpt (%s.save_checkpoint)", module.__name__)
+    log.info("slime checkpoints now go through safe_ckpt (%s.save_checkpoint)", module.__name__)
     from .slime_asleep import install_on_actor
 
     saves = install_on_actor(args)
@@ -137,23 +138,82 @@ def _launcher_argv(argv: list[str]) -> list[str]:
     return argv
 
 
+LAUNCHER = "python -m safe_ckpt.integrations.slime"
+INSTALL_REMEDY = ("install slime in this environment (pip install -e /path/to/slime) or pass "
+                  "--slime-train-script /path/to/slime/train.py")
+
+
+class LauncherError(Exception):
+    """A launcher call that cannot start slime; its message is the one line the user sees."""
+
+
+def launcher_help() -> str:
+    """The launcher's own help: what it does, its one flag, and the flags it registers on slime's parser."""
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog=LAUNCHER, usage=f"{LAUNCHER} [--slime-train-script PATH] <slime train.py arguments>",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=(
+            "Start slime's train.py with safe_ckpt's init hook and flags. Every argument but\n"
+            "--slime-train-script goes to train.py unchanged; the launcher adds\n"
+            f"--custom-megatron-init-path {INIT_HOOK} (chaining a hook you pass)\n"
+            "and registers the safe_ckpt flags below, which act with --ckpt-backend safe.\n"
+            "slime's own flags: python /path/to/slime/train.py --help"))
+    parser.add_argument("--slime-train-script", metavar="PATH",
+                        help="slime's train.py (default: the train.py beside the installed slime package)")
+    add_arguments(parser)
+    return parser.format_help()
+
+
 def _find_train_script(argv: list[str]) -> tuple[str, list[str]]:
+    script = None
     if "--slime-train-script" in argv:
         i = argv.index("--slime-train-script")
-        return argv[i + 1], argv[:i] + argv[i + 2:]
-    import slime
-
-    candidate = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(slime.__file__))), "train.py")
-    if not os.path.isfile(candidate):
-        raise SystemExit("safe_ckpt: cannot find slime's train.py next to the slime package; "
-                         "pass --slime-train-script /path/to/slime/train.py")
-    return candidate, argv
+        if i + 1 >= len(argv) or argv[i + 1].startswith("-"):
+            raise LauncherError("--slime-train-script needs a PATH: the train.py of a slime checkout")
+        script, argv = argv[i + 1], argv[:i] + argv[i + 2:]
+        if not os.path.isfile(script):
+            raise LauncherError(f"--slime-train-script {script}: no such file; pass the train.py of a slime checkout")
+        # a checkout's train.py imports the slime package that sits beside it
+        sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    try:
+        import slime
+    except ModuleNotFoundError as exc:
+        if exc.name != "slime":
+            raise LauncherError(f"importing slime failed: no module named {exc.name!r}; install slime's "
+                                f"requirements in this environment") from None
+        if script:
+            raise LauncherError(f"slime is neither installed nor beside {script}: install slime in this "
+                                "environment, or point --slime-train-script at a slime checkout's train.py") from None
+        raise LauncherError(f"slime is not installed: {INSTALL_REMEDY}") from None
+    if script is None:
+        script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(slime.__file__))), "train.py")
+        if not os.path.isfile(script):
+            raise LauncherError(f"no train.py beside the installed slime package ({script}); "
+                                "pass --slime-train-script /path/to/slime/train.py")
+    return script, argv
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m safe_ckpt.integrations.slime <train.py arguments> [--slime-train-script PATH]`."""
-    script, argv = _find_train_script(list(sys.argv[1:] if argv is None else argv))
-    import slime.utils.arguments as slime_arguments
+    """`python -m safe_ckpt.integrations.slime [--slime-train-script PATH] <train.py arguments>`.
+
+    ``-h``/``--help`` prints the launcher's own help and exits 0, with or without slime; a call
+    that cannot start slime prints one line naming the remedy and exits 2."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:
+        print(launcher_help(), end="")
+        raise SystemExit(0)
+    try:
+        script, argv = _find_train_script(argv)
+        import slime.utils.arguments as slime_arguments
+    except LauncherError as exc:
+        print(f"{LAUNCHER}: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except ModuleNotFoundError as exc:
+        print(f"{LAUNCHER}: importing slime failed: no module named {exc.name!r}; install slime's requirements "
+              "in this environment", file=sys.stderr)
+        raise SystemExit(2) from None
 
     original = slime_arguments.parse_args
 

@@ -153,7 +153,7 @@ def start_asleep_save(args, model, optimizer, opt_param_scheduler, iteration, gr
     coord.vote(stage, failure)
     state_dict["num_floating_point_operations_so_far"] = 0  # what slime's save passes
     checkpoint_name = mck.get_checkpoint_name(args.save, iteration, release=False, return_base_dir=True)
-    log.info("safe_ckpt: saving iteration %s asleep to %s (no wake-up; %spaused bytes from the CPU backup)",
+    log.info("saving iteration %s asleep to %s (no wake-up; %spaused bytes from the CPU backup)",
              iteration, checkpoint_name, "weights from slime's TensorBackuper, " if copies is not None else "")
     reading = residence.host_copies(copies.lookup, slime_sources.COPIES_WHAT) if copies is not None \
         else contextlib.nullcontext()
@@ -216,13 +216,13 @@ class AsleepSaves:
         start = time.monotonic()
         if not handle.done():
             self.waiting.set()
-            log.info("safe_ckpt: %s waits for the asleep save of iteration %s to finish writing",
+            log.info("%s waits for the asleep save of iteration %s to finish writing",
                      why, self.inflight_iteration)
             while not handle.done():
                 try:
                     handle.wait(timeout=WAIT_LOG_INTERVAL_S)
                 except TimeoutError:
-                    log.info("safe_ckpt: %s still waiting for the asleep save of iteration %s (%.0f s)",
+                    log.info("%s still waiting for the asleep save of iteration %s (%.0f s)",
                              why, self.inflight_iteration, time.monotonic() - start)
                 except Exception:  # its error is raised below, once it is taken off the pending list
                     break
@@ -231,11 +231,11 @@ class AsleepSaves:
         self.last_wake_wait_s = time.monotonic() - start
         self.waiting.clear()
         if self.last_wake_wait_s > 0.001:
-            log.info("safe_ckpt: %s held %.3f s by the asleep save of iteration %s", why,
+            log.info("%s held %.3f s by the asleep save of iteration %s", why,
                      self.last_wake_wait_s, self.inflight_iteration)
         failure = build_failure(handle)
         if failure is not None:
-            log.error("safe_ckpt: %s", failure)
+            log.error("%s", failure)
             raise failure
         training.finalize_async_saves(blocking=True)
 
@@ -256,9 +256,9 @@ class AsleepSaves:
                 if reason is None:
                     self.bracket = Bracket(called, bool(caller.f_locals.get("force_sync", False)), check.copies)
                     return None
-                log.warning("safe_ckpt: save_model wakes the actor up, as slime does: %s", reason)
+                log.warning("save_model wakes the actor up, as slime does: %s", reason)
             elif self.asleep:
-                log.info("safe_ckpt: save_model wakes the actor up, as slime does: %s", reason)
+                log.info("save_model wakes the actor up, as slime does: %s", reason)
         self.bracket = None
         self.finish_inflight("wake_up")
         self.asleep = False
@@ -281,7 +281,7 @@ class AsleepSaves:
             elif others:
                 mine = f"{mine}; and {'; '.join(others)}"
         if check is not None and check.copies is not None and mine is None:
-            log.info("safe_ckpt: the model weights are read from %s (%d bytes)", slime_sources.COPIES_WHAT,
+            log.info("the model weights are read from %s (%d bytes)", slime_sources.COPIES_WHAT,
                      check.copies.copy_bytes)
         return check, mine
 
@@ -292,7 +292,7 @@ class AsleepSaves:
             if bracket.force_sync:
                 self.finish_inflight("save_model(force_sync=True)")
             self.last_hold_s = time.monotonic() - bracket.iteration_started_s
-            log.info("safe_ckpt: save_model returned after %.3f s without waking up%s", self.last_hold_s,
+            log.info("save_model returned after %.3f s without waking up%s", self.last_hold_s,
                      "" if bracket.force_sync else "; the writes go on while the actor sleeps")
             return None
         snapshot = slime_groups.snapshot_groups(self.reloadable_module)  # before sleep destroys them
@@ -360,7 +360,7 @@ def install_on_actor(args, actor_module: str | None = None) -> AsleepSaves | Non
         module = importlib.import_module(name)
         cls = getattr(module, ACTOR_CLASS)
     except (ImportError, AttributeError) as exc:
-        log.warning("safe_ckpt: no %s.%s to put the asleep save on (%s): saves wake the actor up as slime does",
+        log.warning("no %s.%s to put the asleep save on (%s): saves wake the actor up as slime does",
                     name, ACTOR_CLASS, exc)
         return None
     slime_groups.install_detached_support()
@@ -372,7 +372,7 @@ def install_on_actor(args, actor_module: str | None = None) -> AsleepSaves | Non
             if method in vars(target):
                 _wrap(target, method, saves)
     guard_resume(saves)
-    log.info("safe_ckpt: %s.%s saves asleep without waking up (--safe-ckpt-save-awake turns it off)",
+    log.info("%s.%s saves asleep without waking up (--safe-ckpt-save-awake turns it off)",
              name, ACTOR_CLASS)
     return saves
 

@@ -48,5 +48,5 @@ def guard_resume(saves) -> bool:
     resume._safe_ckpt_asleep = saves
     resume._safe_ckpt_original = original
     saver.resume = resume  # on the instance: the class, and other instances, stay as they are
-    log.debug("safe_ckpt: torch_memory_saver.resume waits for an asleep save in flight")
+    log.debug("torch_memory_saver.resume waits for an asleep save in flight")
     return True

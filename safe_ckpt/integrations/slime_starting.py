@@ -52,7 +52,7 @@ class StartingSave:
             self.handle = build()
         except BaseException as exc:  # raised to whoever waits for this save
             self.error = exc
-            log.error("safe_ckpt: the asleep save of iteration %s failed before writing: %s: %s; it is "
+            log.error("the asleep save of iteration %s failed before writing: %s: %s; it is "
                       "raised at the next wake_up", self.iteration, type(exc).__name__, exc)
             handle_mod.count_at_exit(self)  # until someone is told, as a failed asynchronous save
         finally:

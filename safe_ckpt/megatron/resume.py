@@ -90,7 +90,7 @@ def note_loaded(checkpoint_dir: str | None, *, kvstore_spec: dict | None = None)
         parent, name = path.rsplit("/", 1) if "/" in path else ("", path)
         m = _ITER.match(name)
         if m is None and name != RELEASE:
-            log.warning("safe_ckpt: %s is not an iteration directory (iter_XXXXXXX or release); retention "
+            log.warning("%s is not an iteration directory (iter_XXXXXXX or release); retention "
                         "cannot tell which iteration it is and protects nothing for it", path)
             return
         if kvstore_spec is not None:
@@ -100,7 +100,7 @@ def note_loaded(checkpoint_dir: str | None, *, kvstore_spec: dict | None = None)
         loaded = LoadedCheckpoint(key, name, int(m.group(1)) if m else None, path)
         if loaded not in _registry.loaded:
             _registry.loaded.append(loaded)
-            log.info("safe_ckpt: this run resumed from %s; retention keeps it", path)
+            log.info("this run resumed from %s; retention keeps it", path)
 
 
 def noted() -> bool:
@@ -126,7 +126,7 @@ def loaded_from_args(args, read_tracker=None) -> str | None:
     elif tracker == RELEASE:
         release = True
     elif tracker:
-        log.warning("safe_ckpt: the tracker under %s holds %r, not an iteration; retention cannot tell which "
+        log.warning("the tracker under %s holds %r, not an iteration; retention cannot tell which "
                     "checkpoint this run loaded", load_dir, tracker[:40])
     if getattr(args, "ckpt_step", None):  # as Megatron: 0 means "not given", and a release tracker wins
         iteration = int(args.ckpt_step)
@@ -174,7 +174,7 @@ def _read_kv_tracker(kv_root: KvTarget, options: SaveOptions | None) -> str:
     except FileNotFoundError:
         return ""
     except Exception as exc:  # retention then keeps only what its policy keeps
-        log.warning("safe_ckpt: cannot read the tracker under %s (%s); retention cannot protect the "
+        log.warning("cannot read the tracker under %s (%s); retention cannot protect the "
                     "checkpoint this run resumed from", kv_root.path, exc)
         return ""
 

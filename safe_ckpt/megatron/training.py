@@ -24,7 +24,7 @@ from .. import commit, compat
 from . import resume
 from ..tools import kvtools
 from .. import saving as save_mod
-from ..errors import ValidationError, failure_from_exception
+from ..errors import MissingDependencyError, ValidationError, failure_from_exception
 from ..options import GiB, SaveOptions
 from ..results import SaveResult
 from ..retention import Retention, prune
@@ -60,7 +60,7 @@ def options_from_args(args) -> SaveOptions:
     budget = getattr(args, "safe_ckpt_staging_budget_gib", None)
     integrity = bool(getattr(args, "verify_integrity", False))
     if integrity and not compat.stock_integrity_manifest():
-        log.warning("safe_ckpt: --verify-integrity is set but the installed megatron-core (%s) cannot check "
+        log.warning("--verify-integrity is set but the installed megatron-core (%s) cannot check "
                     "integrity.json on load (0.18 and later can); it is written anyway", compat.megatron_version())
     return SaveOptions(
         io_threads=getattr(args, "safe_ckpt_io_threads", None),  # None: from the rank's share of its host
@@ -239,6 +239,24 @@ def _rerun_state(args, data_iterator):
                                                                "ckpt_format": args.ckpt_format}))
 
 
+def _megatron_training():
+    """Megatron-LM's `checkpointing` module and `get_args`, or an error naming the remedy."""
+    try:
+        from megatron.training import checkpointing as mck
+        from megatron.training.global_vars import get_args
+    except ModuleNotFoundError as exc:
+        if exc.name not in ("megatron", "megatron.training"):
+            raise MissingDependencyError(
+                f"safe_ckpt.megatron.save_checkpoint: importing Megatron-LM's megatron.training failed: no module "
+                f"named {exc.name!r}, which it needs; install it (see Megatron-LM's requirements)") from exc
+        raise MissingDependencyError(
+            "safe_ckpt.megatron.save_checkpoint needs Megatron-LM's megatron.training, which is not installed "
+            f"(megatron-core {compat.package_version('megatron-core') or 'is not installed either'}): install "
+            "megatron-core >= 0.19, which ships megatron.training, or put a Megatron-LM checkout on PYTHONPATH; "
+            "safe_ckpt.megatron.save_state needs megatron-core only") from exc
+    return mck, get_args
+
+
 def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far=0,
                     checkpointing_context=None, pipeline_rank=None, expert_rank=None, tensor_rank=None,
                     pipeline_parallel=None, expert_parallel=None, non_persistent_ckpt=False,
@@ -250,9 +268,7 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
     `--async-save` (then it returns a handle and finishes in the background: call
     `finalize_async_saves()`). Retention keeps the checkpoint this run loaded (`resume`).
     """
-    from megatron.training import checkpointing as mck
-    from megatron.training.global_vars import get_args
-
+    mck, get_args = _megatron_training()
     args = get_args()
     if getattr(args, "ckpt_format", "torch_dist") != "torch_dist":
         raise ValidationError(f"safe_ckpt writes --ckpt-format torch_dist, not {args.ckpt_format!r}")
@@ -279,7 +295,7 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
     save_root, options = save_target(args.save, options_from_args(args), os.environ)
     note_loaded_from_args(args)
     checkpoint_name = mck.get_checkpoint_name(save_root, iteration, release=release, return_base_dir=True)
-    log.info("safe_ckpt: saving iteration %s to %s (sharding %s)", iteration, checkpoint_name,
+    log.info("saving iteration %s to %s (sharding %s)", iteration, checkpoint_name,
              (metadata or {}).get("distrib_optim_sharding_type"))
     return save_state(
         state_dict, save_root, checkpoint_name, "release" if release else str(iteration),

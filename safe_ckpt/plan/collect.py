@@ -172,7 +172,7 @@ def _warn_large_common_tensors(common_state: dict) -> None:
     shown = ", ".join(f"{path} ({_mib(n)})" for path, n in found[:_LISTED])
     more = f" and {len(found) - _LISTED} more" if len(found) > _LISTED else ""
     log.warning(
-        "safe_ckpt: %d plain tensor(s) larger than %s are outside any ShardedTensor, so they go into the "
+        "%d plain tensor(s) larger than %s are outside any ShardedTensor, so they go into the "
         "common state that rank 0 pickles whole (%s in all; other ranks' values are not saved): %s%s. "
         "Wrap them in a ShardedTensor to save them sharded.",
         len(found), _mib(COMMON_TENSOR_WARN_BYTES), _mib(sum(n for _, n in found)), shown, more)

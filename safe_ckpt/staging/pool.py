@@ -89,7 +89,7 @@ class PinnedPool:
             self._free_list = [[0, self.capacity_bytes]]
             self._allocations += 1
             log.info(
-                "safe_ckpt: allocated %s staging pool of %.2f GiB in %.2f s (kept for reuse)",
+                "allocated %s staging pool of %.2f GiB in %.2f s (kept for reuse)",
                 "pinned" if self.pinned else "host", self.capacity_bytes / 2**30, time.perf_counter() - t0,
             )
 
@@ -203,7 +203,7 @@ def shared_pool(capacity_bytes: int) -> PinnedPool:
         pool = _shared.get("pool")
         if pool is None or pool.capacity_bytes != capacity_bytes:
             if pool is not None:
-                log.info("safe_ckpt: staging budget changed to %d bytes; replacing the pool", capacity_bytes)
+                log.info("staging budget changed to %d bytes; replacing the pool", capacity_bytes)
                 pool.release()
             pool = PinnedPool(capacity_bytes)
             _shared["pool"] = pool

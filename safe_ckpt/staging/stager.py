@@ -202,7 +202,7 @@ class Stager:
             for event in list(self._last_copy.values()):
                 event.synchronize()
         except BaseException as exc:  # a broken context: better a smaller pool than a reused live range
-            log.warning("safe_ckpt: keeping a %d-byte staging lease whose copies cannot be waited for: %s",
+            log.warning("keeping a %d-byte staging lease whose copies cannot be waited for: %s",
                         lease.nbytes, exc)
             return
         lease.release()
@@ -301,11 +301,11 @@ class Stager:
                 except torch.cuda.OutOfMemoryError:
                     # Each failed allocation makes the caching allocator free (and synchronize)
                     # its cache: after one, the host hashes every chunk of this save.
-                    log.warning("safe_ckpt: no device memory for checksum sums; hashing on the host for this save")
+                    log.warning("no device memory for checksum sums; hashing on the host for this save")
                     self.grid = False
                     return
                 except RuntimeError as exc:  # a layout the int32 view refuses: the host hashes it
-                    log.debug("safe_ckpt: device sums of a %d-byte chunk refused (%s); host hashing",
+                    log.debug("device sums of a %d-byte chunk refused (%s); host hashing",
                               staged.nbytes, exc)
                     return
                 finally:
