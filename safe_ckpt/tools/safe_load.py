@@ -7,7 +7,8 @@ only on DCP's records, bounds what calls copy and how tuples nest, and resolves 
 classes a DCP metadata file holds in torch 2.6-2.14 (found by disassembling files
 written by stock DCP, stock Megatron and this library, and from torch's sources for moved
 classes); the common state goes through torch's weights-only unpickler with megatron-core's
-own safe globals, as stock Megatron loads it. A refused or unreadable file is an
+own safe globals, as stock Megatron loads it. Files are opened through `checkpoint_files`
+(regular files inside the checkpoint only). A refused or unreadable file is an
 `UnreadableCheckpointError` naming the file and, when one was refused, the global.
 Must not: call `pickle.load`, `torch.load(weights_only=False)` or DCP's
 `read_metadata` (a plain `pickle.load`) on anything from the checkpoint.
@@ -26,7 +27,8 @@ import types
 import torch
 
 from ..compat import COMMON_STATE_FILE, COMMON_STATE_KEY, megatron_safe_globals
-from ..errors import CheckpointError
+from ..errors import UnreadableCheckpointError
+from .checkpoint_files import open_file, read_file
 
 METADATA_FILE = ".metadata"
 
@@ -62,16 +64,6 @@ ADMITTED_GLOBALS = frozenset({
 })
 
 
-class UnreadableCheckpointError(CheckpointError):
-    """A checkpoint file that could not be read, or was refused because of what it references."""
-
-    def __init__(self, path: str, message: str, refused_global: str | None = None) -> None:
-        super().__init__(f"{path}: {message}")
-        self.path = path
-        self.reason = message
-        self.refused_global = refused_global
-
-
 def _torch_constant(module: str, name: str):
     """torch.float32 (`torch`, `float32`), torch.strided, torch.contiguous_format (`torch._utils`,
     `torch.contiguous_format`, as torch's reducer names it), or None."""
@@ -88,6 +80,8 @@ def _torch_constant(module: str, name: str):
 # A `.metadata` larger than this is refused unread: the biggest index a real run writes is far smaller,
 # and unpickling costs memory in proportion to the file.
 MAX_METADATA_BYTES = 1 << 30
+# The common state (`common.pt`): the run's arguments, optimizer param groups, rng state.
+MAX_COMMON_STATE_BYTES = 1 << 30
 # The DCP records a legitimate file sets the state of (BUILD); nothing else, and no class, ever is.
 _BUILD_TARGETS = (
     (_DCP_METADATA, "Metadata"), (_DCP_METADATA, "TensorStorageMetadata"),
@@ -283,18 +277,8 @@ class _MetadataUnpickler(pickle._Unpickler):
 
 def read_metadata(directory: str):
     """The DCP `Metadata` of ``directory``, unpickled with only the classes such a file holds."""
-    path = os.path.join(directory, METADATA_FILE)
-    try:
-        with open(path, "rb") as f:
-            size_bytes = os.fstat(f.fileno()).st_size
-            if size_bytes > MAX_METADATA_BYTES:
-                raise UnreadableCheckpointError(
-                    path, f"refused: {size_bytes} bytes, more than the {MAX_METADATA_BYTES} a DCP metadata "
-                          f"file is read up to; not unpickled")
-            data = f.read(MAX_METADATA_BYTES + 1)
-    except OSError as exc:
-        raise UnreadableCheckpointError(path, f"cannot be read: {exc.strerror or exc}") from None
-    return metadata_from_bytes(data, path)
+    data = read_file(directory, METADATA_FILE, MAX_METADATA_BYTES, "DCP metadata file")
+    return metadata_from_bytes(data, os.path.join(directory, METADATA_FILE))
 
 
 def metadata_from_bytes(data: bytes, where: str):
@@ -409,20 +393,20 @@ def common_state_item(meta):
 def load_common_state(directory: str, meta) -> dict | None:
     """The common state (`common.pt`, or the `common_state` object), or None if there is none."""
     path = os.path.join(directory, COMMON_STATE_FILE)
-    if os.path.isfile(path):
-        with open(path, "rb") as f:
-            data = f.read()
-        return weights_only_load(data, path)
+    if os.path.lexists(path):  # a FIFO or a dangling link under that name is refused, not skipped
+        return weights_only_load(read_file(directory, COMMON_STATE_FILE, MAX_COMMON_STATE_BYTES, "common state"),
+                                 path)
     found = common_state_item(meta)
     if found is None:
         return None
     index, info = found
-    path = os.path.join(directory, info.relative_path)
-    try:
-        with open(path, "rb") as f:
-            f.seek(info.offset)
-            data = f.read(info.length)
-    except OSError as exc:
-        raise UnreadableCheckpointError(path, f"cannot be read: {exc.strerror or exc}") from None
-    obj = weights_only_load(data, f"{path}@{info.offset} ({index.fqn})")
+    where = f"{os.path.join(directory, info.relative_path)}@{info.offset} ({index.fqn})"
+    if info.length > MAX_COMMON_STATE_BYTES:
+        raise UnreadableCheckpointError(where, f"refused: {info.length} bytes, more than the "
+                                               f"{MAX_COMMON_STATE_BYTES} a common state is read up to; not read")
+    with open_file(directory, info.relative_path) as f:
+        data = f.read_range(info.offset, info.length)
+    if len(data) < info.length:
+        raise UnreadableCheckpointError(where, f"cut short: {len(data)} of {info.length} bytes")
+    obj = weights_only_load(data, where)
     return obj[0] if isinstance(obj, list) and len(obj) == 1 else obj
