@@ -97,11 +97,11 @@ def test_copies_of_a_big_size_by_obj_are_refused_within_bounded_memory(tmp_path)
     assert len(data) < 2 << 20
     directory = _write(tmp_path / "ck", data)
     out, grew_mib, cpu_s = _cli_measured("verify", directory)
+    assert grew_mib < 300, f"peak memory grew {grew_mib:.0f} MiB reading a {len(data)}-byte file"
+    assert cpu_s < 30, cpu_s
     assert out.returncode == 1, (out.stdout, out.stderr)
     assert ".metadata" in out.stdout and "refused: building it copies or hashes more elements" in out.stdout, out.stdout
     assert "Traceback" not in out.stderr
-    assert grew_mib < 300, f"peak memory grew {grew_mib:.0f} MiB reading a {len(data)}-byte file"
-    assert cpu_s < 30, cpu_s
 
 
 def test_a_big_size_used_as_a_key_again_and_again_is_refused_at_once(tmp_path):
@@ -272,7 +272,8 @@ def test_the_qwen3_4b_dp8_index_at_8_ranks_reads_well_within_the_budget(tmp_path
     assert _read_like_pickle(str(directory / ".metadata")) < _BUDGET_PER_BYTE / 4
 
 
-@pytest.mark.parametrize("writer", ["stock_megatron", "stock_dcp", "safe_ckpt"])
+@pytest.mark.parametrize("writer", ["stock_megatron", "stock_dcp",
+                                    pytest.param("safe_ckpt", marks=pytest.mark.slow)])  # default: the planned index
 def test_large_indexes_written_at_two_ranks_read_and_verify(tmp_path, writer):
     """1217 shards a rank at 2 gloo ranks, saved by stock Megatron (torch_dist), stock DCP (DTensor
     shards) and this library: read as plain pickle reads them, within a quarter of the budget."""
