@@ -243,7 +243,7 @@ def test_fuzzed_pickles_are_read_or_refused_within_the_budget(tmp_path):
 def test_fuzzed_pickles_at_full_budget_and_size(tmp_path, seed):
     from safe_ckpt.tools import metadata_unpickler
 
-    rows = _fuzz(tmp_path, seed=seed, count=6000, max_bytes=1 << 18, budget_base=metadata_unpickler.BUDGET_BASE,
+    rows = _fuzz(tmp_path, seed=seed, count=20000, max_bytes=1 << 18, budget_base=metadata_unpickler.BUDGET_BASE,
                  timeout_s=3000)
     _check_fuzz(rows, peak_mib=600)
 
