@@ -81,6 +81,16 @@ class MissingDependencyError(CheckpointError, ImportError):
     """A package an entry point needs is not importable; the message names it and the remedy."""
 
 
+class UnreadableCheckpointError(CheckpointError):
+    """A checkpoint file that could not be read, or was refused because of what it is or references."""
+
+    def __init__(self, path: str, message: str, refused_global: str | None = None) -> None:
+        super().__init__(f"{path}: {message}")
+        self.path = path
+        self.reason = message
+        self.refused_global = refused_global
+
+
 _KINDS = {
     cls.__name__: cls
     for cls in (

@@ -3,8 +3,10 @@
 One job: summarise keys, shapes, dtypes and chunks, objects, bytes per rank and per
 file, the distributed-optimizer sharding type (from the checkpoint's content metadata,
 the optimizer's common state, or else inferred from its keys) and the iteration, as a
-dict (for `--json`) and as text. Must not: modify anything, or unpickle anything except
-through `safe_load` (restricted `.metadata`, weights-only common state).
+dict (for `--json`) and as text. Files are opened through `checkpoint_files` (regular files
+inside the directory only); an entry that is not one is listed with what it is, never read.
+Must not: modify anything, or unpickle anything except through `safe_load` (restricted
+`.metadata`, weights-only common state).
 """
 
 from __future__ import annotations
@@ -15,10 +17,12 @@ import re
 from collections import defaultdict
 
 from ..commit import TRACKER_FILE
+from .checkpoint_files import describe, open_file, read_file
 from .safe_load import METADATA_FILE, UnreadableCheckpointError, load_common_state, read_metadata
 
 _DATA_FILE = re.compile(r"^__(\d+)_(\d+)(?:-[0-9a-f]+)?\.distcp$")
 _CONFIG_FILE = "metadata.json"
+_MAX_CONFIG_BYTES = 16 << 20
 
 # How megatron-core's distributed optimizer names what each sharding type stores.
 _BUCKET_KEY = re.compile(r"^optimizer\.distributed\.dp_group_idx_\d+\.gbuf_idx_\d+\.dtype_.*\.bucket_idx_\d+\.")
@@ -30,7 +34,7 @@ def inspect(directory: str) -> dict:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     directory = os.path.abspath(directory)
-    if not os.path.isfile(os.path.join(directory, METADATA_FILE)):
+    if not os.path.lexists(os.path.join(directory, METADATA_FILE)):
         raise UnreadableCheckpointError(os.path.join(directory, METADATA_FILE),
                                         "missing: this is not a torch_dist checkpoint")
     meta = read_metadata(directory)
@@ -46,11 +50,13 @@ def inspect(directory: str) -> dict:
             objects[fqn] = {"stored_bytes": item_bytes[fqn]}
     files, per_rank = {}, defaultdict(int)
     for name in sorted(os.listdir(directory)):
-        size = os.path.getsize(os.path.join(directory, name))
+        kind = describe(directory, name)
         m = _DATA_FILE.match(name)
-        files[name] = {"bytes": size, "rank": int(m.group(1)) if m else None}
+        files[name] = {"bytes": kind.size_bytes, "rank": int(m.group(1)) if m else None}
+        if not kind.regular:
+            files[name]["not_read"] = kind.description
         if m:
-            per_rank[int(m.group(1))] += size
+            per_rank[int(m.group(1))] += kind.size_bytes
     out = {
         "directory": directory,
         "config": _config(directory),
@@ -66,21 +72,23 @@ def inspect(directory: str) -> dict:
     out["common_keys"] = sorted(map(str, common))
     sharding, source = optimizer_sharding(common, list(tensors), list(objects))
     out["distrib_optim_sharding_type"], out["distrib_optim_sharding_source"] = sharding, source
-    tracker = os.path.join(os.path.dirname(directory), TRACKER_FILE)
-    if os.path.isfile(tracker):
-        with open(tracker, errors="replace") as f:
-            out["tracker"] = f.read(64).strip()
+    save_root = os.path.dirname(directory)
+    if os.path.lexists(os.path.join(save_root, TRACKER_FILE)):
+        try:
+            with open_file(save_root, TRACKER_FILE) as f:
+                out["tracker"] = f.read_range(0, 64).decode(errors="replace").strip()
+        except UnreadableCheckpointError as exc:
+            out["tracker"] = f"<not read: {exc.reason}>"
     return out
 
 
 def _config(directory: str) -> dict:
     path = os.path.join(directory, _CONFIG_FILE)
-    if not os.path.isfile(path):
+    if not os.path.lexists(path):
         return {}  # a stock DCP checkpoint: Megatron's metadata.json is absent
     try:
-        with open(path) as f:
-            config = json.load(f)
-    except (OSError, ValueError) as exc:
+        config = json.loads(read_file(directory, _CONFIG_FILE, _MAX_CONFIG_BYTES, "metadata.json"))
+    except (ValueError, RecursionError) as exc:
         raise UnreadableCheckpointError(path, f"is not valid JSON: {exc}") from None
     if not isinstance(config, dict):
         raise UnreadableCheckpointError(path, f"holds a {type(config).__name__}, not a JSON object")
@@ -150,5 +158,6 @@ def to_text(info: dict) -> str:
                      f"{t['chunks']:>4} chunk(s)  {_human(t['stored_bytes'])}")
     if info["objects"]:
         lines += ["", "  objects:"] + [f"    {k}  {_human(o['stored_bytes'])}" for k, o in info["objects"].items()]
-    lines += ["", "  files:"] + [f"    {n:<28} {_human(f['bytes'])}" for n, f in info["files"].items()]
+    lines += ["", "  files:"] + [f"    {n:<28} " + (f"not read: {f['not_read']}" if "not_read" in f else
+                                                  _human(f["bytes"])) for n, f in info["files"].items()]
     return "\n".join(lines)

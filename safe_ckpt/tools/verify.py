@@ -6,7 +6,9 @@ structure does not match the chunk the index promises (payload size, records), a
 with ``deep`` items that `torch.load(weights_only=True)` cannot read back as the right
 tensor. Works on any torch_dist checkpoint (without a manifest: structure only).
 `.metadata` and the common state are read through `safe_load`, so a crafted file is
-reported, never run.
+reported, never run. Every file is opened through `checkpoint_files`: only regular files
+inside the directory are read (a FIFO, a device or a symlink leading out is an error, not a
+hang), and only the ranges the index declares, each byte once (overlapping items are errors).
 Must not: modify the directory, or unpickle anything except through `safe_load` and
 `torch.load(weights_only=True)`; bytes items (objects) are checked by checksum only.
 """
@@ -19,10 +21,15 @@ import struct
 from dataclasses import dataclass, field
 
 from ..integrity import MANIFEST_FILE, Hasher, Manifest, checksum_of, item_hasher
-from .safe_load import UnreadableCheckpointError, load_common_state, read_metadata
+from .checkpoint_files import describe, open_file
+from .safe_load import MAX_METADATA_BYTES, UnreadableCheckpointError, load_common_state, read_metadata
 
 KNOWN_FILES = {".metadata", "metadata.json", "common.pt", MANIFEST_FILE}
-_PIECE_BYTES = 64 << 20
+# A manifest holds a row of about 100 bytes per item (the index about 160).
+MAX_MANIFEST_BYTES = MAX_METADATA_BYTES
+# What a tensor item (a torch.save archive of one chunk) holds besides the chunk's bytes: zip
+# headers, the pickled tensor record, alignment. `deep` buffers no item larger than that allows.
+ARCHIVE_OVERHEAD_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -71,19 +78,32 @@ def _payload_record_size(tail: bytes, item_length: int) -> int | None:
     return None
 
 
-def _read_item(fd: int, offset: int, length: int, want_bytes: bool, hasher):
+def _read_item(f, offset: int, length: int, want_bytes: bool, hasher):
     """Checksum of the item, its last 64 KiB, and (if asked) all of it."""
     done, tail, whole = 0, b"", bytearray() if want_bytes else None
-    while done < length:
-        piece = os.pread(fd, min(_PIECE_BYTES, length - done), offset + done)
-        if not piece:
-            break
+    for piece in f.pieces(offset, length):
         hasher.update(piece)
         done += len(piece)
         tail = (tail + piece)[-65536:]
         if whole is not None:
             whole += piece
     return hasher.value(), done, tail, whole
+
+
+def _chunk_bytes(sizes, itemsize: int) -> int:
+    n = itemsize
+    for s in sizes:
+        n = min(n * s, 1 << 64)  # past any file: capped rather than multiplied into ever larger ints
+    return n
+
+
+def _check_present(report: VerifyReport, directory: str, name: str) -> None:
+    if not os.path.lexists(os.path.join(directory, name)):
+        report.add("error", name, "missing: this is not a complete torch_dist checkpoint")
+        return
+    kind = describe(directory, name)
+    if not kind.regular:
+        report.add("error", name, f"refused: {kind.description}, not a regular file; not read")
 
 
 def verify(directory: str, *, deep: bool = False, progress=None) -> VerifyReport:
@@ -94,8 +114,7 @@ def verify(directory: str, *, deep: bool = False, progress=None) -> VerifyReport
         report.add("error", directory, "no such directory" if not os.path.exists(directory) else "not a directory")
         return report
     for name in (".metadata", "metadata.json"):
-        if not os.path.isfile(os.path.join(directory, name)):
-            report.add("error", name, "missing: this is not a complete torch_dist checkpoint")
+        _check_present(report, directory, name)
     if not report.ok:
         return report
     try:
@@ -108,15 +127,7 @@ def verify(directory: str, *, deep: bool = False, progress=None) -> VerifyReport
     except UnreadableCheckpointError as exc:
         report.add("error", os.path.relpath(exc.path, directory), exc.reason)
 
-    manifest = None
-    manifest_path = os.path.join(directory, MANIFEST_FILE)
-    if os.path.isfile(manifest_path):
-        try:
-            manifest = Manifest.parse(open(manifest_path, "rb").read())
-        except Exception as exc:
-            report.add("error", MANIFEST_FILE, f"unreadable manifest: {exc}")
-    else:
-        report.add("warning", MANIFEST_FILE, "no manifest: checksums cannot be checked, only structure")
+    manifest = _read_manifest(report, directory)
     expected_crc = {(m.relative_path, m.offset_bytes): m for m in manifest.items} if manifest else {}
     algorithm = manifest.algorithm if manifest else "crc32"
     if manifest is not None:
@@ -130,11 +141,8 @@ def verify(directory: str, *, deep: bool = False, progress=None) -> VerifyReport
     for fqn, md in meta.state_dict_metadata.items():
         if isinstance(md, TensorStorageMetadata):
             for chunk in md.chunks:
-                n = 1
-                for s in chunk.sizes:
-                    n *= s
-                chunk_bytes[(fqn, tuple(chunk.offsets))] = (n * md.properties.dtype.itemsize, md.properties.dtype,
-                                                            tuple(chunk.sizes))
+                chunk_bytes[(fqn, tuple(chunk.offsets))] = (_chunk_bytes(chunk.sizes, md.properties.dtype.itemsize),
+                                                            md.properties.dtype, tuple(chunk.sizes))
     by_file: dict[str, list] = {}
     for index, info in meta.storage_data.items():
         by_file.setdefault(info.relative_path, []).append((index, info))
@@ -144,33 +152,66 @@ def verify(directory: str, *, deep: bool = False, progress=None) -> VerifyReport
         report.add("warning", extra, "extra file not referenced by the checkpoint")
     total = sum(info.length for entries in by_file.values() for _, info in entries)
     for path, entries in sorted(by_file.items()):
-        full = os.path.join(directory, path)
-        if path not in present:
+        if not os.path.lexists(os.path.join(directory, path)):
             report.add("error", path, f"missing file ({len(entries)} items)")
             continue
-        size = os.path.getsize(full)
-        need = max(info.offset + info.length for _, info in entries)
-        if size < need:
-            report.add("error", path, f"truncated: {size} bytes, items need {need}")
-        fd = os.open(full, os.O_RDONLY)
         try:
-            for index, info in sorted(entries, key=lambda e: e[1].offset):
-                _check_item(report, fd, path, index, info, chunk_bytes, expected_crc, deep, algorithm)
-                if progress is not None:
-                    progress(report.bytes_checked, total)
-        finally:
-            os.close(fd)
+            f = open_file(directory, path)
+        except UnreadableCheckpointError as exc:
+            report.add("error", path, f"{exc.reason}; {len(entries)} item(s) in it not checked")
+            continue
+        with f:
+            _check_file(report, f, path, entries, chunk_bytes, expected_crc, deep, algorithm,
+                        lambda: progress(report.bytes_checked, total) if progress is not None else None)
     if manifest is not None:
-        for name, crc in manifest.whole_files.items():
-            full = os.path.join(directory, name)
-            if not os.path.isfile(full):
-                report.add("error", name, "missing file listed in the manifest")
-            elif checksum_of([open(full, "rb").read()], algorithm) != crc:
-                report.add("error", name, "checksum mismatch")
+        _check_whole_files(report, directory, manifest, algorithm)
     return report
 
 
-def _check_item(report, fd, path, index, info, chunk_bytes, expected_crc, deep, algorithm) -> None:
+def _check_file(report, f, path, entries, chunk_bytes, expected_crc, deep, algorithm, progressed) -> None:
+    need = max(info.offset + info.length for _, info in entries)
+    if f.size_bytes < need:
+        report.add("error", path, f"truncated: {f.size_bytes} bytes, items need {need}")
+    elif f.size_bytes > need:
+        report.add("warning", path, f"{f.size_bytes - need} bytes after the last item the index names; not read")
+    end = 0
+    for index, info in sorted(entries, key=lambda e: (e[1].offset, e[1].length)):
+        if info.offset < end:  # each byte is read once: a crafted index cannot make verify read a file over
+            report.add("error", f"{path}@{info.offset}", f"item {index.fqn!r} overlaps the item before it "
+                                                         f"(which ends at {end}); not read")
+            continue
+        end = info.offset + info.length
+        _check_item(report, f, path, index, info, chunk_bytes, expected_crc, deep, algorithm)
+        progressed()
+
+
+def _read_manifest(report: VerifyReport, directory: str):
+    if not os.path.lexists(os.path.join(directory, MANIFEST_FILE)):
+        report.add("warning", MANIFEST_FILE, "no manifest: checksums cannot be checked, only structure")
+        return None
+    try:
+        with open_file(directory, MANIFEST_FILE) as f:
+            return Manifest.parse(f.read_all(MAX_MANIFEST_BYTES, "manifest"))
+    except UnreadableCheckpointError as exc:
+        report.add("error", MANIFEST_FILE, exc.reason)
+    except Exception as exc:
+        report.add("error", MANIFEST_FILE, f"unreadable manifest: {exc}")
+    return None
+
+
+def _check_whole_files(report: VerifyReport, directory: str, manifest, algorithm: str) -> None:
+    """The files the manifest checksums whole (index, config, common state), read up to their size."""
+    for name, crc in manifest.whole_files.items():
+        try:
+            with open_file(directory, name) as f:
+                if checksum_of(f.pieces(0, f.size_bytes), algorithm) != crc:
+                    report.add("error", name, "checksum mismatch")
+        except UnreadableCheckpointError as exc:
+            missing = not os.path.lexists(exc.path)
+            report.add("error", name, "missing file listed in the manifest" if missing else exc.reason)
+
+
+def _check_item(report, f, path, index, info, chunk_bytes, expected_crc, deep, algorithm) -> None:
     where = f"{path}@{info.offset}"
     chunk = chunk_bytes.get((index.fqn, tuple(index.offset) if index.offset is not None else None))
     expected = expected_crc.get((path, info.offset))
@@ -183,7 +224,9 @@ def _check_item(report, fd, path, index, info, chunk_bytes, expected_crc, deep, 
     except (RuntimeError, ValueError) as exc:
         report.add("error", where, f"item {index.fqn!r}: cannot check its checksum: {exc}")
         expected, hasher = None, Hasher(algorithm)
-    crc, got, tail, whole = _read_item(fd, info.offset, info.length, deep and chunk is not None, hasher)
+    # deep buffers a tensor item whole: no more than its chunk and an archive's overhead
+    buffer = deep and chunk is not None and info.length <= chunk[0] + ARCHIVE_OVERHEAD_BYTES
+    crc, got, tail, whole = _read_item(f, info.offset, info.length, buffer, hasher)
     report.items_checked += 1
     report.bytes_checked += got
     if got < info.length:
@@ -202,7 +245,10 @@ def _check_item(report, fd, path, index, info, chunk_bytes, expected_crc, deep, 
         report.add("error", where, f"tensor item {index.fqn!r}: archive holds {payload} payload bytes, "
                                    f"the index promises {chunk[0]}")
         return
-    if deep:
+    if deep and not buffer:
+        report.add("error", where, f"tensor item {index.fqn!r}: {info.length} bytes, more than its chunk "
+                                   f"({chunk[0]} bytes) and an archive's overhead; not loaded")
+    elif deep:
         import torch
 
         try:
