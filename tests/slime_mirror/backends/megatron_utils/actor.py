@@ -74,9 +74,10 @@ class _SyntheticModel:
 
     def load_state_dict(self, state_dict, strict=True):
         """As Megatron's module: the loaded values copied into the model's own tensors."""
-        if strict and set(state_dict) != set(self._state["model"]):
-            raise RuntimeError(f"Error(s) in loading state_dict: missing {sorted(set(self._state['model']) - set(state_dict))}, "
-                               f"unexpected {sorted(set(state_dict) - set(self._state['model']))}")
+        mine, given = set(self._state["model"]), set(state_dict)
+        if strict and mine != given:
+            raise RuntimeError(f"Error(s) in loading state_dict: missing {sorted(mine - given)}, "
+                               f"unexpected {sorted(given - mine)}")
         _copy_leaves(self._state["model"], state_dict)
 
     def named_parameters(self):
