@@ -211,8 +211,10 @@ def shipped_save(rank, world, root, src) -> dict:
 
 
 def release_cycle(rank, world, root, src, load_dir, steps) -> dict:
-    """One `--release-train` step of slime's on a real actor: a new process loads ``load_dir``
-    with stock `load_checkpoint`, trains ``steps`` iterations, calls slime's `save_model(force_sync=True)`
+    """One `--release-train` step of slime's on a real actor: a new process runs the init hook
+    (`install`, as `--custom-megatron-init-path` does before the actor's load), loads ``load_dir``
+    through slime's own `load_checkpoint` as `initialize_model_and_optimizer` calls it (routed to
+    safe_ckpt by the hook), trains ``steps`` iterations, calls slime's `save_model(force_sync=True)`
     (with --async-save: the forced finalize must make it durable) and is then killed (SIGKILL, as
     `ray.kill`): the caller reads the result file written just before."""
     import signal
@@ -226,31 +228,36 @@ def release_cycle(rank, world, root, src, load_dir, steps) -> dict:
     save_dir = os.path.join(root, "release")
     model, optimizer, scheduler = setup(save_dir, world, slime_release_train)
     from megatron.training import get_args
-    from megatron.training.checkpointing import load_checkpoint
+    from slime.backends.megatron_utils import checkpoint as slime_checkpoint
 
     from safe_ckpt.integrations import slime as integration
     from safe_ckpt.integrations.slime_asleep import installed
+    from safe_ckpt.megatron.loading import loaded_checkpoint
 
     args = get_args()
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):  # as gpu_megatron_cases' resume
         init = getattr(opt, "_init_optimizer_states_with_dummy_values", None)
         if init is not None:
             init()
+    t.slime_actor_args(args, save_dir)
+    args.offload_train, args.release_train, args.async_save = False, True, True
     args.load = load_dir
-    args.iteration, args.num_floating_point_operations_so_far = load_checkpoint(model, optimizer, scheduler)
+    integration.install(args)  # the init hook, before the load
+    routed = getattr(slime_checkpoint._load_checkpoint_megatron, "_safe_ckpt_stock", None) is not None
+    args.iteration, args.num_floating_point_operations_so_far = slime_checkpoint.load_checkpoint(
+        model, optimizer, scheduler, checkpointing_context={}, skip_load_to_model_and_opt=False)
+    loaded = loaded_checkpoint()
     from tests.megatron_evidence import restore_adam_steps
 
     restore_adam_steps(optimizer)
     start = args.iteration
     losses = g._train(model, optimizer, scheduler, start, start + steps)
-    t.slime_actor_args(args, save_dir)
-    args.offload_train, args.release_train, args.async_save = False, True, True
     actor = t.hand_built_actor(slime["actor"], args, model, optimizer, scheduler)
-    integration.install(args)
     began = time.monotonic()
     actor.save_model(start + steps, force_sync=True)
     out = {"start": start, "losses": losses, "asleep_path_installed": installed(
         slime["actor"].MegatronTrainRayActor) is not None, "save_model_s": time.monotonic() - began,
+        "load_routed": routed, "loaded_by_safe_ckpt": None if loaded is None else [loaded.save_root, loaded.iteration],
         "tracker": open(os.path.join(save_dir, "latest_checkpointed_iteration.txt")).read().strip()}
     with open(os.path.join(root, f"release_rank{rank}.json"), "w") as f:
         json.dump(out, f)

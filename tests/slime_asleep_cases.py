@@ -12,6 +12,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STAND_INS = os.path.join(REPO, "tests", "stand_ins")
 SPEC = dict(hidden=64, ffn=256, vocab=512, layers=2, seq=32, buckets=2, bucket_numel=20_000, pieces_per_rank=3)
 MODEL_MODULE = "tests.slime_mirror.backends.megatron_utils.model"
+CHECKPOINT_MODULE = "tests.slime_mirror.backends.megatron_utils.checkpoint"
 ACTOR_MODULE = "tests.slime_mirror.backends.megatron_utils.actor"
 RELOADABLE_MODULE = "tests.slime_mirror.utils.reloadable_process_group"
 BOUND_S = 120  # every wait here is bounded; a hang fails the test
@@ -28,19 +29,28 @@ def slime_args(save_dir, backend="safe", extra=()):
         parser.add_argument(flag, default=None)
     parser.add_argument("--ckpt-format", default="torch_dist")
     parser.add_argument("--tensor-model-parallel-size", type=int, default=2)
+    parser.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    parser.add_argument("--ckpt-step", type=int, default=None)
+    parser.add_argument("--dist-ckpt-strictness", default="assume_ok_unexpected")
     for flag in ("--async-save", "--no-save-optim", "--no-save-rng", "--use-distributed-optimizer", "--offload-train",
-                 "--debug-rollout-only", "--overlap-param-gather", "--release-train"):
+                 "--debug-rollout-only", "--overlap-param-gather", "--release-train",
+                 "--no-load-optim", "--no-load-rng", "--finetune", "--verify-integrity", "--fp16", "--bf16",
+                 "--data-parallel-random-init"):  # the second line: what Megatron's load_checkpoint reads
         parser.add_argument(flag, action="store_true")
     integration.add_arguments(parser)
     args = parser.parse_args(["--save", save_dir, "--ckpt-backend", backend, "--use-distributed-optimizer",
                               "--custom-megatron-init-path", integration.INIT_HOOK, "--safe-ckpt-io-threads", "2",
                               "--safe-ckpt-timeout-s", "30", *extra])
+    # Megatron's default, and what slime's _set_default_megatron_args forces
+    args.ckpt_load_validate_sharding_integrity = True
+    args.ckpt_assume_constant_structure = args.ckpt_fully_parallel_load = True
     if args.release_train:  # as slime's parse_args: the train actors are released, not offloaded
         args.offload_train = False
     # as slime's parse_args with --offload-train: the patched DDP allocates the parameter and
     # gradient buffers in torch_memory_saver regions without CPU backup (the mirror lays them out so)
     args.disable_grad_buffers_cpu_backup = args.disable_param_buffers_cpu_backup = args.offload_train
     args.safe_ckpt_model_module = MODEL_MODULE  # where slime's modules live in the mirror
+    args.safe_ckpt_checkpoint_module = CHECKPOINT_MODULE
     args.safe_ckpt_actor_module = ACTOR_MODULE
     args.safe_ckpt_reloadable_module = RELOADABLE_MODULE
     return args

@@ -164,16 +164,20 @@ def test_save_hf_and_save_awake_keep_slimes_wake_up_path(ray_cluster, tmp_path):
 
 def test_release_train_cycles_save_through_safe_ckpt_and_the_next_actors_load_it(ray_cluster, tmp_path):
     """slime's `--release-train` loop (train.py, 624b824a): each step creates new actors (their
-    `init` installs safe_ckpt through the init hook and loads `args.load` as Megatron does), trains,
-    `save_model(force_sync=True)` (awake: --offload-train is ignored in this mode), and kills the
-    actors. With --async-save the forced save is durable and the tracker written before the kill;
-    the next actors load exactly what was saved; retention keeps the newest two."""
+    `init` installs safe_ckpt through the init hook and loads `args.load` through slime's
+    `load_checkpoint`, which the hook routed to safe_ckpt), trains, `save_model(force_sync=True)`
+    (awake: --offload-train is ignored in this mode), and kills the actors. With --async-save the
+    forced save is durable and the tracker written before the kill; the next actors load exactly
+    what was saved, through safe_ckpt, with the args' own classes (an enum, a dataclass) in the
+    common state; retention keeps the newest two."""
     from safe_ckpt.integrity import MANIFEST_FILE
+    from tests.slime_arg_types import RewardSpec, RolloutMode
 
     save_dir = str(tmp_path)
     args = _args(save_dir, extra=["--release-train", "--offload-train", "--async-save",
                                   "--safe-ckpt-keep-last", "2"])
     args.mirror_train_step = True
+    args.rollout_mode, args.reward_specs = RolloutMode.ASYNC, (RewardSpec("format", 0.25),)  # slime-side types
     assert args.offload_train is False  # as slime's parse_args leaves it with --release-train
     group = RayTrainGroup(args, 2, SPEC, env_vars=repo_env(), create=False)
     saved = None
@@ -184,6 +188,7 @@ def test_release_train_cycles_save_through_safe_ckpt_and_the_next_actors_load_it
         loaded = _each(group, "state_digest")
         if saved is not None:
             assert loaded == saved, f"step {rollout_id}: the new actors did not load what the last ones saved"
+            assert _each(group, "loaded_by_safe_ckpt") == [(os.path.abspath(save_dir), rollout_id - 1)] * 2
         ray.get(group.async_train(rollout_id))
         saved = _each(group, "state_digest")
         assert saved != loaded  # the step changed the state

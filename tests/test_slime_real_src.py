@@ -432,8 +432,9 @@ def test_real_slime_in_its_shipped_configuration_saves_asleep_equal_to_its_wake_
 
 def test_real_slime_release_train_cycle_saves_durably_before_the_kill(tmp_path, uninterrupted, shipped_env,
                                                                      monkeypatch):
-    """A full-trained checkpoint at FIRST (stock load), one `--release-train` step of 3 iterations
-    through slime's own save_model, a SIGKILL, and a fresh stock load training on: losses as uninterrupted."""
+    """A checkpoint at FIRST loaded by slime's own `load_checkpoint` with the init hook installed
+    (through safe_ckpt), one `--release-train` step of 3 iterations through slime's own save_model,
+    a SIGKILL, and a fresh stock load training on: losses as uninterrupted."""
     from tests import gpu_megatron_cases as g
     from tests import gpu_slime_shipped_cases as s
 
@@ -454,5 +455,7 @@ def test_real_slime_release_train_cycle_saves_durably_before_the_kill(tmp_path, 
     print("real slime release-train evidence:", json.dumps(evidence, default=str, sort_keys=True))
     assert cycle["start"] == g.FIRST and cycle["tracker"] == str(g.FIRST + steps), evidence
     assert not cycle["asleep_path_installed"], evidence  # --release-train saves awake
+    assert cycle["load_routed"], evidence  # slime's _load_checkpoint_megatron now safe_ckpt's
+    assert cycle["loaded_by_safe_ckpt"] == [os.path.abspath(os.path.join(root, "safe")), g.FIRST], evidence
     assert resumed["start_iteration"] == g.FIRST + steps, evidence
     assert cycle["losses"] + resumed["losses"] == uninterrupted["losses"][g.FIRST:], evidence

@@ -11,6 +11,9 @@ only when all actors succeeded, and a failing actor makes every actor raise the 
 for the save, and paused (offloaded) memory is refused with a clear error, or read from
 torch_memory_saver's CPU backup with `--safe-ckpt-unmapped-policy cpu_backup`.
 
+slime's checkpoint load (the actor's `init`, `--release-train`'s reload) goes through
+`safe_ckpt.megatron.load_checkpoint` too (`slime_load`; `--safe-ckpt-stock-load` keeps Megatron's).
+
 With `--offload-train`, `install` also replaces the actor's `save_model` so that an asleep actor
 saves without waking up (`slime_asleep`; `--safe-ckpt-save-awake` turns that off).
 
@@ -59,6 +62,9 @@ def add_arguments(parser):
     group.add_argument("--safe-ckpt-save-awake", action="store_true",
                        help="with --offload-train, save as slime does (wake up, save, sleep) instead of "
                             "saving asleep from torch_memory_saver's CPU backup")
+    group.add_argument("--safe-ckpt-stock-load", action="store_true",
+                       help="with --ckpt-backend safe, keep Megatron's own checkpoint load (by default the actor's "
+                            "load goes through safe_ckpt too)")
     group.add_argument("--safe-ckpt-chained-init-path", type=str, default=None,
                        help="another --custom-megatron-init-path hook to run first (set by the launcher)")
     return parser
@@ -100,7 +106,8 @@ def _patch_async_finalize() -> None:
 
 def install(args, model_module: str | None = None) -> None:
     """`--custom-megatron-init-path safe_ckpt.integrations.slime.install`: runs in every train
-    actor after Megatron is initialised; with `--ckpt-backend safe`, slime's save goes to safe_ckpt."""
+    actor after Megatron is initialised, before the actor's load; with `--ckpt-backend safe`, slime's
+    save, and its load unless `--safe-ckpt-stock-load`, go through safe_ckpt."""
     chained = getattr(args, "safe_ckpt_chained_init_path", None)
     if chained:
         module_name, _, func = chained.rpartition(".")
@@ -113,6 +120,9 @@ def install(args, model_module: str | None = None) -> None:
         raise RuntimeError(f"{module.__name__} has no save_checkpoint to replace: unsupported slime version")
     module.save_checkpoint = slime_save_checkpoint
     _patch_async_finalize()
+    from .slime_load import install_load
+
+    install_load(args)
     # Runs before slime's own load: the tracker read now is the one that load reads (retention keeps it).
     from ..megatron import training
 

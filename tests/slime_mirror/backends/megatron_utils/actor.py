@@ -21,8 +21,11 @@ Otherwise (the GPU tests' own args) the older layout: with `args.offload_train` 
 the synthetic state lives inside one real torch_memory_saver region with a CPU backup.
 
 `--release-train` (slime's `RayTrainGroup.create`/`save_model`/`release`, tests/slime_mirror/ray):
-`init` loads `args.load` as Megatron's `load_checkpoint` does (the tracker, then the iteration's
-directory through `megatron.core.dist_checkpointing.load`) and returns the next rollout id.
+`init` loads `args.load` as slime's `initialize_model_and_optimizer` does, through slime's
+`load_checkpoint` (checkpoint.py), which calls the module-level `_load_checkpoint_megatron`
+(Megatron's `load_checkpoint`: the stand-in of core_v0.19.0's on CPU, tests/stand_ins; or what the
+init hook bound there), and returns the next rollout id. The synthetic model and optimizer take
+the loaded state as Megatron's do (`load_state_dict`: the values copied into their own tensors).
 
 Where this differs from slime, and why:
 - slime puts torch_memory_saver in its `preload` hook mode (RayTrainGroup sets `LD_PRELOAD` and
@@ -67,7 +70,15 @@ class _SyntheticModel:
         self._params, self._buffers = list(params), list(buffers)
 
     def sharded_state_dict(self, metadata=None, **kwargs):
-        return self._state["model"]
+        return _fresh(self._state["model"])
+
+    def load_state_dict(self, state_dict, strict=True):
+        """As Megatron's module: the loaded values copied into the model's own tensors."""
+        mine, given = set(self._state["model"]), set(state_dict)
+        if strict and mine != given:
+            raise RuntimeError(f"Error(s) in loading state_dict: missing {sorted(mine - given)}, "
+                               f"unexpected {sorted(given - mine)}")
+        _copy_leaves(self._state["model"], state_dict)
 
     def named_parameters(self):
         return iter(self._params)
@@ -91,12 +102,22 @@ class _SyntheticOptimizer:
         self.optimizer = types.SimpleNamespace(param_groups=[{"params": mains}], state={})
 
     def sharded_state_dict(self, model_state_dict, metadata=None, is_loading=False, **kwargs):
-        return self._state["optimizer"]
+        return _fresh(self._state["optimizer"])
+
+    def load_state_dict(self, state_dict):
+        """As Megatron's distributed optimizer: the loaded shards copied into its own tensors."""
+        _copy_leaves(self._state["optimizer"], state_dict)
 
 
 class _Scheduler:
+    def __init__(self):
+        self._state = {"max_lr": 1e-4, "num_steps": 40}
+
     def state_dict(self):
-        return {"max_lr": 1e-4, "num_steps": 40}
+        return dict(self._state)
+
+    def load_state_dict(self, state_dict):
+        self._state = dict(state_dict)
 
 
 def _clear_memory(clear_host_memory: bool = False) -> None:
@@ -228,27 +249,12 @@ class MegatronTrainRayActor:
         self._active_model_tag = target_tag
 
     def _load(self, load_dir):
-        """What Megatron's load_checkpoint does for torch_dist: the tracker names the iteration,
-        `dist_checkpointing.load` reads it into this rank's sharded state; returns the iteration."""
-        import torch
-        from megatron.core import dist_checkpointing
+        """The load that ends slime's `initialize_model_and_optimizer`: slime's `load_checkpoint`
+        (checkpoint.py) with the same arguments; returns the iteration loaded."""
+        from .checkpoint import load_checkpoint
 
-        from safe_ckpt.synthetic import build_state
-
-        tracker = os.path.join(load_dir, "latest_checkpointed_iteration.txt")
-        if not os.path.isfile(tracker):
-            return None
-        iteration = int(open(tracker).read().strip())
-        tp = self.args.tensor_model_parallel_size
-        template = build_state(self.rank, self.world_size, tp=tp, spec=self.spec, empty=True, saved_tp=tp)
-        for key in ("rank_info", "rng_state"):
-            template.pop(key)
-        loaded = dist_checkpointing.load({"model": template["model"], "optimizer": template["optimizer"]},
-                                         os.path.join(load_dir, f"iter_{iteration:07d}"))
-        mine = {"model": self._state["model"], "optimizer": self._state["optimizer"]}
-        with torch.no_grad():
-            for target, value in zip(_leaves(mine), _leaves(loaded)):
-                target.data.copy_(value)
+        iteration, _ = load_checkpoint(self.model, self.optimizer, self.opt_param_scheduler,
+                                       checkpointing_context={}, skip_load_to_model_and_opt=False)
         return iteration
 
     def _rebuild_model_parallel(self):
@@ -338,6 +344,13 @@ class MegatronTrainRayActor:
 
     def loaded(self):
         return self.loaded_iteration
+
+    def loaded_by_safe_ckpt(self):
+        """(save root, iteration) that safe_ckpt's load read in this process, None if none did."""
+        from safe_ckpt.megatron.loading import loaded_checkpoint
+
+        loaded = loaded_checkpoint()
+        return None if loaded is None else (loaded.save_root, loaded.iteration)
 
     def save_model(self, rollout_id, force_sync=False):
         """As slime's (624b824a), line for line (plus the mirror's count of HF saves)."""
@@ -561,6 +574,37 @@ class MegatronTrainRayActor:
         target.pop("rng_state"), expected.pop("rng_state")
         loaded = dist_checkpointing.load(target, path)
         return compare_loaded(loaded, expected), loaded.get("iteration")
+
+
+def _fresh(tree):
+    """A new sharded state dict over the same tensors, as Megatron's modules and optimizers build
+    one per call (stock load changes the ShardedTensors it is given: `.data` reshaped for a
+    prepended axis)."""
+    import copy
+
+    from megatron.core.dist_checkpointing.mapping import (
+        LocalNonpersistentObject, ShardedObject, ShardedTensor, ShardedTensorFactory,
+    )
+
+    if isinstance(tree, dict):
+        return {k: _fresh(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_fresh(v) for v in tree]
+    if isinstance(tree, (ShardedTensor, ShardedTensorFactory, ShardedObject, LocalNonpersistentObject)):
+        return copy.copy(tree)
+    return tree
+
+
+def _copy_leaves(mine, loaded) -> None:
+    """Copy every tensor of ``loaded`` into the same place of ``mine`` (same keys, same structure)."""
+    import torch
+
+    ours, theirs = list(_leaves(mine, keys=True)), list(_leaves(loaded, keys=True))
+    if [k for k, _ in ours] != [k for k, _ in theirs]:
+        raise RuntimeError("the loaded state does not have the structure of the one it is loaded into")
+    with torch.no_grad():
+        for (_, target), (_, value) in zip(ours, theirs):
+            target.data.copy_(value)
 
 
 def _leaves(tree, keys=False, path=""):
