@@ -166,7 +166,7 @@ def parent_lock(parent: str, timeout_s: float = LOCK_WAIT_S):
                     raise
                 if not _warned_no_locks:
                     _warned_no_locks = True
-                    log.warning("safe_ckpt: %s has no advisory locks (%s); two saves of one target started at "
+                    log.warning("%s has no advisory locks (%s); two saves of one target started at "
                                 "the same moment are not told apart", parent, exc)
                 break
         yield
@@ -358,7 +358,7 @@ def _roll_back(area: StagingArea, switched: _Switched, failure: BaseException, f
         kept = switched.old
         if switched.how == "exchange" and not _holds(staging, area.save_id):
             kept = _set_aside(staging, final, area.save_id)  # never a stale "staging" directory that gc removes
-        log.error("safe_ckpt: %s; putting the previous checkpoint back failed too (%s)", what, exc)
+        log.error("%s; putting the previous checkpoint back failed too (%s)", what, exc)
         raise CommitError(
             f"{what}, and putting the previous checkpoint back failed too ({type(exc).__name__}: {exc}). "
             f"Nothing was deleted: {final} may hold this save's checkpoint"
@@ -368,8 +368,8 @@ def _roll_back(area: StagingArea, switched: _Switched, failure: BaseException, f
         try:
             deferred.step(lambda: fsync_path(parent, directory=True))
         except Exception as exc:
-            log.warning("safe_ckpt: syncing %s after putting the previous checkpoint back failed too: %s", parent, exc)
-    log.error("safe_ckpt: %s; the previous checkpoint was put back", what)
+            log.warning("syncing %s after putting the previous checkpoint back failed too: %s", parent, exc)
+    log.error("%s; the previous checkpoint was put back", what)
     raise CommitError(f"{what}; the previous checkpoint was put back under its name: nothing is published") \
         from failure
 
@@ -398,7 +398,7 @@ def _tidy(area: StagingArea, switched: _Switched, fsync: bool, deferred: Deferre
             deferred.step(lambda: fsync_path(final, directory=True))
             deferred.step(lambda: fsync_path(parent, directory=True))
     except Exception as exc:
-        log.warning("safe_ckpt: %s is published, but tidying up after it failed (%s: %s); `safe-ckpt gc %s` "
+        log.warning("%s is published, but tidying up after it failed (%s: %s); `safe-ckpt gc %s` "
                     "removes what was left", final, type(exc).__name__, exc, parent)
 
 
@@ -416,7 +416,7 @@ def abort(area: StagingArea) -> None:
     if ours:
         shutil.rmtree(area.staging_dir, ignore_errors=True)
     elif os.path.lexists(area.staging_dir):
-        log.warning("safe_ckpt: not removing %s: it no longer holds save %s's files", area.staging_dir, area.save_id)
+        log.warning("not removing %s: it no longer holds save %s's files", area.staging_dir, area.save_id)
 
 
 def write_tracker(save_root: str, iteration, fsync: bool = True) -> None:

@@ -57,7 +57,7 @@ class SaveHandle:
             self._result = self._job.finish(stall_s=self.stall_s)
         except BaseException as exc:
             self._error = exc
-            log.error("safe_ckpt: asynchronous save of %s failed: %s", self.checkpoint_dir,
+            log.error("asynchronous save of %s failed: %s", self.checkpoint_dir,
                       str(exc).removeprefix("safe_ckpt: ") or type(exc).__name__)
             with _inflight_lock:
                 _unobserved.append(self)
@@ -113,7 +113,7 @@ def _finish_inflight_at_exit() -> None:
     with _inflight_lock:
         pending = list(_inflight)
     for handle in pending:
-        log.warning("safe_ckpt: waiting for the asynchronous save of %s to finish before exit",
+        log.warning("waiting for the asynchronous save of %s to finish before exit",
                     handle.checkpoint_dir)
         handle._thread.join()
     with _inflight_lock:
@@ -121,7 +121,7 @@ def _finish_inflight_at_exit() -> None:
     if not failed:
         return
     for handle in failed:
-        log.error("safe_ckpt: the asynchronous save of %s failed and nobody waited for it (see the error "
+        log.error("the asynchronous save of %s failed and nobody waited for it (see the error "
                   "above: %s); exiting with status 1", handle.checkpoint_dir, type(handle._error).__name__)
     for handler in logging.getLogger().handlers + log.handlers + [logging.lastResort]:
         try:

@@ -111,7 +111,7 @@ class _Heartbeat:
                 self.sink.write_file(owner_key(self.save_id), _record(self.save_id))
             except Exception as exc:  # a passing fault must not stop it; a dead store fails the save anyway
                 if not failing:
-                    log.warning("safe_ckpt: cannot refresh %s%s (%s); retrying every %.0f s", self.sink.root,
+                    log.warning("cannot refresh %s%s (%s); retrying every %.0f s", self.sink.root,
                                 owner_key(self.save_id), exc, HEARTBEAT_S)
                 failing = True
                 continue
@@ -159,7 +159,7 @@ def running_saves(sink, names, now_unix_s: float | None = None, force: bool = Fa
         except FileNotFoundError:
             live = False  # removed since the listing: its save ended
         except Exception as exc:
-            log.warning("safe_ckpt: cannot read the owner object %s%s (%s); taking its save as running",
+            log.warning("cannot read the owner object %s%s (%s); taking its save as running",
                         sink.root, name, exc)
             live = True
         if live:
@@ -203,7 +203,7 @@ def referenced_files(sink) -> set[str]:
     try:
         data = sink.read(METADATA_FILE)
     except Exception as exc:
-        log.debug("safe_ckpt: cannot read %s%s: %s", sink.root, METADATA_FILE, exc)
+        log.debug("cannot read %s%s: %s", sink.root, METADATA_FILE, exc)
         return set()
     return _index_files(sink, data)
 
@@ -243,7 +243,7 @@ def is_complete(sink, names) -> bool:
     except ForeignMetadataError:
         verdict = False
     except Exception as exc:  # cannot tell now: not counted, and not remembered
-        log.warning("safe_ckpt: cannot read %s%s (%s); not counting it as a checkpoint", sink.root, METADATA_FILE, exc)
+        log.warning("cannot read %s%s (%s); not counting it as a checkpoint", sink.root, METADATA_FILE, exc)
         return False
     else:
         verdict = bool(referenced) and referenced <= names
@@ -269,7 +269,7 @@ def check_target(sink, replace: str) -> None:
     if replace == "never":
         raise CommitError(f"{sink.root} is not empty and SaveOptions(replace='never') forbids replacing it")
     if is_save_leftover(keys):
-        log.info("safe_ckpt: %s holds %d key(s) an interrupted save left (no metadata.json); this save "
+        log.info("%s holds %d key(s) an interrupted save left (no metadata.json); this save "
                  "replaces them (`safe-ckpt gc` removes them)", sink.root, len(keys))
         return
     if not complete:
@@ -327,7 +327,7 @@ def _write_marker(sink, marker: bytes) -> None:
             "whether it is a whole checkpoint; `safe-ckpt gc` removes it if it is not") from failure
     if not landed:
         raise failure
-    log.warning("safe_ckpt: the store did not confirm %s%s (%s), but it is there: the checkpoint is committed",
+    log.warning("the store did not confirm %s%s (%s), but it is there: the checkpoint is committed",
                 sink.root, CONFIG_FILE, failure)
 
 
@@ -338,7 +338,7 @@ def _remove_unused(sink, used: set[str], replaced: set[str], own_id: str | None)
         names = set(sink.list())
         running = running_saves(sink, names) - {own_id}
     except Exception as exc:
-        log.warning("safe_ckpt: could not list %s to remove what the new checkpoint does not use: %s; "
+        log.warning("could not list %s to remove what the new checkpoint does not use: %s; "
                     "`safe-ckpt gc` removes it", sink.root, exc)
         return
     for name in sorted(names - used):
@@ -349,7 +349,7 @@ def _remove_unused(sink, used: set[str], replaced: set[str], own_id: str | None)
             try:
                 sink.delete(name)
             except Exception as exc:  # harmless: nothing references it, and gc removes it
-                log.warning("safe_ckpt: could not remove %s%s, which the new checkpoint does not use: %s",
+                log.warning("could not remove %s%s, which the new checkpoint does not use: %s",
                             sink.root, name, exc)
 
 
@@ -357,7 +357,7 @@ def _remove_owner(sink, owner: str) -> None:
     try:
         sink.delete(owner)
     except Exception as exc:  # harmless: it goes stale, and gc removes it then
-        log.warning("safe_ckpt: could not remove %s%s: %s", sink.root, owner, exc)
+        log.warning("could not remove %s%s: %s", sink.root, owner, exc)
 
 
 def abort(sink: TensorStoreSink, tag: str) -> None:
@@ -373,7 +373,7 @@ def abort(sink: TensorStoreSink, tag: str) -> None:
         names = quick.list()
         ours = METADATA_FILE in names and _commits(quick, tag)
         if CONFIG_FILE in names and ours:
-            log.warning("safe_ckpt: %s holds this save's commit (metadata.json over its index): its data files "
+            log.warning("%s holds this save's commit (metadata.json over its index): its data files "
                         "are kept; `safe-ckpt verify %s` tells whether it is whole", sink.root, sink.root)
             _remove_owner(quick, owner_key(save_id))
             return
@@ -382,7 +382,7 @@ def abort(sink: TensorStoreSink, tag: str) -> None:
         for name in small + [n for n in sorted(names) if n.endswith(f"{tag}.distcp") or n == owner_key(save_id)]:
             quick.delete(name)
     except Exception as exc:
-        log.warning("safe_ckpt: could not remove the failed save's data files under %s (%s); "
+        log.warning("could not remove the failed save's data files under %s (%s); "
                     "`safe-ckpt gc` removes them later", sink.root, exc)
 
 

@@ -257,7 +257,7 @@ class _Job:
                 self.note("post-commit", exc)
             self.ballot.vote("post-commit")
         if self.ballot.interrupt is not None:  # it arrived once the commit was under way: the checkpoint stays
-            log.warning("safe_ckpt: %s was published%s before the interrupt (%s) took effect; raising it now",
+            log.warning("%s was published%s before the interrupt (%s) took effect; raising it now",
                         self.checkpoint_dir, " and the tracker written" if self.post_commit is not None else "",
                         type(self.ballot.interrupt).__name__)
         self.ballot.raise_interrupt()
@@ -320,7 +320,7 @@ class _Job:
         try:
             self._prebuilt = self._small_files()
         except Exception as exc:
-            log.debug("safe_ckpt: building the index early failed (%s); the commit builds it again", exc)
+            log.debug("building the index early failed (%s); the commit builds it again", exc)
 
     def _commit(self, reports: list) -> None:
         """Rank 0, after every rank's files are durable: index, config, manifest, publish."""

@@ -64,7 +64,7 @@ def collect(root: str, dry_run: bool = False, stale_after_s: float = STALE_AFTER
         # A fresh one may be a running save's, between writing it and renaming it into place.
         try:
             if now - os.lstat(path).st_mtime < stale_after_s:
-                log.info("safe_ckpt: gc left %s alone: written less than %.0f s ago", path, stale_after_s)
+                log.info("gc left %s alone: written less than %.0f s ago", path, stale_after_s)
                 continue
             if not dry_run:
                 os.unlink(path)
@@ -78,8 +78,8 @@ def collect(root: str, dry_run: bool = False, stale_after_s: float = STALE_AFTER
                 os.unlink(record)
             removed.append(record)
     for target in swept.restored:
-        log.warning("safe_ckpt: gc %s %s from the copy an interrupted replace left aside",
+        log.warning("gc %s %s from the copy an interrupted replace left aside",
                     "would restore" if dry_run else "restored", target)
     for line in swept.live:
-        log.info("safe_ckpt: gc left %s alone", line)
+        log.info("gc left %s alone", line)
     return sorted(removed)

@@ -136,7 +136,7 @@ def leftovers_in(sink: TensorStoreSink, names: list[str], force: bool = False) -
     (``force``: no save is running)."""
     running = kvcommit.running_saves(sink, names, force=force)
     if running:
-        log.info("safe_ckpt: gc leaves the keys of running save(s) %s under %s alone", sorted(running), sink.root)
+        log.info("gc leaves the keys of running save(s) %s under %s alone", sorted(running), sink.root)
     if kvcommit.is_save_leftover(names):
         if not running:
             return sorted(names)
@@ -146,7 +146,7 @@ def leftovers_in(sink: TensorStoreSink, names: list[str], force: bool = False) -
     try:
         referenced = kvcommit.referenced_files(sink)
     except kvcommit.ForeignMetadataError as exc:
-        log.warning("safe_ckpt: gc skips %s: its .metadata is not a checkpoint index it may read (%s)",
+        log.warning("gc skips %s: its .metadata is not a checkpoint index it may read (%s)",
                     sink.root, exc)
         return []
     if not referenced:
@@ -154,11 +154,11 @@ def leftovers_in(sink: TensorStoreSink, names: list[str], force: bool = False) -
     if not referenced <= set(names):
         # A marker over missing data (a commit whose data was removed): not a checkpoint.
         if running or not kvcommit.only_ours(names):
-            log.warning("safe_ckpt: gc leaves %s alone: its metadata.json stands over %d missing data file(s), "
+            log.warning("gc leaves %s alone: its metadata.json stands over %d missing data file(s), "
                         "but %s", sink.root, len(referenced - set(names)),
                         "a save of it is running" if running else "it holds keys safe_ckpt did not write")
             return []
-        log.warning("safe_ckpt: %s is a broken checkpoint: its index names %d data file(s) that are not there",
+        log.warning("%s is a broken checkpoint: its index names %d data file(s) that are not there",
                     sink.root, len(referenced - set(names)))
         return sorted(names)
     return sorted(n for n in names if n not in referenced and kvcommit.save_id_of(n) is not None
@@ -231,7 +231,7 @@ def prune(save_root: KvTarget, current: int, policy: Retention, deadlines: KvDea
         root = open_sink(save_root, deadlines)
         found = iterations(save_root, deadlines)
     except Exception as exc:
-        log.warning("safe_ckpt: retention could not list %s: %s", save_root.path, exc)
+        log.warning("retention could not list %s: %s", save_root.path, exc)
         return []
     removed = []
     for it in to_remove(list(found), current, policy, resumed_from=resumed_from):
@@ -239,9 +239,9 @@ def prune(save_root: KvTarget, current: int, policy: Retention, deadlines: KvDea
             remove_checkpoint(root, found[it])
             removed.append(it)
         except Exception as exc:
-            log.warning("safe_ckpt: could not remove old checkpoint %s%s: %s", root.root, found[it], exc)
+            log.warning("could not remove old checkpoint %s%s: %s", root.root, found[it], exc)
     if removed:
-        log.info("safe_ckpt: retention removed iterations %s", removed)
+        log.info("retention removed iterations %s", removed)
     return removed
 
 
