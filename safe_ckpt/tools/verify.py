@@ -4,7 +4,9 @@ One job: report what is wrong with a checkpoint directory: missing or truncated 
 extra files, items whose CRC-32 differs from the manifest, items whose archive
 structure does not match the chunk the index promises (payload size, records), and
 with ``deep`` items that `torch.load(weights_only=True)` cannot read back as the right
-tensor. Works on any torch_dist checkpoint (without a manifest: structure only).
+tensor. Works on any torch_dist checkpoint (without a manifest: structure only), and on a
+plain DCP checkpoint (`torch.distributed.checkpoint.save`: no `metadata.json`, no manifest):
+files, sizes and structure, with checksums reported unavailable.
 `.metadata` and the common state are read through `safe_load`, so a crafted file is
 reported, never run. Every file is opened through `checkpoint_files`: only regular files
 inside the directory are read (a FIFO, a device or a symlink leading out is an error, not a
@@ -45,6 +47,8 @@ class VerifyReport:
     items_checked: int = 0
     bytes_checked: int = 0
     checksummed_items: int = 0
+    has_manifest: bool = False  # safe_ckpt's checksum manifest was there and readable
+    plain_dcp: bool = False  # no metadata.json: a DCP checkpoint, not Megatron's torch_dist
     deep: bool = False
     deep_loaded_items: int = 0  # tensor items torch.load(weights_only=True) read back (deep only)
     deep_loaded_bytes: int = 0  # tensor data bytes those items held
@@ -97,24 +101,36 @@ def _chunk_bytes(sizes, itemsize: int) -> int:
     return n
 
 
-def _check_present(report: VerifyReport, directory: str, name: str) -> None:
+def _check_present(report: VerifyReport, directory: str, name: str, missing: str) -> bool:
     if not os.path.lexists(os.path.join(directory, name)):
-        report.add("error", name, "missing: this is not a complete torch_dist checkpoint")
-        return
+        report.add("error", name, missing)
+        return False
     kind = describe(directory, name)
     if not kind.regular:
         report.add("error", name, f"refused: {kind.description}, not a regular file; not read")
+    return True
 
 
-def verify(directory: str, *, deep: bool = False, progress=None) -> VerifyReport:
+def verify(directory: str, *, deep: bool = False, progress=None, config_required: bool = False) -> VerifyReport:
+    """``config_required``: a missing `metadata.json` is an error (on a kvstore it is the commit
+    marker); otherwise the directory is checked as a plain DCP checkpoint."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     report = VerifyReport(os.path.abspath(directory), deep=deep)
     if not os.path.isdir(directory):
         report.add("error", directory, "no such directory" if not os.path.exists(directory) else "not a directory")
         return report
-    for name in (".metadata", "metadata.json"):
-        _check_present(report, directory, name)
+    if not _check_present(report, directory, ".metadata", "missing: this is not a torch_dist or DCP checkpoint"):
+        return report
+    if os.path.lexists(os.path.join(directory, "metadata.json")):
+        _check_present(report, directory, "metadata.json", "")  # a FIFO or a link leading out is refused
+    elif config_required:
+        report.add("error", "metadata.json", "missing: the commit marker of a checkpoint in an object store; "
+                                             "without it this is an interrupted save (`safe-ckpt gc` removes it)")
+    else:
+        report.plain_dcp = True
+        report.add("warning", "metadata.json", "missing: a plain DCP checkpoint (torch.distributed.checkpoint "
+                                               "loads it; megatron.core.dist_checkpointing.load needs metadata.json)")
     if not report.ok:
         return report
     try:
@@ -128,6 +144,7 @@ def verify(directory: str, *, deep: bool = False, progress=None) -> VerifyReport
         report.add("error", os.path.relpath(exc.path, directory), exc.reason)
 
     manifest = _read_manifest(report, directory)
+    report.has_manifest = manifest is not None
     expected_crc = {(m.relative_path, m.offset_bytes): m for m in manifest.items} if manifest else {}
     algorithm = manifest.algorithm if manifest else "crc32"
     if manifest is not None:
@@ -136,6 +153,7 @@ def verify(directory: str, *, deep: bool = False, progress=None) -> VerifyReport
         except RuntimeError as exc:
             report.add("warning", MANIFEST_FILE, f"{exc}; checking structure only")
             manifest, expected_crc, algorithm = None, {}, "crc32"
+            report.has_manifest = False
 
     chunk_bytes = {}
     for fqn, md in meta.state_dict_metadata.items():
@@ -187,7 +205,8 @@ def _check_file(report, f, path, entries, chunk_bytes, expected_crc, deep, algor
 
 def _read_manifest(report: VerifyReport, directory: str):
     if not os.path.lexists(os.path.join(directory, MANIFEST_FILE)):
-        report.add("warning", MANIFEST_FILE, "no manifest: checksums cannot be checked, only structure")
+        report.add("warning", MANIFEST_FILE, "no manifest: checksums unavailable; files, sizes and structure "
+                                             "checked")
         return None
     try:
         with open_file(directory, MANIFEST_FILE) as f:
