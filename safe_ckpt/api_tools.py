@@ -60,9 +60,7 @@ def inspect(path: str, *, kvstore_spec: Optional[dict] = None, endpoint: Optiona
 
     target = _target(path, kvstore_spec, endpoint)
     if target is not None:
-        info = kvtools.inspect(target, request_timeout_s)
-        info["followed_tracker"] = None
-        return info
+        return kvtools.inspect(target, request_timeout_s)
     located = locate(os.fspath(path))
     info = inspect_directory(located.directory)
     info["followed_tracker"] = located.via_tracker

@@ -23,6 +23,7 @@ the restricted unpickler refuses), or the keys of a save whose owner object is l
 from __future__ import annotations
 
 import logging
+import os
 import re
 import tempfile
 from dataclasses import dataclass
@@ -33,8 +34,9 @@ from ..retention import Retention, to_remove
 from ..sinks.tensorstore import (
     DEFAULT_REQUEST_TIMEOUT_S, KvDeadlines, KvTarget, StoreNotFoundError, TensorStoreSink, open_sink,
 )
+from ..errors import UnreadableCheckpointError
 from .copy import download
-from .locate import PathUsageError, TrackerError, tracker_directory
+from .locate import PathUsageError, TrackerError, checkpoint_names, save_root_error, tracker_directory
 
 log = logging.getLogger("safe_ckpt")
 _ITER = re.compile(r"^iter_(\d{7,})$")
@@ -57,10 +59,19 @@ class KvLocated:
 
 def locate(target: KvTarget, request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S) -> KvLocated:
     """``target``, or where its tracker points when it is a save root (a `latest_checkpointed_iteration.txt`
-    and no `.metadata`); a `PathUsageError` where there is nothing (no key, no bucket)."""
+    and no `.metadata`); a `PathUsageError` where there is nothing (no key, no bucket), or where
+    the prefix is a save root without a tracker (naming the checkpoints below it)."""
     sink = open_sink(target, KvDeadlines(request_timeout_s))
-    names = _existing(sink, target)
-    if kvcommit.METADATA_FILE in names or TRACKER_FILE not in names:
+    keys = _existing(sink, target)
+    names = [k for k in keys if "/" not in k]
+    if kvcommit.METADATA_FILE in names:
+        return KvLocated(target, sink.root)
+    if TRACKER_FILE not in names:
+        children = checkpoint_names({k.split("/", 1)[0] for k in keys if "/" in k})
+        if children:
+            raise save_root_error(sink.root, children)
+        if not names:
+            raise PathUsageError(f"{sink.root}: no such checkpoint prefix (no key directly under it)")
         return KvLocated(target, sink.root)
     content = sink.read(TRACKER_FILE).decode(errors="replace").strip()[:64]
     child = tracker_directory("", content).lstrip("/")
@@ -72,13 +83,14 @@ def locate(target: KvTarget, request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_
 
 
 def _existing(sink: TensorStoreSink, target: KvTarget) -> list[str]:
+    """Every key under the prefix (``sub/name`` below it)."""
     try:
-        names = sink.list()
+        keys = sink.list_tree()
     except StoreNotFoundError as exc:
         raise PathUsageError(str(exc)) from None
-    if not names:
+    if not keys:
         raise PathUsageError(f"{sink.root}: no such checkpoint prefix (no key under it)")
-    return names
+    return keys
 
 
 def verify(target: KvTarget, *, deep: bool = False, progress=None,
@@ -87,8 +99,8 @@ def verify(target: KvTarget, *, deep: bool = False, progress=None,
 
     located = locate(target, request_timeout_s)
     with tempfile.TemporaryDirectory(prefix="safe_ckpt-verify-") as local:
-        download(located.target, local, request_timeout_s)
-        report = verify_dir(local, deep=deep, progress=progress)
+        download(located.target, local, request_timeout_s, progress)
+        report = verify_dir(local, deep=deep, progress=progress, config_required=True)
     report.directory = located.description
     return report
 
@@ -99,8 +111,13 @@ def inspect(target: KvTarget, request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT
     located = locate(target, request_timeout_s)
     with tempfile.TemporaryDirectory(prefix="safe_ckpt-inspect-") as local:
         download(located.target, local, request_timeout_s)
-        info = inspect_dir(local)
+        try:
+            info = inspect_dir(local)
+        except UnreadableCheckpointError as exc:  # named in the store, not in the temporary copy
+            raise UnreadableCheckpointError(_in_store(exc.path, local, located.description), exc.reason,
+                                            exc.refused_global) from None
     info["directory"] = located.description
+    info["followed_tracker"] = located.via_tracker
     info.pop("tracker", None)  # the temporary directory's parent is not the save root
     parent = _parent(located.target)
     if parent is not None:
@@ -109,6 +126,12 @@ def inspect(target: KvTarget, request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT
         except FileNotFoundError:
             pass
     return info
+
+
+def _in_store(path: str, local: str, description: str) -> str:
+    """``path`` inside the temporary copy ``local`` as the store's path under ``description``."""
+    relative = os.path.relpath(path, local)
+    return path if relative.startswith("..") else description + relative
 
 
 def _parent(target: KvTarget) -> KvTarget | None:
