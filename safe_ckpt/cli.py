@@ -2,8 +2,11 @@
 
 One job: parse arguments, set up logging, read environment variables (the edge), call
 the library, and turn every outcome into a message and an exit code: 0 success, 1 a bad
-checkpoint or a failed operation, 2 a usage error (bad path, not a directory, a prefix with
-no key or a bucket that does not exist, bad argument), 130 interrupted. Must not: contain
+checkpoint or a failed operation, 2 a usage error (bad path, not a directory, a save root
+without a tracker, a prefix with no key or a bucket that does not exist, bad argument), 130
+interrupted. Messages name command-line flags, never the library's Python options (the
+library's remedies are reworded here, `cli_words`), and paths as the user wrote them; long
+commands show one progress line on a terminal (`ProgressLine`; -q: none). Must not: contain
 save logic, or print a traceback unless asked with -v.
 """
 
@@ -15,6 +18,10 @@ import sys
 import traceback
 import warnings
 
+from .cli_output import ProgressLine, cli_words
+from .progress import human_bytes
+from .version import __version__
+
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 log = logging.getLogger("safe_ckpt.cli")
@@ -24,26 +31,9 @@ class UsageError(ValueError):
     """An argument the command cannot work with (exit code 2)."""
 
 
-class Bar:
-    """A one-line progress bar on stderr (only when it is a terminal)."""
-
-    def __init__(self, label: str, enabled: bool | None = None) -> None:
-        self.label = label
-        self.enabled = sys.stderr.isatty() if enabled is None else enabled
-        self._last = -1
-
-    def __call__(self, done: int, total: int) -> None:
-        if not self.enabled or total <= 0:
-            return
-        pct = int(100 * done / total)
-        if pct != self._last:
-            self._last = pct
-            filled = pct * 30 // 100
-            sys.stderr.write(f"\r{self.label} [{'#' * filled}{'.' * (30 - filled)}] {pct:3d}% "
-                             f"{done / 1e9:.2f}/{total / 1e9:.2f} GB")
-            if done >= total:
-                sys.stderr.write("\n")
-            sys.stderr.flush()
+def _progress(args: argparse.Namespace, label: str) -> ProgressLine:
+    return ProgressLine(label, enabled=False if getattr(args, "quiet", False) or getattr(args, "json", False)
+                        else None)
 
 
 def quiet_megatron_import() -> None:
@@ -113,14 +103,18 @@ def _verify(args: argparse.Namespace) -> int:
     target = _kv_target(args, args.directory, args.kvstore_spec)
     located = _located(args.directory) if target is None else _kv_located(args, target)
     quiet_megatron_import()
-    bar = None if args.json else Bar("verify")
-    report = verify(located.directory, deep=args.deep, progress=bar) if target is None else \
-        kvtools.verify(located.target, deep=args.deep, progress=bar, request_timeout_s=args.request_timeout_s)
+    line = _progress(args, "verify --deep" if args.deep else "verify")
+    try:
+        report = verify(located.directory, deep=args.deep, progress=line) if target is None else \
+            kvtools.verify(located.target, deep=args.deep, progress=line, request_timeout_s=args.request_timeout_s)
+    finally:
+        line.close()
     if args.json:
         print(json.dumps({"directory": report.directory, "followed_tracker": located.via_tracker,
                           "ok": report.ok,
                           "items": report.items_checked, "bytes": report.bytes_checked,
                           "checksummed_items": report.checksummed_items, "object_items": report.object_items,
+                          "checksums_available": report.has_manifest, "plain_dcp": report.plain_dcp,
                           "common_state_loaded": report.common_state_loaded, "deep": report.deep,
                           "deep_loaded_items": report.deep_loaded_items,
                           "deep_loaded_bytes": report.deep_loaded_bytes,
@@ -129,9 +123,11 @@ def _verify(args: argparse.Namespace) -> int:
         print(f"checkpoint {report.directory}")
         for f in report.findings:
             print(f"{f.severity.upper():7} {f.path}: {f.message}")
-        print(f"{'OK' if report.ok else 'FAILED'}: {report.items_checked} items, {report.bytes_checked / 1e9:.3f} GB "
-              f"read, {report.checksummed_items} items checked against the manifest"
-              + ("; common state loads (weights only)" if report.common_state_loaded else ""))
+        checked = (f", {report.checksummed_items} items checked against the manifest" if report.has_manifest else
+                   ", checksums unavailable (no safe_ckpt manifest): files, sizes and structure checked"
+                   if report.ok else "")
+        print(f"{'OK' if report.ok else 'FAILED'}: {report.items_checked} items, {human_bytes(report.bytes_checked)} "
+              f"read{checked}" + ("; common state loads (weights only)" if report.common_state_loaded else ""))
         if report.deep:
             print(f"deep: torch.load(weights_only=True) of {report.deep_loaded_items} tensor items, "
                   f"{report.deep_loaded_bytes} bytes of tensor data, each with the dtype and shape the index "
@@ -160,6 +156,7 @@ def _gc(args: argparse.Namespace) -> int:
     from .tools.locate import require_directory
 
     target = _kv_target(args, args.root, args.kvstore_spec)
+    quiet_megatron_import()  # gc reads checkpoint indexes, whose classes megatron-core may register
     if target is None:
         found = collect(require_directory(args.root, "save root"), dry_run=args.dry_run,
                         **({"stale_after_s": 0.0} if args.force else {}))
@@ -213,20 +210,29 @@ def _json_arg(text: str | None, name: str):
 def _copy(args: argparse.Namespace) -> int:
     import os
 
-    from .sinks.tensorstore import is_kvstore_url
     from .tools.copy import copy
     from .tools.locate import require_directory
 
     src = _kv_target(args, args.src, args.src_spec, "--src-spec")
     dst = _kv_target(args, args.dst, args.dst_spec, "--dst-spec")
-    if src is None and not is_kvstore_url(args.src):
+    if src is None:
         require_directory(args.src, "source directory")
-    if dst is None and not is_kvstore_url(args.dst) and os.path.exists(args.dst) and not os.path.isdir(args.dst):
+        located = _located(args.src)
+        src_path, src_spec = located.shown, None
+    else:
+        located = _kv_located(args, src).target
+        src_path, src_spec = located.path, located.spec
+    if dst is None and os.path.exists(args.dst) and not os.path.isdir(args.dst):
         raise UsageError(f"{args.dst}: not a directory")
-    report = copy(src.path if src else args.src, dst.path if dst else args.dst,
-                  src_spec=src.spec if src else None, dst_spec=dst.spec if dst else None,
-                  replace="any" if args.replace else "checkpoint", request_timeout_s=args.request_timeout_s)
-    print(f"copied {report.files} files, {report.bytes / 1e9:.3f} GB")
+    quiet_megatron_import()  # replacing a checkpoint reads its index
+    line = _progress(args, "copy")
+    try:
+        report = copy(src_path, dst.path if dst else args.dst, src_spec=src_spec, dst_spec=dst.spec if dst else None,
+                      replace="any" if args.replace else "checkpoint", request_timeout_s=args.request_timeout_s,
+                      progress=line)
+    finally:
+        line.close()
+    print(f"copied {report.source} to {report.destination}: {report.files} files, {human_bytes(report.bytes)}")
     return EXIT_OK
 
 
@@ -238,9 +244,11 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _add_verbose(parser: argparse.ArgumentParser) -> None:
-    # SUPPRESS: a subcommand's -v must not reset the one given before the subcommand
+    # SUPPRESS: a subcommand's -v / -q must not reset the one given before the subcommand
     parser.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
                         help="debug logging, and the traceback of an unexpected error")
+    parser.add_argument("-q", "--quiet", action="store_true", default=argparse.SUPPRESS,
+                        help="no progress line")
 
 
 def _add_demo(sub) -> None:
@@ -250,7 +258,7 @@ def _add_demo(sub) -> None:
     p.add_argument("--size-mb", type=_positive(int), default=384, help="total state size across ranks, in MiB (default: 384)")
     p.add_argument("--out", default=None, help="directory to save into (default: a temporary one)")
     p.add_argument("--keep", action="store_true", help="keep the checkpoint after the demo")
-    p.add_argument("--io-threads", type=int, default=4, help="writer threads per rank (default: 4)")
+    p.add_argument("--io-threads", type=_positive(int), default=4, help="writer threads per rank (default: 4)")
     p.set_defaults(func=_demo)
 
 
@@ -291,20 +299,31 @@ def _add_gc(sub) -> None:
 
 
 def _add_copy(sub) -> None:
-    p = sub.add_parser("copy", help="copy a checkpoint between a directory and a kvstore (file://, gs://, s3://...)")
-    p.add_argument("src", help="the checkpoint to copy: a directory or a kvstore URL")
+    p = sub.add_parser("copy", help="copy a checkpoint between a directory and a kvstore (file://, gs://, s3://...)",
+                       description="Copy a complete checkpoint; DST becomes a checkpoint only once it is whole (a "
+                                   "local DST in one rename, as a save publishes). DST may be empty, missing or "
+                                   "a checkpoint (which is replaced); anything else needs --replace. Exit code 0: "
+                                   "copied, 1: failed (DST unchanged, or on an object store no checkpoint), "
+                                   "2: bad path.")
+    p.add_argument("src", help="the checkpoint to copy: a directory or a kvstore URL, or a save root holding "
+                               "latest_checkpointed_iteration.txt (the tracker is followed)")
     p.add_argument("dst", help="where to copy it: a directory or a kvstore URL")
     p.add_argument("--src-spec", default=None, help="TensorStore kvstore spec (JSON) the SRC path lies in")
     p.add_argument("--dst-spec", default=None, help="TensorStore kvstore spec (JSON) the DST path lies in")
-    p.add_argument("--replace", action="store_true", help="overwrite whatever DST holds")
+    p.add_argument("--replace", action="store_true",
+                   help="replace whatever DST holds: afterwards it holds exactly the copied checkpoint (its "
+                        "other files are removed; a save running into DST is still refused)")
     _add_kv_arguments(p, spec=False)
     p.set_defaults(func=_copy)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="safe-ckpt", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"safe-ckpt {__version__}",
+                        help="print the version and exit")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging, and the traceback of an "
                                                                      "unexpected error")
+    parser.add_argument("-q", "--quiet", action="store_true", help="no progress line")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in (_add_demo, _add_verify, _add_inspect, _add_gc, _add_copy):
         add(sub)
@@ -317,7 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _fail(command: str, message: str) -> None:
-    print(f"safe-ckpt {command}: {message}", file=sys.stderr)
+    print(f"safe-ckpt {command}: {cli_words(message)}", file=sys.stderr)
 
 
 def run(args: argparse.Namespace) -> int:
