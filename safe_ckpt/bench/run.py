@@ -199,6 +199,7 @@ def run(args) -> str:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)) or ".", exist_ok=True)
         md = report.write(args.out, meta, rows, summary)
         print(md, flush=True)
+        _say_if_no_chart(args.out)
         for line in goals.summary_lines(summary, meta) + goals.compact_lines(goals.evaluate(summary, meta), meta):
             print(line, flush=True)
     dist.barrier()
@@ -285,7 +286,25 @@ def rebuild(prefix: str) -> str:
     meta["label"] = f"{meta.get('label', 'benchmark')} (rebuilt from {len(rows)} recorded rows)"
     summary = report.summarize(rows, meta)
     md = report.write(prefix, meta, rows, summary)
+    _say_if_no_chart(prefix)
     return "\n".join([md, *goals.summary_lines(summary, meta), *goals.compact_lines(goals.evaluate(summary, meta), meta)])
+
+
+def _say_if_no_chart(prefix: str) -> None:
+    """One line on stderr when the report has no chart, and why."""
+    if os.path.exists(prefix + ".png"):
+        return
+    try:
+        import matplotlib  # noqa: F401
+        why = "no saver finished a timed run"
+    except ImportError:
+        why = "matplotlib is not installed (pip install matplotlib)"
+    print(f"safe-ckpt bench: no chart ({prefix}.png): {why}; the report is {prefix}.md", file=sys.stderr, flush=True)
+
+
+DESCRIPTION = ("Benchmark safe_ckpt beside stock Megatron and stock DCP saving the same state, and beside the "
+               "machine's write and copy ceilings measured in the same run; writes PREFIX.json, PREFIX.md and, "
+               "with matplotlib installed, a chart PREFIX.png.")
 
 
 def _resolves(peer: str) -> bool:
@@ -321,7 +340,7 @@ def _one(peer, state, target, cache, residence, args, budget, group) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="safe-ckpt bench", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="safe-ckpt bench", description=DESCRIPTION)
     ap.add_argument("--preset", default="anchor", choices=["anchor", "qwen3-4b-dp8"],
                     help="state shape and rank count to benchmark (default: anchor)")
     ap.add_argument("--gib", type=float, default=None, help="state size per rank (default: the preset's)")
@@ -354,7 +373,7 @@ def main(argv=None) -> int:
                          "back with stock Megatron and compared bit for bit on every rank; a mismatch fails the "
                          "run after its report is written ('none': skip)")
     ap.add_argument("--label", default=None, help="a name for this run in its report")
-    ap.add_argument("--out", default=None, help="output prefix (writes .json, .md, .png)")
+    ap.add_argument("--out", default=None, help="output prefix (writes .json, .md, and .png with matplotlib)")
     ap.add_argument("--rebuild", metavar="PREFIX", default=None,
                     help="only write the report of an earlier run from PREFIX.meta.json and PREFIX.rows.jsonl")
     ap.add_argument("--ray-actors", type=int, default=0,
