@@ -7,8 +7,10 @@ import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LEVELS = {"debug", "info", "warning", "error", "exception", "critical", "log"}
-# The loader's two read summaries keep theirs until the loader's records are reworded with binary units.
-NOT_YET = {os.path.join("safe_ckpt", "load", "execute.py"), os.path.join("safe_ckpt", "load", "sharded.py")}
+# Modules whose records their own change drops the prefix from (the loader's read summaries, reworded
+# with binary units then; the slime load hook, edited beside the slime launcher).
+NOT_YET = {os.path.join("safe_ckpt", "load", "execute.py"), os.path.join("safe_ckpt", "load", "sharded.py"),
+           os.path.join("safe_ckpt", "integrations", "slime_load.py")}
 
 
 def _message(call: ast.Call):
