@@ -80,6 +80,9 @@ def _kv_target(args: argparse.Namespace, path: str, spec_json: str | None = None
     spec = _json_arg(spec_json, flag)
     if spec is not None:
         _check_kv_spec(spec, flag)
+    scheme, sep, rest = path.partition("://")
+    if sep and scheme in ("s3", "gs") and spec is None and not rest.split("/", 1)[0]:
+        raise UsageError(f"{path}: the URL names no bucket ({scheme}://BUCKET/PREFIX)")
     target = tool_target(path, spec, args.endpoint)
     return target if target.is_kvstore else None
 
@@ -237,7 +240,12 @@ def _copy(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    import os
+
     from . import demo
+
+    if args.out is not None and os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise UsageError(f"--out {args.out}: not a directory")
 
     return demo.main(world_size=args.ranks, size_mb=args.size_mb, out=args.out, keep=args.keep,
                      io_threads=args.io_threads)

@@ -199,3 +199,37 @@ def test_no_progress_line_off_a_terminal_or_for_a_short_command(ckpt):
     assert rc == 0 and err == ""
     rc, _, err = _on_a_terminal("verify", ckpt)  # over within one interval
     assert rc == 0 and err == ""
+
+
+def test_paths_a_command_cannot_use_are_named_as_given(ckpt, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with open("plain.txt", "w") as f:
+        f.write("mine")
+    cases = [
+        (["copy", ckpt, "plain.txt/ck"], "safe-ckpt copy: error: plain.txt/ck: plain.txt is not a directory"),
+        (["copy", ckpt, "/proc/ck"], "safe-ckpt copy: error: /proc/ck: cannot create a checkpoint there (No such "
+                                     "file or directory)"),
+        (["demo", "--out", "plain.txt"], "safe-ckpt demo: error: --out plain.txt: not a directory"),
+        (["copy", ckpt, "s3://"], "safe-ckpt copy: error: s3://: the URL names no bucket (s3://BUCKET/PREFIX)"),
+        (["verify", "gs:///run"], "safe-ckpt verify: error: gs:///run: the URL names no bucket (gs://BUCKET/PREFIX)"),
+    ]
+    for argv, message in cases:
+        rc, out, err = _cli(*argv)
+        assert rc == 2 and out == "" and _one_clean_line(err) == message, (argv, err)
+    assert sorted(os.listdir(".")) == ["plain.txt"]  # no staging directory left anywhere
+
+
+def test_a_copy_that_cannot_write_names_the_destination_not_its_staging_directory(ckpt, tmp_path, monkeypatch):
+    from safe_ckpt.tools import copy as copy_tool
+
+    def full(directory, name, blob):
+        raise OSError(28, "No space left on device", os.path.join(directory, name))
+
+    monkeypatch.setattr(copy_tool, "_write_local", full)
+    monkeypatch.chdir(tmp_path)
+    rc, out, err = _cli("copy", ckpt, "dst")
+    line = _one_clean_line(err)
+    assert rc == 1 and out == "" and "staging" not in line, line
+    assert re.fullmatch(r"safe-ckpt copy: dst: cannot write __0_0\.distcp \(No space left on device\); dst is as it "
+                        r"was", line), line
+    assert os.listdir(".") == []

@@ -139,10 +139,20 @@ class _Moved:
 def _to_directory(dst: str, replace: str, moved: _Moved, order: list[str]) -> None:
     """Write into a staging directory beside ``dst``, then publish it as a save is published."""
     commit.check_target(dst, replace)  # refused before anything is read, naming DST as given
-    area = commit.prepare(dst, commit.new_save_id(), replace)
+    parent = os.path.dirname(dst.rstrip("/"))
+    if parent and os.path.exists(parent) and not os.path.isdir(parent):
+        raise PathUsageError(f"{dst}: {parent} is not a directory")
+    try:
+        area = commit.prepare(dst, commit.new_save_id(), replace)
+    except OSError as exc:  # named by DST, not by the staging directory beside it
+        raise PathUsageError(f"{dst}: cannot create a checkpoint there ({exc.strerror or exc})") from None
     try:
         for name in order:  # data first, `.metadata` last, as a save writes them
-            _write_local(area.staging_dir, name, moved.read(name))
+            try:
+                _write_local(area.staging_dir, name, moved.read(name))
+            except OSError as exc:
+                raise CommitError(f"{dst}: cannot write {name} ({exc.strerror or exc}); {dst} is as it was") \
+                    from None
         published = commit.publish(area)
     except BaseException:
         commit.abort(area)
