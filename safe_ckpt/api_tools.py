@@ -27,14 +27,16 @@ def verify(path: str, *, deep: bool = False, kvstore_spec: Optional[dict] = None
            request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S) -> VerifyReport:
     """Re-read every item of a torch_dist checkpoint and check it: files, sizes, archive
     structure, and checksums against safe_ckpt's manifest (``deep``: also load every tensor
-    with ``torch.load(weights_only=True)``). Never runs code from the checkpoint.
+    with ``torch.load(weights_only=True)``). A plain DCP checkpoint (no `metadata.json`, no
+    manifest) is checked for all but checksums (``has_manifest`` False, ``plain_dcp`` True).
+    Never runs code from the checkpoint.
 
     ``path``: a checkpoint directory, a save root holding `latest_checkpointed_iteration.txt`
     (the tracker is followed), or an object-store URL (``s3://bucket/prefix``, ``gs://``,
     ``file://``; or a path inside ``kvstore_spec``, a TensorStore kvstore spec).
     Returns a report: ``ok``, ``findings`` (severity, path, message), ``items_checked``,
     ``bytes_checked``, ``checksummed_items``. A path that is not a directory, or a tracker naming
-    a missing checkpoint, raises ``ValueError``.
+    a missing checkpoint, or a save root without a tracker, raises ``ValueError``.
     """
     from .tools import kvtools
     from .tools.locate import locate
