@@ -273,8 +273,9 @@ def _add_demo(sub) -> None:
 def _add_verify(sub) -> None:
     p = sub.add_parser("verify", help="re-read every item of a checkpoint; check files, structure, checksums",
                        description="Re-read every item of a torch_dist checkpoint and check it against the index "
-                                   "and the manifest. Never runs code from the checkpoint. Exit code 0: OK, "
-                                   "1: the checkpoint has errors, 2: bad path.")
+                                   "and the manifest (a plain DCP checkpoint: all but checksums). Never runs code "
+                                   "from the checkpoint. Exit code 0: OK, 1: the checkpoint has errors, 2: bad "
+                                   "path.")
     p.add_argument("directory", help="a checkpoint directory (iter_NNNNNNN), or a save root holding "
                                      "latest_checkpointed_iteration.txt (the tracker is followed)")
     p.add_argument("--deep", action="store_true",
@@ -311,8 +312,8 @@ def _add_copy(sub) -> None:
                        description="Copy a complete checkpoint; DST becomes a checkpoint only once it is whole (a "
                                    "local DST in one rename, as a save publishes). DST may be empty, missing or "
                                    "a checkpoint (which is replaced); anything else needs --replace. Exit code 0: "
-                                   "copied, 1: failed (DST unchanged, or on an object store no checkpoint), "
-                                   "2: bad path.")
+                                   "copied, 1: failed (a local DST is left as it was; on an object store DST "
+                                   "then holds no checkpoint), 2: bad path.")
     p.add_argument("src", help="the checkpoint to copy: a directory or a kvstore URL, or a save root holding "
                                "latest_checkpointed_iteration.txt (the tracker is followed)")
     p.add_argument("dst", help="where to copy it: a directory or a kvstore URL")
