@@ -159,7 +159,7 @@ def _gc(args: argparse.Namespace) -> int:
     from .tools.locate import require_directory
 
     target = _kv_target(args, args.root, args.kvstore_spec)
-    quiet_megatron_import()  # gc reads checkpoint indexes, whose classes megatron-core may register
+    quiet_megatron_import()  # reading an index imports megatron-core: its import chatter silenced first
     if target is None:
         found = collect(require_directory(args.root, "save root"), dry_run=args.dry_run,
                         **({"stale_after_s": 0.0} if args.force else {}))
@@ -227,7 +227,7 @@ def _copy(args: argparse.Namespace) -> int:
         src_path, src_spec = located.path, located.spec
     if dst is None and os.path.exists(args.dst) and not os.path.isdir(args.dst):
         raise UsageError(f"{args.dst}: not a directory")
-    quiet_megatron_import()  # replacing a checkpoint reads its index
+    quiet_megatron_import()  # replacing a checkpoint reads its index, which imports megatron-core
     line = _progress(args, "copy")
     try:
         report = copy(src_path, dst.path if dst else args.dst, src_spec=src_spec, dst_spec=dst.spec if dst else None,
