@@ -111,3 +111,14 @@ def test_replace_on_a_kvstore_leaves_exactly_the_copied_checkpoint(tmp_path):
     back = str(tmp_path / "back")
     assert _cli("copy", url, back)[0] == 0
     _loads_bit_exact(back, 4)
+
+
+def test_copy_over_a_kvstore_checkpoint_prints_no_import_noise(tmp_path):
+    from tests.test_cli import _cli_process
+
+    src = str(tmp_path / "ck")
+    safe_ckpt.save(_state(3), src, options=safe_ckpt.SaveOptions(**OPTS))
+    url = f"file://{tmp_path}/bucket/ck"
+    for _ in range(2):  # the second replaces the first, reading its index
+        done = _cli_process("copy", src, url)
+        assert done.returncode == 0 and done.stderr == "", done.stderr
