@@ -122,3 +122,23 @@ def test_copy_over_a_kvstore_checkpoint_prints_no_import_noise(tmp_path):
     for _ in range(2):  # the second replaces the first, reading its index
         done = _cli_process("copy", src, url)
         assert done.returncode == 0 and done.stderr == "", done.stderr
+
+
+def test_replace_never_replaces_a_save_that_is_running(tmp_path):
+    pytest.importorskip("tensorstore")
+    from safe_ckpt import kvcommit
+    from safe_ckpt.sinks.tensorstore import KvTarget, open_sink
+
+    src = str(tmp_path / "ck")
+    safe_ckpt.save(_state(5), src, options=safe_ckpt.SaveOptions(**OPTS))
+    url = "memory://copies/running"
+    sink = open_sink(KvTarget(url))
+    kvcommit.claim(sink, "0123456789abcdef")  # a save of this prefix, alive in this process
+    try:
+        rc, out, err = _cli("copy", "--replace", src, url)
+    finally:
+        kvcommit.release("0123456789abcdef")
+    assert rc == 1 and out == "" and err == (
+        "safe-ckpt copy: another save of memory://copies/running/ is running (save 0123456789abcdef); copy there "
+        "once it has finished\n"), err
+    assert sink.list() == [kvcommit.owner_key("0123456789abcdef")]
