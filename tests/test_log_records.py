@@ -7,10 +7,7 @@ import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LEVELS = {"debug", "info", "warning", "error", "exception", "critical", "log"}
-# Modules whose records their own change drops the prefix from (the loader's read summaries, reworded
-# with binary units then; the slime load hook, edited beside the slime launcher).
-NOT_YET = {os.path.join("safe_ckpt", "load", "execute.py"), os.path.join("safe_ckpt", "load", "sharded.py"),
-           os.path.join("safe_ckpt", "integrations", "slime_load.py")}
+NOT_YET: set = set()
 
 
 def _message(call: ast.Call):

@@ -14,6 +14,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 pytest.importorskip("tensorstore")
 
@@ -64,6 +65,15 @@ def test_an_s3_save_root_from_the_python_api_is_verified_through_its_tracker(s3_
     assert info["directory"] == "s3://edges/run/iter_0000005/"
     assert info["tracker"] == "5" and _quiet(proc.stderr), proc.stderr
     assert kvtools.verify(root).directory == "s3://edges/run/iter_0000005/"  # the library follows it too
+
+    # ... and safe_ckpt.load reads the same URL from the same endpoint
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    saved = _state(5)
+    empty = {k: ShardedTensor.from_rank_offsets(k, torch.empty_like(saved[k].data)) for k in ("w", "b")}
+    loaded = safe_ckpt.load(empty, "s3://edges/run/iter_0000005")
+    for k in ("w", "b"):
+        assert torch.equal(loaded[k], saved[k].data), k
 
 
 def _cli_here(*argv) -> tuple[int, str]:

@@ -78,7 +78,7 @@ def _routed(args, stock):
 
         options = load_options_from_args(args)
         options = dataclasses.replace(options, safe_globals=(*options.safe_globals, *classes_in_args(args)))
-        log.info("safe_ckpt: slime loads %s through safe_ckpt", getattr(args, "load", None))
+        log.info("slime loads %s through safe_ckpt", getattr(args, "load", None))
         try:
             return safe_load_checkpoint(*a, safe_ckpt_options=options, **kw)
         except ReadError as exc:
@@ -99,28 +99,28 @@ def install_load(args, checkpoint_module: str | None = None) -> bool:
     try:
         module = importlib.import_module(name)
     except ImportError as exc:
-        log.warning("safe_ckpt: cannot import %s (%s): slime's checkpoint load stays stock Megatron's", name, exc)
+        log.warning("cannot import %s (%s): slime's checkpoint load stays stock Megatron's", name, exc)
         return False
     current = getattr(module, LOAD_NAME, None)
     if current is None:
-        log.warning("safe_ckpt: %s has no %s (another slime version?): slime's checkpoint load stays stock "
+        log.warning("%s has no %s (another slime version?): slime's checkpoint load stays stock "
                     "Megatron's", name, LOAD_NAME)
         return False
     stock = getattr(current, "_safe_ckpt_stock", current)
     if getattr(args, "safe_ckpt_stock_load", False):
         setattr(module, LOAD_NAME, stock)
-        log.info("safe_ckpt: slime's checkpoint load stays stock Megatron's (--safe-ckpt-stock-load)")
+        log.info("slime's checkpoint load stays stock Megatron's (--safe-ckpt-stock-load)")
         return False
     try:
         from megatron.training import checkpointing as mck
     except ImportError as exc:
-        log.warning("safe_ckpt: megatron.training is not importable (%s): slime's checkpoint load stays stock", exc)
+        log.warning("megatron.training is not importable (%s): slime's checkpoint load stays stock", exc)
         return False
     if stock is not getattr(mck, "load_checkpoint", None):
-        log.warning("safe_ckpt: %s.%s is not Megatron's load_checkpoint (%r): slime's checkpoint load stays as it is",
+        log.warning("%s.%s is not Megatron's load_checkpoint (%r): slime's checkpoint load stays as it is",
                     name, LOAD_NAME, stock)
         return False
     setattr(module, LOAD_NAME, _routed(args, stock))
-    log.info("safe_ckpt: slime's checkpoint load goes through safe_ckpt (%s.%s); --safe-ckpt-stock-load keeps "
+    log.info("slime's checkpoint load goes through safe_ckpt (%s.%s); --safe-ckpt-stock-load keeps "
              "Megatron's", name, LOAD_NAME)
     return True

@@ -19,7 +19,7 @@ import os
 
 import torch
 
-from .. import dist
+from .. import dist, endpoints
 from ..errors import ReadError, ValidationError, failure_from_exception
 from ..sinks.tensorstore import KvTarget, is_kvstore_url
 from . import index as index_mod
@@ -31,7 +31,8 @@ from .source import DirectorySource
 
 
 def open_source(checkpoint_dir, options: LoadOptions):
-    path = os.fspath(checkpoint_dir)
+    # an s3:// URL goes where a save of it goes (--endpoint aside: AWS_ENDPOINT_URL_S3, then AWS_ENDPOINT_URL)
+    path, options = endpoints.save_target(os.fspath(checkpoint_dir), options)
     if options.kvstore_spec is not None or is_kvstore_url(path):
         return KvSource(KvTarget(path, options.kvstore_spec), options.kvstore_request_timeout_s)
     return DirectorySource(path)

@@ -338,8 +338,8 @@ class Reader:
         if not self.progress_interval_s:
             return
         done, total, took = self._counts["nbytes"], self.plan.payload_bytes, time.perf_counter() - t0
-        log.info("safe_ckpt: rank %d read %.2f of %.2f GB in %.0f s (%.2f GB/s) from %s", self.rank, done / 1e9,
-                 total / 1e9, took, done / took / 1e9 if took else 0.0, self.source.root)
+        log.info("rank %d read %.2f of %.2f GiB in %.0f s (%.2f GiB/s) from %s", self.rank, done / 2**30,
+                 total / 2**30, took, done / took / 2**30 if took else 0.0, self.source.root)
 
     def _fail(self, key: str | None, exc: BaseException) -> None:
         with self._lock:

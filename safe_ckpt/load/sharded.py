@@ -161,7 +161,7 @@ def _first(problems: list) -> RankFailure:
 def _log(report: ReadReport, where: str, rank: int) -> None:
     if not report.items:
         return
-    rate = report.bytes_read / report.seconds / 1e9 if report.seconds > 0 else math.inf
-    log.info("safe_ckpt: rank %d read %.3f GB of %s in %.3f s (%.2f GB/s, %d threads): %d items, %d checksums "
-             "verified, %d unverified, %d decoded by torch.load", rank, report.bytes_read / 1e9, where,
+    rate = report.bytes_read / report.seconds / 2**30 if report.seconds > 0 else math.inf
+    log.info("rank %d read %.3f GiB of %s in %.3f s (%.2f GiB/s, %d threads): %d items, %d checksums "
+             "verified, %d unverified, %d decoded by torch.load", rank, report.bytes_read / 2**30, where,
              report.seconds, rate, report.threads, report.items, report.verified, report.unverified, report.decoded)
