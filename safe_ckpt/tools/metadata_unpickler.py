@@ -42,9 +42,10 @@ _RECORDS = (
     (_DCP_METADATA, "BytesStorageMetadata"), (_DCP_METADATA, "ChunkStorageMetadata"),
     (_DCP_METADATA, "TensorProperties"), (_DCP_METADATA, "MetadataIndex"), (_DCP_METADATA, "StorageMeta"),
     (_SHARD_METADATA, "TensorProperties"), ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    # megatron-core 0.15 pickles its own Metadata subclass (one more field of plain data)
-    ("megatron.core.dist_checkpointing.strategies.torch", "MCoreMetadata"),
 )
+# Records of another package, resolved only when a file names them (importing megatron.core costs
+# seconds): megatron-core 0.15 pickles its own Metadata subclass, one more field of plain data.
+_FOREIGN_RECORDS = (("megatron.core.dist_checkpointing.strategies.torch", "MCoreMetadata"),)
 # Callables that hash what their argument holds (a set's elements, a mapping's keys) ...
 _HASH_ELEMENTS = frozenset({("builtins", "set"), ("builtins", "frozenset"), ("collections", "OrderedDict")})
 # ... and that hash the argument itself (a lookup by value or name).
@@ -57,6 +58,7 @@ _HASH_ARGUMENT = frozenset({(_DCP_METADATA, "_MEM_FORMAT_ENCODING"), (_SHARD_MET
 # value to a constant, or a container.
 ADMITTED_GLOBALS = frozenset({
     *_RECORDS,
+    *_FOREIGN_RECORDS,
     (_DCP_METADATA, "_MEM_FORMAT_ENCODING"),  # TensorProperties pickles its memory format as this enum
     (_SHARD_METADATA, "MEM_FORMAT_ENCODING"),
     ("torch", "Size"),
@@ -194,6 +196,10 @@ class MetadataUnpickler(pickle._Unpickler):
         except (ImportError, AttributeError) as exc:
             self._refuse(f"references {module}.{name}, which the installed torch does not have "
                          f"(written by another torch version?): {exc}")
+        if (module, name) in _FOREIGN_RECORDS and found not in self._records:
+            self._records += (found,)
+            if found.__hash__ is not None:
+                self._hashable_records += (found,)
         if (module, name) in _HASH_ELEMENTS:
             self._kinds[found] = "elements"
         elif (module, name) in _HASH_ARGUMENT:
