@@ -1,0 +1,103 @@
+"""The layout rules of safe_ckpt/, checked from the source (run from the repository root).
+
+1. Imports: nothing in safe_ckpt/ imports the lab (safe_ckpt_lab), tests or benchmarks, and
+   no folder imports one that comes later in the flow than it may (FORBIDDEN below).
+2. Sizes: no module of safe_ckpt/ is over MAX_LINES lines (ALLOWED_OVER lists the exceptions
+   still being split, each with the step that splits it; the list must end empty).
+3. One seam per target: no branch on the kind of target in the orchestrator or the planning
+   code (KIND_WORDS must not appear in saving/ or plan/).
+4. On-disk names: the file names of the format appear as literals only in names.py.
+Exit 1 and one line per finding on failure. `python scripts/check_layout.py`.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import re
+import sys
+
+PACKAGE = "safe_ckpt"
+MAX_LINES = 400
+ALLOWED_OVER: dict[str, str] = {}  # "safe_ckpt/x.py": "why, and the step that splits it"
+OUTSIDE = ("safe_ckpt_lab", "tests", "benchmarks")
+# importer folder -> folders (under safe_ckpt) it must not import
+LATER = {
+    "plan": {"residence", "staging", "encoding", "sinks", "write", "targets", "coord", "saving", "tools", "host"},
+    "residence": {"staging", "encoding", "sinks", "write", "targets", "coord", "saving", "tools"},
+    "staging": {"plan", "encoding", "sinks", "write", "targets", "coord", "saving", "tools"},
+    "encoding": {"staging", "sinks", "write", "targets", "coord", "saving", "tools"},
+    "sinks": {"plan", "residence", "staging", "encoding", "write", "targets", "coord", "saving", "tools", "host"},
+    "write": {"targets", "coord", "saving", "tools"},
+    "targets": {"plan", "residence", "staging", "write", "coord", "saving", "tools"},
+    "coord": {"plan", "residence", "staging", "encoding", "sinks", "write", "targets", "saving", "tools"},
+    "host": {"plan", "residence", "staging", "encoding", "sinks", "write", "targets", "saving", "tools"},
+    "tools": {"saving", "write", "staging", "coord"},
+}
+EDGES = {"megatron", "integrations", "cli"}  # only the edges (and __init__) may import these
+KIND_WORDS = re.compile(r"is_kvstore|kvstore_spec|kvcommit|objectstore|ObjectStore|TensorStore|PosixSink|"
+                        r"DirectoryTarget|\bkv\b|\bkv_|\.kv\b")
+NAME_LITERALS = re.compile(r"^(\.metadata|metadata\.json|common\.pt|safe_ckpt_manifest\.json|integrity\.json|"
+                           r"latest_checkpointed_iteration\.txt|\.safe_ckpt-.*|.*\.distcp.*|\^?iter_.*)$")
+
+
+def folder_of(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 else parts[1] if len(parts) == 2 else ""
+
+
+def imports_of(path: pathlib.Path, module: str, is_pkg: bool):
+    package = module if is_pkg else module.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                yield node.lineno, a.name
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[:len(base) - (node.level - 1)] if node.level > 1 else base
+                src = ".".join(base + ([node.module] if node.module else []))
+            else:
+                src = node.module or ""
+            yield node.lineno, src
+            for a in node.names:
+                yield node.lineno, f"{src}.{a.name}"
+
+
+def main() -> int:
+    findings = []
+    for path in sorted(pathlib.Path(PACKAGE).rglob("*.py")):
+        parts = list(path.with_suffix("").parts)
+        is_pkg = parts[-1] == "__init__"
+        module = ".".join(parts[:-1] if is_pkg else parts)
+        here = folder_of(module) if len(parts) > 2 or not is_pkg else ""
+        lines = path.read_text().count("\n")
+        if lines > MAX_LINES and str(path) not in ALLOWED_OVER:
+            findings.append(f"{path}: {lines} lines (over {MAX_LINES})")
+        for lineno, name in imports_of(path, module, is_pkg):
+            top = name.split(".")[0]
+            if top in OUTSIDE:
+                findings.append(f"{path}:{lineno}: imports {name} (the runtime package imports no lab, tests or benchmarks)")
+            if top != PACKAGE or name.count(".") < 1:
+                continue
+            there = name.split(".")[1]
+            if there in LATER.get(here, ()):
+                findings.append(f"{path}:{lineno}: {here}/ imports {name} (later in the flow)")
+            if there in EDGES and here not in EDGES | {"", "__main__"}:
+                findings.append(f"{path}:{lineno}: {here or module}/ imports the edge {name}")
+        if here in ("saving", "plan"):
+            for i, line in enumerate(path.read_text().splitlines(), 1):
+                code = line.split("#", 1)[0]
+                if KIND_WORDS.search(code):
+                    findings.append(f"{path}:{i}: names a kind of target: {line.strip()[:80]}")
+        if path.name != "names.py":
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Constant) and isinstance(node.value, str) and NAME_LITERALS.match(node.value):
+                    findings.append(f"{path}:{node.lineno}: on-disk name {node.value!r} outside names.py")
+    for f in findings:
+        print(f)
+    return 1 if findings else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
