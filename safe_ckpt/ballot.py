@@ -18,10 +18,9 @@ import logging
 from typing import Callable
 
 from .dist import Coordinator
-from .errors import CheckpointError, RankFailure, failure_from_exception
+from .errors import INTERRUPTS, CheckpointError, RankFailure, failure_from_exception
 
 log = logging.getLogger("safe_ckpt")
-INTERRUPTS = (KeyboardInterrupt, SystemExit)
 
 
 class Ballot:

@@ -21,9 +21,10 @@ import time
 import weakref
 from dataclasses import asdict, dataclass
 
+from .names import OWNER_FILE
+
 log = logging.getLogger(__name__)
 
-OWNER_FILE = ".safe_ckpt-owner"
 HEARTBEAT_S = 5.0  # how often a running save touches its owner record
 STALE_AFTER_S = 60.0  # an owner record untouched this long belongs to a dead save
 # errnos of a filesystem that has no advisory locks: the owner record alone decides

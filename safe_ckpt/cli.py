@@ -20,6 +20,7 @@ import warnings
 
 from .cli_output import ProgressLine, cli_words
 from .progress import human_bytes
+from .names import HIDDEN, TRACKER_FILE
 from .version import __version__
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -277,7 +278,7 @@ def _add_verify(sub) -> None:
                                    "from the checkpoint. Exit code 0: OK, 1: the checkpoint has errors, 2: bad "
                                    "path.")
     p.add_argument("directory", help="a checkpoint directory (iter_NNNNNNN), or a save root holding "
-                                     "latest_checkpointed_iteration.txt (the tracker is followed)")
+                                     f"{TRACKER_FILE} (the tracker is followed)")
     p.add_argument("--deep", action="store_true",
                    help="also torch.load(weights_only=True) every tensor item and check its dtype and shape (slower)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -290,14 +291,14 @@ def _add_inspect(sub) -> None:
                        description="Summarise what a torch_dist checkpoint holds. Never runs code from the "
                                    "checkpoint. Exit code 0: shown, 1: unreadable checkpoint, 2: bad path.")
     p.add_argument("directory", help="a checkpoint directory (iter_NNNNNNN), or a save root holding "
-                                     "latest_checkpointed_iteration.txt (the tracker is followed)")
+                                     f"{TRACKER_FILE} (the tracker is followed)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     _add_kv_arguments(p)
     p.set_defaults(func=_inspect)
 
 
 def _add_gc(sub) -> None:
-    p = sub.add_parser("gc", help="remove what interrupted saves left under ROOT (hidden .safe_ckpt-* dirs)")
+    p = sub.add_parser("gc", help=f"remove what interrupted saves left under ROOT (hidden {HIDDEN}* dirs)")
     p.add_argument("root", help="the save root (the directory holding the iter_* checkpoints)")
     p.add_argument("--dry-run", action="store_true", help="only list what would be removed")
     p.add_argument("--force", action="store_true",
@@ -315,7 +316,7 @@ def _add_copy(sub) -> None:
                                    "copied, 1: failed (a local DST is left as it was; on an object store DST "
                                    "then holds no checkpoint), 2: bad path.")
     p.add_argument("src", help="the checkpoint to copy: a directory or a kvstore URL, or a save root holding "
-                               "latest_checkpointed_iteration.txt (the tracker is followed)")
+                               f"{TRACKER_FILE} (the tracker is followed)")
     p.add_argument("dst", help="where to copy it: a directory or a kvstore URL")
     p.add_argument("--src-spec", default=None, help="TensorStore kvstore spec (JSON) the SRC path lies in")
     p.add_argument("--dst-spec", default=None, help="TensorStore kvstore spec (JSON) the DST path lies in")

@@ -65,18 +65,18 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from .claim import _NO_LOCKS, OWNER_FILE, STALE_AFTER_S, Claim, Owner, read_owner
-from .errors import CommitError
-from .interrupts import INTERRUPTS, Deferred
+from .claim import _NO_LOCKS, STALE_AFTER_S, Claim, Owner, read_owner
+from .errors import INTERRUPTS, CommitError
+from .interrupts import Deferred
 from .leftovers import (  # noqa: F401 (the names callers know from here)
-    DELETING_MARK, ID_CHARS, LEFTOVER_MARKS, REPLACED_MARK, STAGING_MARK, Sweep, hidden_base, hidden_path,
+    DELETING_MARK, LEFTOVER_MARKS, REPLACED_MARK, STAGING_MARK, Sweep, hidden_base, hidden_path,
     is_complete_checkpoint, leftovers_of, staging_dir_for, sweep,
 )
+from .names import SAVE_ID_CHARS, TRACKER_FILE
 from .sinks.posix import fsync_path
 
 log = logging.getLogger(__name__)
 
-TRACKER_FILE = "latest_checkpointed_iteration.txt"
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
 LOCK_WAIT_S = STALE_AFTER_S  # bound on waiting for another save's `prepare` in the same directory
@@ -92,7 +92,7 @@ class StagingArea:
 
 
 def new_save_id() -> str:
-    return uuid.uuid4().hex[:ID_CHARS]
+    return uuid.uuid4().hex[:SAVE_ID_CHARS]
 
 
 def check_target(final_dir: str, replace: str) -> None:

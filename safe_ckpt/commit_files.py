@@ -17,11 +17,10 @@ import json
 
 from . import compat
 from .encoding import integrity_manifest
-from .encoding.metadata import METADATA_FILE, build_metadata, metadata_bytes
-from .integrity import MANIFEST_FILE, checksum_of, manifest_bytes
+from .encoding.metadata import build_metadata, metadata_bytes
+from .integrity import checksum_of, manifest_bytes
+from .names import CONFIG_FILE, MANIFEST_FILE, METADATA_FILE
 from .version import __version__
-
-CONFIG_FILE = "metadata.json"
 
 
 def small_files(global_plan, layouts, checkpoint_dir: str, save_id: str, *, sharded_only: bool,

@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from packaging.version import Version
 
+from .names import SHARDED_BACKEND, SHARDED_BACKEND_VERSION
+
 
 @lru_cache(maxsize=None)
 def package_version(name: str) -> Version | None:
@@ -177,7 +179,7 @@ def mcore_mapping():
     return mapping
 
 
-def checkpointing_config_dict(backend: str = "torch_dist", version: int = 1) -> dict:
+def checkpointing_config_dict(backend: str = SHARDED_BACKEND, version: int = SHARDED_BACKEND_VERSION) -> dict:
     """The ``metadata.json`` content the installed megatron-core writes."""
     from megatron.core.dist_checkpointing.core import CheckpointingConfig
 
@@ -241,10 +243,8 @@ def sharded_object_payload(datas: list) -> bytes:
     return torch_save_bytes(list(datas))
 
 
-# megatron-core <= 0.18 stores the common state as `common.pt` (rank 0, torch.save);
-# 0.19 stores it as a ShardedObject `common_state` (and still reads `common.pt`).
-COMMON_STATE_KEY = "common_state"
-COMMON_STATE_FILE = "common.pt"
+# megatron-core <= 0.18 stores the common state as `COMMON_STATE_FILE` (rank 0, torch.save);
+# 0.19 stores it as a ShardedObject `COMMON_STATE_KEY` (and still reads the file).
 
 
 def common_state_as_sharded_object() -> bool:
@@ -317,7 +317,8 @@ def register_default_save_strategy(strategy) -> bool:
 
     def register():
         stock()
-        base.register_default_strategy(base.StrategyAction.SAVE_SHARDED, "torch_dist", 1, strategy)
+        base.register_default_strategy(base.StrategyAction.SAVE_SHARDED, SHARDED_BACKEND, SHARDED_BACKEND_VERSION,
+                                      strategy)
 
     register.__wrapped__ = stock
     torch_strategies.register_default_torch_strategies = register

@@ -9,6 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# What stops a save from outside rather than failing it: every handler that must not swallow one
+# (a vote, a deferred publish) tests this tuple.
+INTERRUPTS = (KeyboardInterrupt, SystemExit)
+
 
 @dataclass(frozen=True)
 class RankFailure:
@@ -117,7 +121,7 @@ def kind_of(exc: BaseException) -> str:
 
 
 def failure_from_exception(rank: int, stage: str, exc: BaseException, key: str | None = None) -> RankFailure:
-    if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+    if isinstance(exc, INTERRUPTS):
         message = f"interrupted ({type(exc).__name__}{': ' + str(exc) if str(exc) else ''}); its writers were stopped"
     else:
         message = str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"

@@ -11,9 +11,9 @@ from __future__ import annotations
 import os
 
 from . import commit
-from .claim import OWNER_FILE
-from .errors import CommitError
-from .interrupts import INTERRUPTS, Deferred
+from .names import OWNER_FILE, is_data_file
+from .errors import INTERRUPTS, CommitError
+from .interrupts import Deferred
 
 
 def publish_into(area: commit.StagingArea, last: str, fsync: bool = True,
@@ -65,7 +65,7 @@ def _move_in(area: commit.StagingArea, last: str, fsync: bool, deferred: Deferre
         if name != last:
             deferred.step(lambda name=name: _move(os.path.join(staging, name), os.path.join(final, name)))
     for name in sorted(os.listdir(final)):  # an earlier save's shards would confuse readers
-        if _is_data_file(name) and name not in names:
+        if is_data_file(name) and name not in names:
             deferred.step(lambda name=name: _unlink(os.path.join(final, name)))
     if last in names:
         if fsync:
@@ -94,7 +94,3 @@ def _rmdir(path: str) -> None:
         os.rmdir(path)
     except FileNotFoundError:
         pass
-
-
-def _is_data_file(name: str) -> bool:
-    return name.startswith("__") and name.endswith(".distcp")

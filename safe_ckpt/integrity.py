@@ -29,8 +29,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-MANIFEST_FILE = "safe_ckpt_manifest.json"
-MANIFEST_FORMAT = "safe_ckpt-manifest"
+from .names import MANIFEST_FORMAT
+
 MANIFEST_VERSION = 2  # 2: an item row may carry a fifth element, its own algorithm
 
 

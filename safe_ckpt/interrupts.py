@@ -15,7 +15,8 @@ import signal
 import threading
 from typing import Callable, TypeVar
 
-INTERRUPTS = (KeyboardInterrupt, SystemExit)
+from .errors import INTERRUPTS
+
 STEP_ATTEMPTS = 3  # an idempotent step cut short by an interrupt is run again, this many times in all
 T = TypeVar("T")
 

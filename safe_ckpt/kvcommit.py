@@ -40,25 +40,19 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import threading
 import time
 
 from .claim import Owner, _pid_running
 from .errors import CommitError
+from .names import (  # noqa: F401 (save_id_of: callers know it from here)
+    CONFIG_FILE, METADATA_FILE, OWNER_OBJECT, SMALL_FILES, TAGGED_DATA_FILE, file_tag, has_file_tag, owner_object,
+    save_id_of,
+)
 from .sinks.tensorstore import KvDeadlines, TensorStoreSink
 
 log = logging.getLogger("safe_ckpt")
 
-METADATA_FILE = ".metadata"
-CONFIG_FILE = "metadata.json"
-# What a save writes besides its data files (the manifest and the common state are optional).
-SMALL_FILES = (METADATA_FILE, CONFIG_FILE, "common.pt", "safe_ckpt_manifest.json")
-# A data file of one save: `__RANK_INDEX-SAVEID.distcp` (see `new_file_tag`).
-_TAGGED_DATA = re.compile(r"^__\d+_\d+-[0-9a-f]{8,}\.distcp$")
-# The record of a running save (see the module docstring); its suffix is the save's id.
-OWNER_PREFIX = ".safe_ckpt-owner-"
-_OWNER = re.compile(r"^\.safe_ckpt-owner-([0-9a-f]{8,})$")
 HEARTBEAT_S = 10.0  # how often a running save rewrites its owner object
 STALE_AFTER_S = 60.0  # an owner object not rewritten this long belongs to a dead save
 # Cleanup after a failure must not outlast the failure it cleans up after.
@@ -81,11 +75,11 @@ def is_save_leftover(names) -> bool:
 
 def only_ours(names) -> bool:
     """Every key is one a safe_ckpt save writes (small files, tagged data files, owner objects)."""
-    return all(n in SMALL_FILES or _TAGGED_DATA.match(n) or _OWNER.match(n) for n in names)
+    return all(n in SMALL_FILES or TAGGED_DATA_FILE.match(n) or OWNER_OBJECT.match(n) for n in names)
 
 
 def owner_key(save_id: str) -> str:
-    return OWNER_PREFIX + save_id
+    return owner_object(save_id)
 
 
 def _record(save_id: str) -> bytes:
@@ -151,7 +145,7 @@ def running_saves(sink, names, now_unix_s: float | None = None, force: bool = Fa
     now = time.time() if now_unix_s is None else now_unix_s
     out = set()
     for name in names:
-        m = _OWNER.match(name)
+        m = OWNER_OBJECT.match(name)
         if not m:
             continue
         try:
@@ -175,16 +169,6 @@ def _live(record: dict, now: float) -> bool:
         if not _pid_running(pid):
             return False  # a process on this machine that has exited
     return now - float(record["written_at_unix_s"]) < float(record["stale_after_s"])
-
-
-def save_id_of(name: str) -> str | None:
-    """The save id in a data file's or an owner object's name."""
-    m = _OWNER.match(name)
-    if m:
-        return m.group(1)
-    if _TAGGED_DATA.match(name):
-        return name[:-len(".distcp")].rsplit("-", 1)[1]
-    return None
 
 
 class ForeignMetadataError(CommitError):
@@ -379,7 +363,7 @@ def abort(sink: TensorStoreSink, tag: str) -> None:
             return
         # The small files of a commit cut short before its marker (its index names this save's files).
         small = [n for n in SMALL_FILES if n in names and n != CONFIG_FILE] if ours else []
-        for name in small + [n for n in sorted(names) if n.endswith(f"{tag}.distcp") or n == owner_key(save_id)]:
+        for name in small + [n for n in sorted(names) if has_file_tag(n, tag) or n == owner_key(save_id)]:
             quick.delete(name)
     except Exception as exc:
         log.warning("could not remove the failed save's data files under %s (%s); "
@@ -393,7 +377,7 @@ def _commits(sink, tag: str) -> bool:
     except FileNotFoundError:
         return False
     try:
-        return any(name.endswith(f"{tag}.distcp") for name in _index_files(sink, data))
+        return any(has_file_tag(name, tag) for name in _index_files(sink, data))
     except ForeignMetadataError:
         return False
 
@@ -401,4 +385,4 @@ def _commits(sink, tag: str) -> bool:
 def new_file_tag(save_id: str) -> str:
     if not save_id:
         raise CommitError("internal error: no save id for kvstore file names")
-    return f"-{save_id}"
+    return file_tag(save_id)

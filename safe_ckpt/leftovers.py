@@ -19,18 +19,16 @@ import uuid
 from dataclasses import dataclass, field
 
 from .claim import STALE_AFTER_S, liveness, read_owner
+from .names import (
+    CONFIG_FILE, DELETING_MARK, HIDDEN, LEFTOVER_MARKS, METADATA_FILE, REPLACED_MARK, SAVE_ID_CHARS, STAGING_MARK,
+)
 from .sinks.posix import fsync_path
 
 log = logging.getLogger(__name__)
 
-STAGING_MARK = ".safe_ckpt-staging-"
-REPLACED_MARK = ".safe_ckpt-replaced-"
-DELETING_MARK = ".safe_ckpt-deleting-"
-LEFTOVER_MARKS = (STAGING_MARK, REPLACED_MARK, DELETING_MARK)
-ID_CHARS = 16  # hex digits of a save id (commit.new_save_id)
 _NAME_MAX_BYTES = 255  # NAME_MAX of Linux filesystems
 # A base name longer than this would push its hidden siblings' names past NAME_MAX.
-_BASE_MAX_BYTES = _NAME_MAX_BYTES - 1 - max(len(m) for m in LEFTOVER_MARKS) - ID_CHARS
+_BASE_MAX_BYTES = _NAME_MAX_BYTES - 1 - max(len(m) for m in LEFTOVER_MARKS) - SAVE_ID_CHARS
 _HASHED = re.compile(r"~[0-9a-f]{16}$")
 
 
@@ -56,16 +54,16 @@ def staging_dir_for(final_dir: str, save_id: str) -> str:
 
 def is_complete_checkpoint(path: str) -> bool:
     """A published torch_dist checkpoint has both its index and its config."""
-    return os.path.isfile(os.path.join(path, ".metadata")) and os.path.isfile(os.path.join(path, "metadata.json"))
+    return os.path.isfile(os.path.join(path, METADATA_FILE)) and os.path.isfile(os.path.join(path, CONFIG_FILE))
 
 
 def leftovers_of(final_dir: str) -> list[str]:
     """Staging / replaced / deleting directories an interrupted save of this target left behind."""
     parent, name = os.path.split(os.path.abspath(final_dir).rstrip(os.sep))
-    prefix = f".{hidden_base(name)}.safe_ckpt-"
+    prefix = f".{hidden_base(name)}{HIDDEN}"
     try:
         return sorted(os.path.join(parent, n) for n in os.listdir(parent)
-                      if n.startswith(prefix) and any(n[len(prefix) - 11:].startswith(m) for m in LEFTOVER_MARKS))
+                      if n.startswith(prefix) and any(n[len(prefix) - len(HIDDEN):].startswith(m) for m in LEFTOVER_MARKS))
     except FileNotFoundError:
         return []
 
@@ -175,7 +173,7 @@ def _doomed(path: str) -> str | None:
         return path
     item = parse_leftover(path)
     base = name[1:name.rfind(item.mark)] if item is not None else name.lstrip(".")
-    doomed = os.path.join(parent, f".{base}{DELETING_MARK}{uuid.uuid4().hex[:ID_CHARS]}")
+    doomed = os.path.join(parent, f".{base}{DELETING_MARK}{uuid.uuid4().hex[:SAVE_ID_CHARS]}")
     try:
         os.rename(path, doomed)
     except OSError as exc:

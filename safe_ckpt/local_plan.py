@@ -14,14 +14,13 @@ import logging
 from dataclasses import dataclass
 
 from . import commit, kvcommit, residence
-from .errors import WriteError, failure_from_exception
+from .errors import INTERRUPTS, WriteError, failure_from_exception
 from .options import SaveOptions
 from .plan import LocalState, Problem, collect, rank_plan
 from .plan.message import PlanMessage, layout_options
 from .sinks.tensorstore import KvTarget, TensorStoreSink, deadlines_for, open_sink
 
 log = logging.getLogger("safe_ckpt")
-INTERRUPTS = (KeyboardInterrupt, SystemExit)
 
 
 @dataclass(frozen=True)

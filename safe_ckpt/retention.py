@@ -19,15 +19,14 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 from dataclasses import dataclass, field
 
 from .commit import remove_checkpoint
 from .leftovers import is_complete_checkpoint
 from .errors import CommitError
+from .names import ITERATION_DIR
 
 log = logging.getLogger("safe_ckpt")
-_ITER = re.compile(r"^iter_(\d{7,})$")
 
 
 @dataclass(frozen=True)
@@ -53,7 +52,7 @@ class Found:
 def survey(save_dir: str) -> Found:
     found = Found()
     for name in os.listdir(save_dir):
-        m = _ITER.match(name)
+        m = ITERATION_DIR.match(name)
         path = os.path.join(save_dir, name)
         if not m:
             continue

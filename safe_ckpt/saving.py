@@ -42,7 +42,7 @@ import time
 
 from . import commit, commit_files, cpu, dist, endpoints, gcfreeze, slot
 from .encoding.layout import lay_out, lay_out_rank
-from .encoding.metadata import METADATA_FILE
+from .names import METADATA_FILE
 from .errors import CheckpointError, problems_error
 from .options import SaveOptions
 from .pipeline import ItemWriteFailed, RankWork, RankWriter

@@ -291,7 +291,8 @@ def device_checksums(rank, world, ckpt_dir) -> dict:
     from megatron.core import dist_checkpointing
     from torch.profiler import ProfilerActivity, profile
 
-    from safe_ckpt.integrity import MANIFEST_FILE, Manifest
+    from safe_ckpt.integrity import Manifest
+    from safe_ckpt.names import MANIFEST_FILE
     from safe_ckpt.tools.verify import verify
 
     torch.cuda.set_device(0)

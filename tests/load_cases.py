@@ -11,7 +11,7 @@ import os
 import torch
 
 import safe_ckpt
-from safe_ckpt import compat
+from safe_ckpt import compat, names
 from safe_ckpt.synthetic import StateSpec, bits_equal, build_state, reference_tensors
 from tests.cases import SMALL, compare_loaded, small_options
 from tests.mp import describe_exception
@@ -38,7 +38,7 @@ def stock_write(state: dict, path: str) -> None:
     if compat.common_state_as_sharded_object():
         sharded["common_state"] = ShardedObject("common_state", common, (1,), (0,), replica_id=rank)
     elif rank == 0:
-        torch.save(common, os.path.join(path, compat.COMMON_STATE_FILE))
+        torch.save(common, os.path.join(path, names.COMMON_STATE_FILE))
     flat, _, _ = mcore_torch._replace_state_dict_keys_with_sharded_keys(sharded, keep_only_main_replica=True)
     pyt = mcore_torch.mcore_to_pyt_state_dict(flat, False)
     dcp.save(pyt, storage_writer=dcp.FileSystemWriter(path, thread_count=2),

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import safe_ckpt
-from safe_ckpt.integrity import MANIFEST_FILE
+from safe_ckpt.names import MANIFEST_FILE
 from safe_ckpt.synthetic import StateSpec, build_state, reference_tensors
 from tests.cases import SMALL, compare_loaded, small_options
 from tests.load_cases import load_options

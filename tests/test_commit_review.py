@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from safe_ckpt import claim, commit, leftovers
+from safe_ckpt import claim, commit, leftovers, names
 from safe_ckpt.errors import CommitError
 from safe_ckpt.tools import gc as gc_tool
 
@@ -136,23 +136,23 @@ def test_prepare_proceeds_where_the_filesystem_has_no_locks(tmp_path, monkeypatc
 def test_gc_leaves_a_running_saves_tracker_temporary_alone(tmp_path, monkeypatch):
     root = str(tmp_path)
     commit.write_tracker(root, 100)
-    stale = os.path.join(root, commit.TRACKER_FILE + leftovers.STAGING_MARK + "0123456789abcdef")
+    stale = os.path.join(root, names.TRACKER_FILE + names.STAGING_MARK + "0123456789abcdef")
     with open(stale, "w") as f:
         f.write("90")
     os.utime(stale, (1, 1))  # a crashed save's, long ago
     real_replace, removed = os.replace, []
 
     def gc_first(src, dst):
-        if os.path.basename(dst) == commit.TRACKER_FILE:
+        if os.path.basename(dst) == names.TRACKER_FILE:
             removed.extend(gc_tool.collect(root))
         real_replace(src, dst)
 
     monkeypatch.setattr(commit.os, "replace", gc_first)
     commit.write_tracker(root, 200)
     monkeypatch.setattr(commit.os, "replace", real_replace)
-    assert open(os.path.join(root, commit.TRACKER_FILE)).read() == "200"
+    assert open(os.path.join(root, names.TRACKER_FILE)).read() == "200"
     assert removed == [stale] and not os.path.lexists(stale)
-    assert [n for n in os.listdir(root) if leftovers.STAGING_MARK in n] == []
+    assert [n for n in os.listdir(root) if names.STAGING_MARK in n] == []
 
 
 def test_gc_does_not_follow_a_symbolic_link_out_of_root(tmp_path):
@@ -184,7 +184,7 @@ def test_a_stale_leftover_removal_cut_short_leaves_no_half_deleted_directory_und
     swept = leftovers.sweep(leftovers.leftovers_of(str(target)))
     assert swept.removed == [str(staging)] and not os.path.lexists(staging)
     [doomed] = cut
-    assert leftovers.DELETING_MARK in os.path.basename(doomed) and len(os.listdir(doomed)) == 2
+    assert names.DELETING_MARK in os.path.basename(doomed) and len(os.listdir(doomed)) == 2
     monkeypatch.undo()
     assert leftovers.sweep(leftovers.leftovers_of(str(target))).removed == [doomed]
     assert os.listdir(tmp_path) == []
@@ -197,7 +197,7 @@ def test_heartbeat_survives_a_failed_refresh(tmp_path, monkeypatch):
     calls = []
 
     def flaky(path, *args, **kwargs):
-        if os.path.basename(path) != claim.OWNER_FILE:
+        if os.path.basename(path) != names.OWNER_FILE:
             return real_utime(path, *args, **kwargs)
         calls.append(path)
         if len(calls) == 1:
@@ -263,9 +263,9 @@ def test_gc_force_takes_a_fresh_owner_of_another_host_as_stale_but_never_a_locke
     from safe_ckpt.cli import main
 
     elsewhere = claim.Owner("e" * 16, str(tmp_path / "ck"), 4242, "other-host", "other-host/boot/ns")
-    dead_remote = tmp_path / f".ck{leftovers.STAGING_MARK}{'e' * 16}"
+    dead_remote = tmp_path / f".ck{names.STAGING_MARK}{'e' * 16}"
     dead_remote.mkdir()
-    (dead_remote / claim.OWNER_FILE).write_text(json.dumps(elsewhere.__dict__))  # a heartbeat just now
+    (dead_remote / names.OWNER_FILE).write_text(json.dumps(elsewhere.__dict__))  # a heartbeat just now
     running = commit.prepare(str(tmp_path / "other"), commit.new_save_id())  # holds its lock
     assert main(["gc", str(tmp_path)]) == 0 and dead_remote.is_dir()  # fresh: it may still be running
     assert main(["gc", "--force", str(tmp_path)]) == 0

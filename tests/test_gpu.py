@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from safe_ckpt.integrity import MANIFEST_FILE
+from safe_ckpt.names import MANIFEST_FILE
 
 from tests.mp import run_world, values
 

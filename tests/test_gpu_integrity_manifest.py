@@ -19,7 +19,8 @@ def gpu_integrity(rank, world, root) -> dict:
 
     import safe_ckpt
     from safe_ckpt import compat
-    from safe_ckpt.integrity import GRID_PREFIX, MANIFEST_FILE, Manifest
+    from safe_ckpt.integrity import GRID_PREFIX, Manifest
+    from safe_ckpt.names import MANIFEST_FILE
     from safe_ckpt.synthetic import StateSpec, build_state, reference_tensors
     from tests.cases import small_options
     from tests.gpu_cases import GPU_SPEC

@@ -269,7 +269,8 @@ def test_device_sums_deferred_while_writers_wait_are_all_issued_and_verify(tmp_p
     pool runs out first (4 MiB: only writing frees it, and a writer needs an item's sums to
     finish it, so a missed flush would hang this save; the chunks staged after that get their
     sums at once). Every item verifies."""
-    from safe_ckpt.integrity import MANIFEST_FILE, Manifest
+    from safe_ckpt.integrity import Manifest
+    from safe_ckpt.names import MANIFEST_FILE
     from tests import cases
     from tests.mp import run_world, values
 
@@ -294,7 +295,8 @@ def test_device_checksums_are_stored_verified_and_catch_corruption(tmp_path):
     """Grid-checksummed items (large aligned chunks; the host stager stands in for the device)
     load back through stock Megatron and DCP; verify recomputes them from the files on the host
     and names the item whose prefix, rows or tail was changed; hostile rows are reported."""
-    from safe_ckpt.integrity import MANIFEST_FILE, Manifest
+    from safe_ckpt.integrity import Manifest
+    from safe_ckpt.names import MANIFEST_FILE
     from tests import cases
     from tests.mp import run_world, values
 
@@ -359,7 +361,8 @@ def test_device_checksums_are_stored_verified_and_catch_corruption(tmp_path):
 
 
 def test_device_checksums_off_or_checksums_off_record_no_grid_rows(tmp_path):
-    from safe_ckpt.integrity import MANIFEST_FILE, Manifest
+    from safe_ckpt.integrity import Manifest
+    from safe_ckpt.names import MANIFEST_FILE
     from tests import cases
     from tests.mp import run_world, values
 

@@ -37,7 +37,7 @@ def _loads_bit_exact(spec, iteration: int, tmp_path) -> bool:
 
 
 def test_an_ambiguous_last_write_never_leaves_a_complete_looking_checkpoint_without_data(s3_server, tmp_path):
-    from safe_ckpt import kvcommit
+    from safe_ckpt import names
     from safe_ckpt.sinks.tensorstore import KvTarget
     from safe_ckpt.tools import kvtools
 
@@ -59,7 +59,7 @@ def test_an_ambiguous_last_write_never_leaves_a_complete_looking_checkpoint_with
         assert any(n.endswith(".distcp") for n in _names(s3_server, iteration))
         report = kvtools.verify(KvTarget(f"run/iter_{iteration:07d}", spec))
         assert report.ok, (iteration, report.findings)
-        assert not [n for n in _names(s3_server, iteration) if n.startswith(kvcommit.OWNER_PREFIX)]
+        assert not [n for n in _names(s3_server, iteration) if n.startswith(names.OWNER_OBJECT_PREFIX)]
         assert _loads_bit_exact(spec, iteration, tmp_path)
     assert _names(s3_server, 4) == []  # the failed commit's data and small files are gone
     tracker = s3_server.client().get_object(Bucket="amb", Key="run/latest_checkpointed_iteration.txt")["Body"].read()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 
-from safe_ckpt import claim, commit
+from safe_ckpt import claim, commit, names
 from safe_ckpt.tools import gc as gc_tool
 from tests import publish_cases as pc
 from tests.mp import run_world, values
@@ -24,7 +24,7 @@ CASES = [("exchange", "raise_interrupt"), ("exchange", "sigint"), ("exchange", "
 
 def _tracker(root) -> str | None:
     try:
-        return open(os.path.join(root, commit.TRACKER_FILE)).read()
+        return open(os.path.join(root, names.TRACKER_FILE)).read()
     except FileNotFoundError:
         return None
 
@@ -66,7 +66,7 @@ def test_a_publish_interrupted_or_failing_after_the_swap_never_loses_the_previou
                 check(_tracker(root) == str(r0["target"]), f"the tracker was not written: {_tracker(root)!r}")
                 check(any("published" in line and "interrupt" in line for line in r0["log"]),
                       f"no log line says the checkpoint was published: {r0['log']}")
-            check(not os.path.exists(os.path.join(target, claim.OWNER_FILE)), "the owner record stayed")
+            check(not os.path.exists(os.path.join(target, names.OWNER_FILE)), "the owner record stayed")
         check(_leftovers(root) == [], f"leftovers: {_leftovers(root)}")
         gc_tool.collect(str(root))
         if fault == "eio" and path != "rename":
@@ -101,6 +101,6 @@ def test_a_roll_back_that_fails_too_deletes_nothing_and_says_where_each_checkpoi
     with pytest.raises(safe_ckpt.CommitError, match="putting the previous checkpoint back failed too") as err:
         safe_ckpt.save(pc.state(2, 0, 1), target, options=pc.options())
     monkeypatch.undo()
-    aside = [n for n in _leftovers(tmp_path) if commit.REPLACED_MARK in n]
+    aside = [n for n in _leftovers(tmp_path) if names.REPLACED_MARK in n]
     assert len(aside) == 1 and aside[0] in str(err.value)
     assert pc.matches(tmp_path / aside[0], 1, 1) and pc.matches(target, 2, 1)  # both kept

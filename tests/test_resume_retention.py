@@ -10,7 +10,7 @@ from argparse import Namespace
 
 import pytest
 
-from safe_ckpt import commit
+from safe_ckpt import commit, names
 from safe_ckpt.megatron import resume
 from tests.test_trust_commit import _fake_checkpoint, _iters, _opts, _state
 
@@ -26,7 +26,7 @@ def _run(tmp_path, name, tracker=None):
     path = tmp_path / name
     path.mkdir()
     if tracker is not None:
-        (path / commit.TRACKER_FILE).write_text(tracker)
+        (path / names.TRACKER_FILE).write_text(tracker)
     return str(path)
 
 
@@ -73,7 +73,7 @@ def test_only_loads_inside_the_save_root_are_protected(tmp_path):
 def test_a_process_that_never_said_what_it_loaded_keeps_the_tracker_fallback(tmp_path):
     run = _run(tmp_path, "run", "300")
     assert resume.protected(run) == {300}
-    (tmp_path / "run" / commit.TRACKER_FILE).write_text("310")  # its own first save moved it
+    (tmp_path / "run" / names.TRACKER_FILE).write_text("310")  # its own first save moved it
     assert resume.protected(run) == {300}
     resume.note_loaded(None)  # told: a fresh start, nothing loaded
     assert resume.protected(run) == frozenset()

@@ -19,6 +19,7 @@ import torch
 pytest.importorskip("tensorstore")
 
 import safe_ckpt  # noqa: E402
+from safe_ckpt import names  # noqa: E402
 from tests import s3_cases  # noqa: E402
 from tests.mp import run_world, values  # noqa: E402
 from tests.s3server import free_port, s3_server  # noqa: E402,F401  (fixture)
@@ -185,7 +186,7 @@ def test_killed_save_leftovers_go_stale_gc_removes_them_and_a_resave_leaves_none
     left = [k.rsplit("/", 1)[1] for k in s3_server.keys("leftover", prefix + "/")]
     assert left and "metadata.json" not in left
     assert len({kvcommit.save_id_of(n) for n in left}) == 1  # one save's tag
-    owners = [n for n in left if n.startswith(kvcommit.OWNER_PREFIX)]
+    owners = [n for n in left if n.startswith(names.OWNER_OBJECT_PREFIX)]
     assert len(owners) == 1
     owner_key = f"{prefix}/{owners[0]}"
     expected = sorted(f"iter_0000003/{n}" for n in left)
@@ -218,7 +219,7 @@ def test_killed_save_leftovers_go_stale_gc_removes_them_and_a_resave_leaves_none
     values(run_world(2, s3_cases.s3_save, (spec, prefix)))
     now = set(k.rsplit("/", 1)[1] for k in s3_server.keys("leftover", prefix + "/"))
     assert not ({n for n in first if n.endswith(".distcp")} & now)
-    assert not [n for n in now if n.startswith(kvcommit.OWNER_PREFIX)]
+    assert not [n for n in now if n.startswith(names.OWNER_OBJECT_PREFIX)]
     report = kvtools.verify(KvTarget(prefix, spec))
     assert report.ok and not [f for f in report.findings if "extra" in f.message], report.findings
     assert kvtools.find(KvTarget("ck", spec)) == []

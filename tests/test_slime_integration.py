@@ -170,7 +170,7 @@ def test_release_train_cycles_save_through_safe_ckpt_and_the_next_actors_load_it
     forced save is durable and the tracker written before the kill; the next actors load exactly
     what was saved, through safe_ckpt, with the args' own classes (an enum, a dataclass) in the
     common state; retention keeps the newest two."""
-    from safe_ckpt.integrity import MANIFEST_FILE
+    from safe_ckpt.names import MANIFEST_FILE
     from tests.slime_arg_types import RewardSpec, RolloutMode
 
     save_dir = str(tmp_path)

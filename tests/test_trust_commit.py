@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import safe_ckpt
-from safe_ckpt import claim, commit
+from safe_ckpt import claim, commit, names
 from safe_ckpt.sinks.posix import PosixSink
 from safe_ckpt.synthetic import bits_equal
 from safe_ckpt.tools import gc as gc_tool
@@ -170,14 +170,14 @@ def test_a_live_save_is_protected_and_a_damaged_one_is_never_published(tmp_path)
     cut = records[0]["file_cut_short"]["message"]
     assert "rank 1 [CommitError]" in cut and "__1_" in cut and "bytes, not the" in cut
     assert _matches(tmp_path / "ck", 3, world=2)
-    assert not os.path.exists(os.path.join(tmp_path, "ck", claim.OWNER_FILE))
+    assert not os.path.exists(os.path.join(tmp_path, "ck", names.OWNER_FILE))
     assert records[0]["leftovers"] == []
 
 
 def test_the_owner_record_and_heartbeat_end_with_the_save(tmp_path):
     target = tmp_path / "ck"
     safe_ckpt.save(_state(5), str(target), options=_opts())
-    assert not (target / claim.OWNER_FILE).exists() and _matches(target, 5)
+    assert not (target / names.OWNER_FILE).exists() and _matches(target, 5)
     assert not [t for t in threading.enumerate() if t.name.startswith("safe_ckpt-heartbeat")]
     assert _leftovers(tmp_path) == []
 
@@ -212,11 +212,11 @@ def test_the_posix_sink_does_not_make_a_removed_root_again(tmp_path):
 
 
 def _fake_staging(parent, name: str, owner: claim.Owner | None, age_s: float = 0.0) -> str:
-    path = os.path.join(parent, f".{name}{commit.STAGING_MARK}{owner.save_id if owner else 'none0000'}")
+    path = os.path.join(parent, f".{name}{names.STAGING_MARK}{owner.save_id if owner else 'none0000'}")
     os.makedirs(path)
     open(os.path.join(path, "__0_0.distcp"), "wb").write(b"partial")
     if owner is not None:
-        record = os.path.join(path, claim.OWNER_FILE)
+        record = os.path.join(path, names.OWNER_FILE)
         with open(record, "w") as f:
             json.dump(owner.__dict__, f)
         if age_s:
@@ -244,7 +244,7 @@ def test_gc_and_prepare_remove_only_stale_staging_directories(tmp_path):
     assert not any(os.path.exists(p) for p in (dead_here, old_elsewhere, no_record))
     assert os.path.isdir(live_elsewhere) and os.path.isdir(live_here)
 
-    later = os.stat(os.path.join(live_elsewhere, claim.OWNER_FILE)).st_mtime + claim.STALE_AFTER_S + 1
+    later = os.stat(os.path.join(live_elsewhere, names.OWNER_FILE)).st_mtime + claim.STALE_AFTER_S + 1
     assert not claim.liveness(live_elsewhere, now=later).live
     assert gc_tool.collect(str(tmp_path)) == []
     # a record this old is stale even where its pid runs (the pid may belong to another process now)
@@ -261,7 +261,7 @@ def _saved_then_killed_between_renames(target: str) -> None:
 
     def rename_then_die(src, dst):
         rename(src, dst)
-        if commit.REPLACED_MARK in os.path.basename(dst):
+        if names.REPLACED_MARK in os.path.basename(dst):
             os.kill(os.getpid(), signal.SIGKILL)
 
     os.rename = rename_then_die
@@ -287,10 +287,10 @@ def test_a_replace_killed_between_its_renames_gets_the_old_checkpoint_back(kille
     target = root / "ck"
     left = _leftovers(root)
     assert not target.exists() and len(left) == 2  # the name is empty; old aside, new staged
-    assert any(commit.REPLACED_MARK in n for n in left) and any(commit.STAGING_MARK in n for n in left)
+    assert any(names.REPLACED_MARK in n for n in left) and any(names.STAGING_MARK in n for n in left)
     if recovery == "gc":
         removed = gc_tool.collect(str(root))
-        assert [os.path.basename(p) for p in removed] == [n for n in left if commit.STAGING_MARK in n]
+        assert [os.path.basename(p) for p in removed] == [n for n in left if names.STAGING_MARK in n]
         assert _matches(target, 1) and _leftovers(root) == []
     else:
         area = commit.prepare(str(target), commit.new_save_id())
@@ -307,7 +307,7 @@ def test_a_failed_second_rename_puts_the_old_checkpoint_back(tmp_path, monkeypat
     rename = os.rename
 
     def second_fails(src, dst):
-        if commit.STAGING_MARK in os.path.basename(src):
+        if names.STAGING_MARK in os.path.basename(src):
             raise OSError(5, "injected EIO renaming the new checkpoint in")
         rename(src, dst)
 
@@ -321,7 +321,7 @@ def test_a_failed_second_rename_puts_the_old_checkpoint_back(tmp_path, monkeypat
 def test_gc_keeps_an_aside_copy_while_the_name_holds_no_complete_checkpoint(tmp_path):
     target = tmp_path / "ck"
     safe_ckpt.save(_state(1), str(target), options=_opts())
-    aside = tmp_path / f".ck{commit.REPLACED_MARK}{'e' * 16}"
+    aside = tmp_path / f".ck{names.REPLACED_MARK}{'e' * 16}"
     os.rename(target, aside)
     target.mkdir()
     (target / "notes.txt").write_text("someone else's")
@@ -346,7 +346,7 @@ def test_gc_reports_a_linked_leftover_only_as_what_it_removed(tmp_path):
     kept = tmp_path / "kept"
     kept.mkdir()
     (kept / "data").write_text("not gc's")
-    link = tmp_path / f".x{commit.STAGING_MARK}{'f' * 16}"
+    link = tmp_path / f".x{names.STAGING_MARK}{'f' * 16}"
     link.symlink_to(kept)
     assert gc_tool.collect(str(tmp_path)) == [str(link)]
     assert not os.path.lexists(link) and (kept / "data").read_text() == "not gc's"
@@ -361,14 +361,14 @@ def test_a_target_name_of_240_characters_saves_replaces_and_recovers(tmp_path, m
     assert _matches(target, 2) and _leftovers(tmp_path) == []
     # a replace killed between its renames: the name is empty, the old checkpoint aside and the
     # new one staged, whose owner record (its process gone) is all that names the target
-    aside = commit.hidden_path(str(target), commit.REPLACED_MARK, "0" * 16)
+    aside = commit.hidden_path(str(target), names.REPLACED_MARK, "0" * 16)
     staged = commit.staging_dir_for(str(target), "0" * 16)
     assert max(len(os.path.basename(aside)), len(os.path.basename(staged))) <= 255
     os.rename(target, aside)
     exited = subprocess.Popen(["true"])
     exited.wait()
     os.mkdir(staged)
-    with open(os.path.join(staged, claim.OWNER_FILE), "w") as f:
+    with open(os.path.join(staged, names.OWNER_FILE), "w") as f:
         json.dump({**claim.Owner.here("0" * 16, str(target)).__dict__, "pid": exited.pid}, f)
     assert gc_tool.collect(str(tmp_path)) == [staged] and _matches(target, 2)
     assert _leftovers(tmp_path) == []
@@ -423,4 +423,4 @@ def test_save_state_never_removes_the_checkpoint_the_run_resumed_from(tmp_path):
                    retention=Retention(keep_last=2))
     assert _iters(root) == [f"iter_{i:07d}" for i in (150, 200, 250, 260, 300, 400, 500)]
     assert _matches(os.path.join(root, "iter_0000260"), 260)
-    assert open(os.path.join(root, commit.TRACKER_FILE)).read() == "260"
+    assert open(os.path.join(root, names.TRACKER_FILE)).read() == "260"

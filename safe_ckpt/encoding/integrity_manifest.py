@@ -26,8 +26,7 @@ import os
 import threading
 
 from ..errors import CheckpointError
-
-INTEGRITY_FILE = "integrity.json"  # megatron.core.dist_checkpointing.validation.INTEGRITY_FNAME
+from ..names import INTEGRITY_FILE, is_data_file
 ALGORITHM = "sha256"
 
 
@@ -104,7 +103,7 @@ def files_beside(final_dir: str, written: set[str], later: dict[str, bytes]) -> 
         names = []
     for name in sorted(names):
         path = os.path.join(final_dir, name)
-        if name in written or name == INTEGRITY_FILE or (name.startswith("__") and name.endswith(".distcp")):
+        if name in written or name == INTEGRITY_FILE or is_data_file(name):
             continue
         if os.path.isfile(path):  # as Megatron's `is_file()`: regular files, links to them included
             sha = hashlib.sha256()

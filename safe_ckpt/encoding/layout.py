@@ -13,6 +13,7 @@ from functools import lru_cache
 
 import torch
 
+from ..names import data_file
 from ..plan.records import ChunkSpec, GlobalPlan, ObjectSpec
 from . import torchzip
 
@@ -59,7 +60,7 @@ class RankLayout:
 
 
 def file_name(rank: int, index: int, tag: str = "") -> str:
-    return f"__{rank}_{index}{tag}.distcp"
+    return data_file(rank, index, tag)
 
 
 def lay_out_rank(plan: GlobalPlan, rank: int, *, one_item_per_file: bool = False,

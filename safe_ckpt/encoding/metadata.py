@@ -13,8 +13,6 @@ from .. import compat
 from ..plan.records import GlobalPlan
 from .layout import RankLayout
 
-METADATA_FILE = ".metadata"
-
 
 def build_metadata(plan: GlobalPlan, layouts: list[RankLayout], checkpoint_id: str, save_id: str):
     chunks: dict[str, list] = {t.fqn: [] for t in plan.tensors}

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import integrity
-from ..errors import RankFailure, ReadError, failure_from_exception
+from ..errors import INTERRUPTS, RankFailure, ReadError, failure_from_exception
 from . import boxes, container
 from .plan import DIRECT, FLAT, Batch, ItemRead, ReadPlan
 
@@ -344,7 +344,7 @@ class Reader:
     def _fail(self, key: str | None, exc: BaseException) -> None:
         with self._lock:
             if self._failure is None:
-                kind_exc = exc if isinstance(exc, (ReadError, KeyboardInterrupt, SystemExit)) else \
+                kind_exc = exc if isinstance(exc, (ReadError, *INTERRUPTS)) else \
                     ReadError(f"{type(exc).__name__}: {exc}")
                 self._failure = failure_from_exception(self.rank, "read", kind_exc, key=key)
         self.cancel.set()

@@ -19,10 +19,10 @@ import torch
 
 from .. import integrity
 from ..errors import ReadError
+from ..names import COMMON_STATE_KEY, CONFIG_FILE, MANIFEST_FILE, METADATA_FILE, SHARDED_BACKEND
 from ..tools import safe_load
 from .source import Source
 
-CONFIG_FILE = "metadata.json"
 _SMALL_FILE_BYTES = 1 << 20
 _MANIFEST_BYTES = 1 << 30
 
@@ -75,15 +75,15 @@ def read_config(source: Source) -> dict:
     except ValueError as exc:
         raise ReadError(f"{where}: not JSON: {exc}") from None
     backend = config.get("sharded_backend") if isinstance(config, dict) else None
-    if backend != "torch_dist":
-        raise ReadError(f"{where}: names the sharded backend {backend!r}; safe_ckpt reads torch_dist checkpoints")
+    if backend != SHARDED_BACKEND:
+        raise ReadError(f"{where}: names the sharded backend {backend!r}; safe_ckpt reads {SHARDED_BACKEND} checkpoints")
     return config
 
 
 def read_metadata(source: Source):
-    where = source.describe(safe_load.METADATA_FILE)
+    where = source.describe(METADATA_FILE)
     try:
-        data = source.read_whole(safe_load.METADATA_FILE, safe_load.MAX_METADATA_BYTES)
+        data = source.read_whole(METADATA_FILE, safe_load.MAX_METADATA_BYTES)
     except FileNotFoundError:
         raise ReadError(f"{where}: missing: not a torch_dist checkpoint, or one whose save did not finish") from None
     try:
@@ -125,11 +125,11 @@ def _tensors_and_objects(meta, where: str) -> tuple[dict, dict]:
 
 def read_manifest(source: Source) -> tuple[dict, str]:
     """(item checksums by (file, offset), algorithm), empty where there is no manifest."""
-    if not source.exists(integrity.MANIFEST_FILE):
+    if not source.exists(MANIFEST_FILE):
         return {}, ""
-    where = source.describe(integrity.MANIFEST_FILE)
+    where = source.describe(MANIFEST_FILE)
     try:
-        manifest = integrity.Manifest.parse(source.read_whole(integrity.MANIFEST_FILE, _MANIFEST_BYTES))
+        manifest = integrity.Manifest.parse(source.read_whole(MANIFEST_FILE, _MANIFEST_BYTES))
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ReadError(f"{where}: unreadable checksum manifest ({exc}); LoadOptions(verify_checksums=False) loads "
                         f"without it") from None
@@ -139,7 +139,7 @@ def read_manifest(source: Source) -> tuple[dict, str]:
 def read_index(source: Source, *, checksums: bool = True) -> CheckpointIndex:
     config = read_config(source)
     meta = read_metadata(source)
-    tensors, objects = _tensors_and_objects(meta, source.describe(safe_load.METADATA_FILE))
+    tensors, objects = _tensors_and_objects(meta, source.describe(METADATA_FILE))
     items, algorithm = read_manifest(source) if checksums else ({}, "")
     return CheckpointIndex(source.root, config, meta, tensors, objects, items, algorithm)
 
@@ -148,8 +148,6 @@ def sharded_metadata(index: CheckpointIndex, with_common_state: bool = False) ->
     """What stock `load_sharded_metadata` returns (data-less ShardedTensors and ShardedObjects by key);
     for the strict-mode key check without the common state's object (the format's own, not a key)."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
-
-    from ..compat import COMMON_STATE_KEY
 
     out = {}
     for fqn in index.objects:

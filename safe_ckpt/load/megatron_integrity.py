@@ -14,9 +14,9 @@ import hashlib
 import json
 
 from ..errors import ReadError
+from ..names import INTEGRITY_FILE
 from .source import Source
 
-INTEGRITY_FILE = "integrity.json"
 _PIECE_BYTES = 8 << 20
 
 

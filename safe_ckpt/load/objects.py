@@ -21,6 +21,7 @@ import torch
 
 from .. import compat
 from ..errors import ReadError
+from ..names import COMMON_STATE_FILE, COMMON_STATE_KEY
 from .index import CheckpointIndex, StoredItem
 from .source import Source
 
@@ -85,16 +86,16 @@ def item_where(source: Source, item: StoredItem, fqn: str) -> str:
 def read_common_state(source: Source, index: CheckpointIndex, safe_globals=()) -> dict:
     """The common state as stock Megatron loads it: `common.pt` where there is one, else the
     `common_state` object (its stored list's only element)."""
-    if source.exists(compat.COMMON_STATE_FILE):
-        data = source.read_whole(compat.COMMON_STATE_FILE, _COMMON_STATE_BYTES)
-        return decode(data, source.describe(compat.COMMON_STATE_FILE), safe_globals, map_location="cpu")
+    if source.exists(COMMON_STATE_FILE):
+        data = source.read_whole(COMMON_STATE_FILE, _COMMON_STATE_BYTES)
+        return decode(data, source.describe(COMMON_STATE_FILE), safe_globals, map_location="cpu")
     for fqn, item in index.objects.items():
-        if fqn.split("/shard_")[0] == compat.COMMON_STATE_KEY:
+        if fqn.split("/shard_")[0] == COMMON_STATE_KEY:
             where = item_where(source, item, fqn)
             obj = decode(read_item(source, item), where, safe_globals)
             if not (isinstance(obj, list) and len(obj) == 1 and isinstance(obj[0], dict)):
                 raise ReadError(f"{where}: holds a {type(obj).__name__}, not the one-element list of a dict stock "
                                 f"Megatron stores as the common state")
             return obj[0]
-    raise ReadError(f"{source.root}: no common state (neither {compat.COMMON_STATE_FILE} nor a "
-                    f"{compat.COMMON_STATE_KEY} object): not a complete Megatron checkpoint")
+    raise ReadError(f"{source.root}: no common state (neither {COMMON_STATE_FILE} nor a "
+                    f"{COMMON_STATE_KEY} object): not a complete Megatron checkpoint")

@@ -28,17 +28,14 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import threading
 from dataclasses import dataclass
 
-from .. import commit
+from ..names import ITERATION_DIR, RELEASE_DIR, TRACKER_FILE, iteration_dir
 from ..options import SaveOptions
 from ..sinks.tensorstore import KvDeadlines, KvTarget, is_kvstore_url, open_sink
 
 log = logging.getLogger("safe_ckpt")
-_ITER = re.compile(r"^iter_(\d{7,})$")
-RELEASE = "release"
 
 
 @dataclass(frozen=True)
@@ -73,7 +70,7 @@ def root_key(path: str, kv_root: KvTarget | None = None) -> tuple:
 
 def checkpoint_name(iteration: int | None, release: bool = False) -> str:
     """Megatron's directory name for an iteration (`get_checkpoint_name(..., return_base_dir=True)`)."""
-    return RELEASE if release else "iter_{:07d}".format(iteration)
+    return RELEASE_DIR if release else iteration_dir(iteration)
 
 
 def note_loaded(checkpoint_dir: str | None, *, kvstore_spec: dict | None = None) -> None:
@@ -88,8 +85,8 @@ def note_loaded(checkpoint_dir: str | None, *, kvstore_spec: dict | None = None)
             return
         path = os.fspath(checkpoint_dir).rstrip("/")
         parent, name = path.rsplit("/", 1) if "/" in path else ("", path)
-        m = _ITER.match(name)
-        if m is None and name != RELEASE:
+        m = ITERATION_DIR.match(name)
+        if m is None and name != RELEASE_DIR:
             log.warning("%s is not an iteration directory (iter_XXXXXXX or release); retention "
                         "cannot tell which iteration it is and protects nothing for it", path)
             return
@@ -123,7 +120,7 @@ def loaded_from_args(args, read_tracker=None) -> str | None:
     iteration, release = None, False
     if tracker.isdigit():
         iteration = int(tracker)
-    elif tracker == RELEASE:
+    elif tracker == RELEASE_DIR:
         release = True
     elif tracker:
         log.warning("the tracker under %s holds %r, not an iteration; retention cannot tell which "
@@ -160,7 +157,7 @@ def forget() -> None:
 
 def _read_local_tracker(directory: str) -> str:
     try:
-        with open(os.path.join(directory, commit.TRACKER_FILE)) as f:
+        with open(os.path.join(directory, TRACKER_FILE)) as f:
             return f.read().strip()
     except OSError:
         return ""
@@ -169,7 +166,7 @@ def _read_local_tracker(directory: str) -> str:
 def _read_kv_tracker(kv_root: KvTarget, options: SaveOptions | None) -> str:
     options = options or SaveOptions()
     try:
-        return open_sink(kv_root, KvDeadlines(options.kvstore_request_timeout_s)).read(commit.TRACKER_FILE) \
+        return open_sink(kv_root, KvDeadlines(options.kvstore_request_timeout_s)).read(TRACKER_FILE) \
             .decode(errors="replace").strip()
     except FileNotFoundError:
         return ""

@@ -19,13 +19,14 @@ from __future__ import annotations
 
 from .. import compat
 from .. import saving as save_mod
+from ..names import SHARDED_BACKEND, SHARDED_BACKEND_VERSION
 from ..options import SaveOptions
 
 
 class SafeTorchDistSaveStrategy(compat.torch_dist_save_strategy_base()):
     """`TorchDistSaveShardedStrategy` whose `save` / `async_save` write with safe_ckpt."""
 
-    def __init__(self, backend: str = "torch_dist", version: int = 1, *, options: SaveOptions | None = None,
+    def __init__(self, backend: str = SHARDED_BACKEND, version: int = SHARDED_BACKEND_VERSION, *, options: SaveOptions | None = None,
                  process_group=None, **kwargs) -> None:
         super().__init__(backend, version, **kwargs)
         self.options = options or SaveOptions()

@@ -25,6 +25,7 @@ from . import resume
 from ..tools import kvtools
 from .. import saving as save_mod
 from ..errors import MissingDependencyError, ValidationError, failure_from_exception
+from ..names import RELEASE_DIR, SHARDED_BACKEND
 from ..options import GiB, SaveOptions
 from ..results import SaveResult
 from ..retention import Retention, prune
@@ -270,8 +271,8 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
     """
     mck, get_args = _megatron_training()
     args = get_args()
-    if getattr(args, "ckpt_format", "torch_dist") != "torch_dist":
-        raise ValidationError(f"safe_ckpt writes --ckpt-format torch_dist, not {args.ckpt_format!r}")
+    if getattr(args, "ckpt_format", SHARDED_BACKEND) != SHARDED_BACKEND:
+        raise ValidationError(f"safe_ckpt writes --ckpt-format {SHARDED_BACKEND}, not {args.ckpt_format!r}")
     if non_persistent_ckpt:
         raise ValidationError("non-persistent checkpoints are not supported by the safe backend")
     if not getattr(args, "save", None):
@@ -298,7 +299,7 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
     log.info("saving iteration %s to %s (sharding %s)", iteration, checkpoint_name,
              (metadata or {}).get("distrib_optim_sharding_type"))
     return save_state(
-        state_dict, save_root, checkpoint_name, "release" if release else str(iteration),
+        state_dict, save_root, checkpoint_name, RELEASE_DIR if release else str(iteration),
         content_metadata=compat.clean_content_metadata(metadata), options=options,
         async_save=bool(getattr(args, "async_save", False)), retention=retention_from_args(args),
     )

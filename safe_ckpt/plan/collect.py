@@ -19,6 +19,7 @@ from typing import Any, Iterator
 import torch
 
 from .. import compat
+from ..names import COMMON_STATE_FILE, COMMON_STATE_KEY
 from .records import Box, ObjectRef, Problem
 
 _V = "ValidationError"
@@ -221,13 +222,13 @@ def collect(sharded_state_dict: dict, rank: int, content_metadata: dict | None =
         _warn_large_common_tensors(common)
         try:
             if compat.common_state_as_sharded_object():
-                fqn = f"{compat.COMMON_STATE_KEY}/shard_0_1"
+                fqn = f"{COMMON_STATE_KEY}/shard_0_1"
                 payloads[fqn] = compat.common_state_payload(common)
                 objects.append(
-                    ObjectRef(fqn, compat.COMMON_STATE_KEY, 0, (1,), (0,), True, len(payloads[fqn]), "<common>")
+                    ObjectRef(fqn, COMMON_STATE_KEY, 0, (1,), (0,), True, len(payloads[fqn]), "<common>")
                 )
             else:
-                whole_files[compat.COMMON_STATE_FILE] = compat.torch_save_bytes(common)
+                whole_files[COMMON_STATE_FILE] = compat.torch_save_bytes(common)
         except Exception as exc:
             problems.append(_problem("<common state>", rank, f"cannot be serialized: {type(exc).__name__}: {exc}"))
     return LocalState(rank, shards, objects, payloads, problems, common, whole_files)

@@ -28,6 +28,7 @@ from typing import Callable, Optional
 
 from .. import commit, kvcommit
 from ..errors import CommitError
+from ..names import CONFIG_FILE, DATA_SUFFIX, METADATA_FILE, OWNER_OBJECT_PREFIX, SHARDED_BACKEND
 from ..sinks.tensorstore import DEFAULT_REQUEST_TIMEOUT_S, KvDeadlines, KvTarget, StoreNotFoundError, open_sink
 from .checkpoint_files import check_name, read_file
 from .locate import PathUsageError, locate
@@ -98,17 +99,18 @@ def copy(src: str, dst: str, *, src_spec: dict | None = None, dst_spec: dict | N
     if local_dst and isinstance(source, _LocalSource) and os.path.realpath(dst) == os.path.realpath(source.directory):
         raise PathUsageError(f"{dst}: the destination is the checkpoint being copied")
     try:
-        names = [n for n in source.list() if not n.startswith(kvcommit.OWNER_PREFIX)]
+        names = [n for n in source.list() if not n.startswith(OWNER_OBJECT_PREFIX)]
     except StoreNotFoundError as exc:
         raise PathUsageError(str(exc)) from None
     except Exception as exc:  # a kvstore's own error types: one message naming the source
         raise CommitError(f"cannot list the source {source.root}: {type(exc).__name__}: {exc}") from exc
     if not names:
         raise PathUsageError(f"{source.root}: no such checkpoint (no key under it)")
-    if kvcommit.METADATA_FILE not in names or kvcommit.CONFIG_FILE not in names:
-        raise CommitError(f"{source.root} is not a complete torch_dist checkpoint (no .metadata / metadata.json)")
-    data = [n for n in names if n.endswith(".distcp")]
-    small = [n for n in names if n not in data and n != kvcommit.METADATA_FILE] + [kvcommit.METADATA_FILE]
+    if METADATA_FILE not in names or CONFIG_FILE not in names:
+        raise CommitError(f"{source.root} is not a complete {SHARDED_BACKEND} checkpoint "
+                          f"(no {METADATA_FILE} / {CONFIG_FILE})")
+    data = [n for n in names if n.endswith(DATA_SUFFIX)]
+    small = [n for n in names if n not in data and n != METADATA_FILE] + [METADATA_FILE]
     total = source.total_bytes(names) if isinstance(source, _LocalSource) else None
     moved = _Moved(source, len(names), total, progress)
     if local_dst:
@@ -180,14 +182,14 @@ def _to_store(target: KvTarget, replace: str, moved: _Moved, data: list[str], sm
         raise CommitError(f"another save of {sink.root} is running (save {', '.join(sorted(live))}); "
                           "copy there once it has finished")
     previous: set[str] = set()
-    if kvcommit.CONFIG_FILE in existing:
+    if CONFIG_FILE in existing:
         try:
             previous = kvcommit.referenced_files(sink) & existing
         except kvcommit.ForeignMetadataError:
             previous = set()  # only "any" gets here with an index it may not read: every key goes anyway
         # The copied data files keep their names and may overwrite the checkpoint there: it stops
         # being one first, so no marker ever stands over a mix of two checkpoints.
-        sink.delete(kvcommit.CONFIG_FILE)
+        sink.delete(CONFIG_FILE)
     for name in data:
         sink.write_file(name, moved.read(name))
     kvcommit.publish(sink, {name: moved.read(name) for name in small}, set(data))

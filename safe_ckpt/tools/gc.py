@@ -15,9 +15,10 @@ import logging
 import os
 import time
 
-from ..claim import OWNER_FILE, STALE_AFTER_S, liveness
-from ..commit import TRACKER_FILE, parent_lock
-from ..leftovers import LEFTOVER_MARKS, STAGING_MARK, Sweep, sweep
+from ..claim import STALE_AFTER_S, liveness
+from ..commit import parent_lock
+from ..leftovers import Sweep, sweep
+from ..names import LEFTOVER_MARKS, OWNER_FILE, STAGING_MARK, TRACKER_FILE
 
 log = logging.getLogger("safe_ckpt")
 

@@ -16,12 +16,10 @@ import os
 import re
 from collections import defaultdict
 
-from ..commit import TRACKER_FILE
+from ..names import CONFIG_FILE, DATA_FILE, METADATA_FILE, SHARDED_BACKEND, TRACKER_FILE
 from .checkpoint_files import describe, open_file, read_file
-from .safe_load import METADATA_FILE, UnreadableCheckpointError, load_common_state, read_metadata
+from .safe_load import UnreadableCheckpointError, load_common_state, read_metadata
 
-_DATA_FILE = re.compile(r"^__(\d+)_(\d+)(?:-[0-9a-f]+)?\.distcp$")
-_CONFIG_FILE = "metadata.json"
 _MAX_CONFIG_BYTES = 16 << 20
 
 # How megatron-core's distributed optimizer names what each sharding type stores.
@@ -51,7 +49,7 @@ def inspect(directory: str) -> dict:
     files, per_rank = {}, defaultdict(int)
     for name in sorted(os.listdir(directory)):
         kind = describe(directory, name)
-        m = _DATA_FILE.match(name)
+        m = DATA_FILE.match(name)
         files[name] = {"bytes": kind.size_bytes, "rank": int(m.group(1)) if m else None}
         if not kind.regular:
             files[name]["not_read"] = kind.description
@@ -83,11 +81,11 @@ def inspect(directory: str) -> dict:
 
 
 def _config(directory: str) -> dict:
-    path = os.path.join(directory, _CONFIG_FILE)
+    path = os.path.join(directory, CONFIG_FILE)
     if not os.path.lexists(path):
         return {}  # a stock DCP checkpoint: Megatron's metadata.json is absent
     try:
-        config = json.loads(read_file(directory, _CONFIG_FILE, _MAX_CONFIG_BYTES, "metadata.json"))
+        config = json.loads(read_file(directory, CONFIG_FILE, _MAX_CONFIG_BYTES, CONFIG_FILE))
     except (ValueError, RecursionError) as exc:
         raise UnreadableCheckpointError(path, f"is not valid JSON: {exc}") from None
     if not isinstance(config, dict):
@@ -142,7 +140,7 @@ def _human(n: float) -> str:
 def to_text(info: dict) -> str:
     config = info["config"]
     backend = (f"backend {config.get('sharded_backend')} v{config.get('sharded_backend_version')}" if config
-               else "no metadata.json (a DCP checkpoint, not Megatron's torch_dist)")
+               else f"no {CONFIG_FILE} (a DCP checkpoint, not Megatron's {SHARDED_BACKEND})")
     lines = [f"checkpoint {info['directory']}",
              f"  {backend}; iteration {info.get('iteration')}"
              + (f"; tracker -> {info['tracker']}" if "tracker" in info else ""),

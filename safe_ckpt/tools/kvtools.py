@@ -24,22 +24,20 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import tempfile
 from dataclasses import dataclass
 
 from .. import kvcommit
-from ..commit import TRACKER_FILE
 from ..retention import Retention, to_remove
 from ..sinks.tensorstore import (
     DEFAULT_REQUEST_TIMEOUT_S, KvDeadlines, KvTarget, StoreNotFoundError, TensorStoreSink, open_sink,
 )
 from ..errors import UnreadableCheckpointError
+from ..names import CONFIG_FILE, ITERATION_DIR, METADATA_FILE, TRACKER_FILE
 from .copy import download
 from .locate import PathUsageError, TrackerError, checkpoint_names, save_root_error, tracker_directory
 
 log = logging.getLogger("safe_ckpt")
-_ITER = re.compile(r"^iter_(\d{7,})$")
 
 
 @dataclass(frozen=True)
@@ -64,7 +62,7 @@ def locate(target: KvTarget, request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_
     sink = open_sink(target, KvDeadlines(request_timeout_s))
     keys = _existing(sink, target)
     names = [k for k in keys if "/" not in k]
-    if kvcommit.METADATA_FILE in names:
+    if METADATA_FILE in names:
         return KvLocated(target, sink.root)
     if TRACKER_FILE not in names:
         children = checkpoint_names({k.split("/", 1)[0] for k in keys if "/" in k})
@@ -164,7 +162,7 @@ def leftovers_in(sink: TensorStoreSink, names: list[str], force: bool = False) -
         if not running:
             return sorted(names)
         return sorted(n for n in names if kvcommit.save_id_of(n) not in (None, *running))
-    if kvcommit.CONFIG_FILE not in names:
+    if CONFIG_FILE not in names:
         return []  # foreign keys, or nothing of ours
     try:
         referenced = kvcommit.referenced_files(sink)
@@ -213,7 +211,7 @@ def collect(target: KvTarget, dry_run: bool = False, request_timeout_s: float = 
     if not dry_run:
         root = open_sink(target, KvDeadlines(request_timeout_s))
         # A marker first: a removal cut short never leaves a prefix that reads as a checkpoint.
-        for key in sorted(found, key=lambda k: (k.rpartition("/")[2] != kvcommit.CONFIG_FILE, k)):
+        for key in sorted(found, key=lambda k: (k.rpartition("/")[2] != CONFIG_FILE, k)):
             root.delete(key)
     return found
 
@@ -233,7 +231,7 @@ def iterations(save_root: KvTarget, deadlines: KvDeadlines = KvDeadlines()) -> d
     root = open_sink(save_root, deadlines)
     out = {}
     for directory, names in _by_directory(root.list_tree()).items():
-        m = _ITER.match(directory)
+        m = ITERATION_DIR.match(directory)
         if m and kvcommit.is_complete(root.child(directory), names):
             out[int(m.group(1))] = directory
     return out
@@ -242,7 +240,7 @@ def iterations(save_root: KvTarget, deadlines: KvDeadlines = KvDeadlines()) -> d
 def remove_checkpoint(root: TensorStoreSink, directory: str) -> None:
     """`metadata.json` first (the prefix stops being a checkpoint), then everything else."""
     sink = root.child(directory)
-    sink.delete(kvcommit.CONFIG_FILE)
+    sink.delete(CONFIG_FILE)
     root.delete_tree(directory)
 
 

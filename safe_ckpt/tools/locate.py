@@ -9,10 +9,9 @@ naming the checkpoints inside it. Must not: read anything else.
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass
 
-from ..commit import TRACKER_FILE
+from ..names import CHECKPOINT_DIR, METADATA_FILE, RELEASE_DIR, TRACKER_FILE, iteration_dir, iteration_of
 
 
 class PathUsageError(ValueError):
@@ -23,13 +22,10 @@ class TrackerError(ValueError):
     """A save root's tracker file is unreadable or names a checkpoint that is not there."""
 
 
-_CHECKPOINT_NAME = re.compile(r"^(iter_\d{7,}|release)$")
-
-
 def checkpoint_names(names) -> list[str]:
     """The names among ``names`` that Megatron gives checkpoint directories, in iteration order."""
-    found = {n for n in names if _CHECKPOINT_NAME.match(n)}
-    return sorted(found, key=lambda n: (n == "release", int(n[5:]) if n != "release" else 0))
+    found = {n for n in names if CHECKPOINT_DIR.match(n)}
+    return sorted(found, key=lambda n: (n == RELEASE_DIR, iteration_of(n) or 0))
 
 
 def save_root_error(shown: str, children: list[str]) -> PathUsageError:
@@ -38,7 +34,7 @@ def save_root_error(shown: str, children: list[str]) -> PathUsageError:
     listed = children if len(children) <= 3 else [*children[:2], "...", children[-1]]
     count = f" ({len(children)} checkpoints)" if len(children) > 3 else ""
     example = shown.rstrip("/") + "/" + children[-1]
-    return PathUsageError(f"{shown}: no tracker ({TRACKER_FILE}) and no .metadata: this looks like a save root "
+    return PathUsageError(f"{shown}: no tracker ({TRACKER_FILE}) and no {METADATA_FILE}: this looks like a save root "
                           f"holding {', '.join(listed)}{count}; pass one of them, e.g. {example}")
 
 
@@ -66,20 +62,20 @@ def require_directory(path: str, what: str = "directory") -> str:
 
 def tracker_directory(save_root: str, content: str) -> str:
     """The checkpoint directory Megatron loads for tracker content ``content``."""
-    if content == "release":
-        return os.path.join(save_root, "release")
+    if content == RELEASE_DIR:
+        return os.path.join(save_root, RELEASE_DIR)
     try:
         iteration = int(content)
     except ValueError:
         raise TrackerError(f"{os.path.join(save_root, TRACKER_FILE)}: holds {content[:40]!r}, "
-                           f"neither an iteration number nor 'release'") from None
-    return os.path.join(save_root, f"iter_{iteration:07d}")
+                           f"neither an iteration number nor '{RELEASE_DIR}'") from None
+    return os.path.join(save_root, iteration_dir(iteration))
 
 
 def locate(path: str) -> Located:
     directory = require_directory(path, "checkpoint directory")
     tracker = os.path.join(directory, TRACKER_FILE)
-    if os.path.isfile(os.path.join(directory, ".metadata")):
+    if os.path.isfile(os.path.join(directory, METADATA_FILE)):
         return Located(directory, shown=path)
     if not os.path.isfile(tracker):
         children = checkpoint_names(n for n in os.listdir(directory) if os.path.isdir(os.path.join(directory, n)))

@@ -22,12 +22,12 @@ import re
 
 import torch
 
-from ..compat import COMMON_STATE_FILE, COMMON_STATE_KEY, megatron_safe_globals
+from ..compat import megatron_safe_globals
 from ..errors import UnreadableCheckpointError
+from ..names import COMMON_STATE_FILE, COMMON_STATE_KEY, METADATA_FILE
 from .checkpoint_files import open_file, read_file
 from .metadata_unpickler import ADMITTED_GLOBALS, MetadataUnpickler, WorkBudget, show, torch_constant
 
-METADATA_FILE = ".metadata"
 # A `.metadata` larger than this is refused unread: the biggest index a real run writes is far smaller
 # (about 160 bytes per stored item), and reading costs work and memory in proportion to the file.
 MAX_METADATA_BYTES = 1 << 30

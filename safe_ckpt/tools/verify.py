@@ -22,11 +22,12 @@ import os
 import struct
 from dataclasses import dataclass, field
 
-from ..integrity import MANIFEST_FILE, Hasher, Manifest, checksum_of, item_hasher
+from ..integrity import Hasher, Manifest, checksum_of, item_hasher
+from ..names import COMMON_STATE_FILE, CONFIG_FILE, MANIFEST_FILE, METADATA_FILE
 from .checkpoint_files import describe, open_file
 from .safe_load import MAX_METADATA_BYTES, UnreadableCheckpointError, load_common_state, read_metadata
 
-KNOWN_FILES = {".metadata", "metadata.json", "common.pt", MANIFEST_FILE}
+KNOWN_FILES = {METADATA_FILE, CONFIG_FILE, COMMON_STATE_FILE, MANIFEST_FILE}
 # A manifest holds a row of about 100 bytes per item (the index about 160).
 MAX_MANIFEST_BYTES = MAX_METADATA_BYTES
 # What a tensor item (a torch.save archive of one chunk) holds besides the chunk's bytes: zip
@@ -120,17 +121,17 @@ def verify(directory: str, *, deep: bool = False, progress=None, config_required
     if not os.path.isdir(directory):
         report.add("error", directory, "no such directory" if not os.path.exists(directory) else "not a directory")
         return report
-    if not _check_present(report, directory, ".metadata", "missing: this is not a torch_dist or DCP checkpoint"):
+    if not _check_present(report, directory, METADATA_FILE, "missing: this is not a torch_dist or DCP checkpoint"):
         return report
-    if os.path.lexists(os.path.join(directory, "metadata.json")):
-        _check_present(report, directory, "metadata.json", "")  # a FIFO or a link leading out is refused
+    if os.path.lexists(os.path.join(directory, CONFIG_FILE)):
+        _check_present(report, directory, CONFIG_FILE, "")  # a FIFO or a link leading out is refused
     elif config_required:
-        report.add("error", "metadata.json", "missing: the commit marker of a checkpoint in an object store; "
-                                             "without it this is an interrupted save (`safe-ckpt gc` removes it)")
+        report.add("error", CONFIG_FILE, "missing: the commit marker of a checkpoint in an object store; "
+                                         "without it this is an interrupted save (`safe-ckpt gc` removes it)")
     else:
         report.plain_dcp = True
-        report.add("warning", "metadata.json", "missing: a plain DCP checkpoint (torch.distributed.checkpoint "
-                                               "loads it; megatron.core.dist_checkpointing.load needs metadata.json)")
+        report.add("warning", CONFIG_FILE, "missing: a plain DCP checkpoint (torch.distributed.checkpoint "
+                                           f"loads it; megatron.core.dist_checkpointing.load needs {CONFIG_FILE})")
     if not report.ok:
         return report
     try:
