@@ -1,7 +1,7 @@
 """CPU benchmark: `safe_ckpt.save` against stock `torch.distributed.checkpoint.save`.
 
 What it measures, on one process (world size 1) and host-resident tensors only:
-- the same seeded, Megatron-shaped state (`safe_ckpt.synthetic.build_state`, ~1 GiB by
+- the same seeded, Megatron-shaped state (`safe_ckpt_lab.synthetic.build_state`, ~1 GiB by
   default) written by safe_ckpt (`SaveOptions(io_threads=N)`) and by stock DCP
   (`FileSystemWriter(path, thread_count=N, sync_files=True)`, the state flattened to
   {fqn: tensor} over the very same tensors), both fsyncing their files;
@@ -42,7 +42,7 @@ import sys
 import tempfile
 import time
 
-from safe_ckpt.bench.measure import RssPeak
+from safe_ckpt_lab.bench.measure import RssPeak
 
 VARIANTS = ("safe_ckpt", "dcp", "dcp_views")
 
@@ -107,7 +107,7 @@ def child_save(variant: str, target: str, size_mb: int, threads: int, verify: bo
     import torch.distributed.checkpoint as dcp
 
     import safe_ckpt
-    from safe_ckpt.synthetic import StateSpec, bits_equal, build_state, reference_tensors
+    from safe_ckpt_lab.synthetic import StateSpec, bits_equal, build_state, reference_tensors
 
     spec = StateSpec.for_bytes(size_mb << 20)
     state = build_state(0, 1, tp=1, spec=spec)
@@ -148,7 +148,7 @@ def child_ceiling(target: str, nbytes: int, threads: int) -> dict:
     """N threads pwrite their share of one preallocated buffer (64 MiB pieces) + fsync."""
     import numpy as np
 
-    from safe_ckpt.bench.ceilings import write_gbps
+    from safe_ckpt_lab.bench.ceilings import write_gbps
 
     scratch = np.ones(nbytes, dtype=np.uint8)  # like the save child's freed reference tensors
     del scratch
@@ -254,7 +254,7 @@ def main() -> None:
     args = p.parse_args()
     date = datetime.date.today().isoformat()
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", f"cpu_{args.label}_{date}")
-    from safe_ckpt.synthetic import StateSpec
+    from safe_ckpt_lab.synthetic import StateSpec
 
     payload = StateSpec.for_bytes(args.size_mb << 20).global_bytes()
     report = {"date": date, "command": " ".join(["python", *sys.argv]), "args": vars(args), "payload_bytes": payload,

@@ -67,13 +67,13 @@ DISK=${DISK:-/tmp/safe_ckpt_bench}
 SHM=${SHM:-/dev/shm/safe_ckpt_bench}
 # PART_LIMIT_S: a time limit on each Python run of a part, so that a run cut short leaves the
 # shell to pack what it recorded (a `timeout` around this whole script kills the packing too;
-# a bench cut short is reported from its rows with `python -m safe_ckpt.bench --rebuild PREFIX`).
+# a bench cut short is reported from its rows with `python -m safe_ckpt_lab.bench --rebuild PREFIX`).
 PY=python3
 [ -n "${PART_LIMIT_S:-}" ] && PY="timeout $PART_LIMIT_S python3"
 PYTEST="$PY -m pytest -q -p no:cacheprovider -W ignore::UserWarning -W ignore::FutureWarning"
 GIB_ARG=""
 [ -n "${GIB-8.6}" ] && GIB_ARG="--gib ${GIB-8.6}"
-BENCH="$PY -m safe_ckpt.bench --preset ${PRESET:-anchor} $GIB_ARG"
+BENCH="$PY -m safe_ckpt_lab.bench --preset ${PRESET:-anchor} $GIB_ARG"
 
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
@@ -102,12 +102,12 @@ part_gputests() {
 }
 
 part_smoke() {
-  $PY -m safe_ckpt.bench --gib 1 --reps 3 --peer-reps 1 --targets "$SHM" --cache cold --count-h2d --ceiling-beside-d2h \
+  $PY -m safe_ckpt_lab.bench --gib 1 --reps 3 --peer-reps 1 --targets "$SHM" --cache cold --count-h2d --ceiling-beside-d2h \
     --peers safe_sync,safe_async,safe_sync_nosum,safe_sync_tensorstore,megatron_sync,megatron_async,dcp_sync,dcp_async_pinned \
     --label "H200 1 GiB, memcpy counts" --out "$RES/bench_smoke" > "$RES/bench_smoke.log" 2>&1
   grep '^|' "$RES/bench_smoke.md" | head -12
   # slime's launch shape: the harness as a Ray actor holding the GPU
-  $PY -m safe_ckpt.bench --ray-actors 1 --gib 1 --reps 3 --peer-reps 1 --targets "$SHM" \
+  $PY -m safe_ckpt_lab.bench --ray-actors 1 --gib 1 --reps 3 --peer-reps 1 --targets "$SHM" \
     --peers safe_sync,safe_async,dcp_sync --label "H200 1 GiB, one Ray actor" --out "$RES/bench_ray" \
     > "$RES/bench_ray.log" 2>&1
   tail -2 "$RES/bench_ray.log"; grep '^|' "$RES/bench_ray.md" | head -6
@@ -241,7 +241,7 @@ part_mixes() {
     --label "H200 ${PRESET:-anchor} one rank, host-resident optimizer state" --out "$RES/bench_mixes" \
     > "$RES/bench_mixes.log" 2>&1
   tail -2 "$RES/bench_mixes.log"; grep '^|' "$RES/bench_mixes.md"
-  $PY -m safe_ckpt.bench --preset qwen3-4b-dp8 --reps 3 --peer-reps 2 --targets "$SHM" --cache cold \
+  $PY -m safe_ckpt_lab.bench --preset qwen3-4b-dp8 --reps 3 --peer-reps 2 --targets "$SHM" --cache cold \
     --threads ${THREADS:-8} --residences gpu --peers safe_sync,safe_async,megatron_sync,dcp_sync \
     --label "H200 qwen3-4b-dp8 one rank" --out "$RES/bench_qwen" > "$RES/bench_qwen.log" 2>&1
   tail -2 "$RES/bench_qwen.log"; grep '^|' "$RES/bench_qwen.md"
@@ -251,7 +251,7 @@ part_mixes() {
 # `--ray-actors N` instead of torchrun, with Ray carried as in the tests part.)
 part_bench2() {
   NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
-  $PY -m torch.distributed.run --nproc-per-node "$NGPU" -m safe_ckpt.bench --preset ${PRESET:-anchor} $GIB_ARG \
+  $PY -m torch.distributed.run --nproc-per-node "$NGPU" -m safe_ckpt_lab.bench --preset ${PRESET:-anchor} $GIB_ARG \
     --reps ${REPS:-3} --peer-reps ${PEER_REPS:-3} --targets "$SHM,$DISK" --cache cold --residences gpu \
     --threads ${THREADS:-8} \
     --peers ${PEERS:-all} --label "${NGPU}x H200 ${PRESET:-anchor}" --out "$RES/bench_h200x$NGPU" > "$RES/bench2.log" 2>&1
@@ -289,7 +289,7 @@ part_node() {
       creps=${CEILING_REPS:-$([ $fs = tmpfs ] && echo 3 || echo 2)}
       prefix="$RES/node_${fs}_${n}ranks${NODE_TAG:+_$NODE_TAG}"
       t0=$(date +%s)
-      $PY -m torch.distributed.run --standalone --nproc-per-node "$n" -m safe_ckpt.bench --preset "$preset" $size \
+      $PY -m torch.distributed.run --standalone --nproc-per-node "$n" -m safe_ckpt_lab.bench --preset "$preset" $size \
         --reps ${REPS:-3} --peer-reps ${PEER_REPS:-1} --targets "$tgt" --cache cold --peer-cache cold \
         --residences gpu --threads ${THREADS:-0} $budget --ceiling-each-rep --ceiling-reps "$creps" $beside \
         --peers ${PEERS:-safe_sync,safe_async,dcp_sync,dcp_async_pinned,megatron_sync,megatron_async} \
@@ -300,7 +300,7 @@ part_node() {
       if [ $rc -ne 0 ]; then
         grep -v -i warn "$prefix.log" | tail -4 | cut -c1-300
         if [ -e "$prefix.meta.json" ] && [ ! -e "$prefix.md" ]; then  # cut short: its report from its rows
-          python3 -m safe_ckpt.bench --rebuild "$prefix" > "$prefix.rebuilt.log" 2>&1
+          python3 -m safe_ckpt_lab.bench --rebuild "$prefix" > "$prefix.rebuilt.log" 2>&1
           echo "  report rebuilt from its recorded rows:"
           grep -E '^(node|goals) N=' "$prefix.rebuilt.log" | cut -c1-700
           tar -czf "$OUT/results.tgz" -C "$RES" .

@@ -2,7 +2,7 @@
 
 What it measures, in one run on one host (N ranks joined by gloo, one process each; on a GPU
 host every rank's templates live on the GPU it is given, `--share-gpu` puts all on device 0):
-- the state of `safe_ckpt.bench.state` (presets `anchor`, 8.6 GiB at full size, 20 shards, and
+- the state of `safe_ckpt_lab.bench.state` (presets `anchor`, 8.6 GiB at full size, 20 shards, and
   `qwen3-4b-dp8`, one of 8 data-parallel ranks of Qwen3-4B, 1217 shards), saved once by
   safe_ckpt into `--target`, then loaded into fresh templates of the same layout (`empty_like`
   of every shard: GPU tensors on a GPU host, else host memory, pinned with `--pin`) by
@@ -127,7 +127,7 @@ def _measure(rank: int, world: int, args) -> dict:
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     import safe_ckpt
-    from safe_ckpt.bench.state import build
+    from safe_ckpt_lab.bench.state import build
 
     cuda = torch.cuda.is_available()
     if cuda:

@@ -49,7 +49,7 @@ def qwen_state(rank: int, world: int) -> dict:
     """The qwen3-4b-dp8 preset's sharded state for ``rank`` of ``world``, contents untouched."""
     from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
 
-    from safe_ckpt.bench import state as bench_state
+    from safe_ckpt_lab.bench import state as bench_state
 
     pieces = [(key, n, torch.bfloat16) for key, n in bench_state._weights_spec("qwen3-4b-dp8", 1.0, 8)]
     prefix = "optimizer.distributed.dp_group_idx_0.gbuf_idx_0.dtype_(torch.bfloat16, torch.float32)"

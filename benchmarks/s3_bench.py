@@ -139,7 +139,7 @@ def main(argv=None) -> int:
         return 0
 
     sys.path.insert(0, ROOT)
-    from safe_ckpt.bench.machine import machine
+    from safe_ckpt_lab.bench.machine import machine
     from tests.s3server import start_server
 
     load_before = os.getloadavg()

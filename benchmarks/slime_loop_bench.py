@@ -107,7 +107,7 @@ def tree_bytes(path: str) -> int:
 
 def write_ceiling_s(target: str, nbytes: int, source, threads: list[int]) -> dict:
     """Seconds to write ``nbytes`` of ``source`` into ``target`` with fsync: best thread count."""
-    from safe_ckpt.bench import ceilings
+    from safe_ckpt_lab.bench import ceilings
 
     by_threads = {t: ceilings.write_seconds(target, nbytes, t, reps=1, source=source) for t in threads}
     best = min(by_threads, key=by_threads.get)
@@ -171,7 +171,7 @@ def run_rounds(opts, out, args, model, optimizer, scheduler, iteration, tms, gro
     def tweak_source():
         nonlocal source
         if source is None:
-            from safe_ckpt.bench import ceilings
+            from safe_ckpt_lab.bench import ceilings
 
             source = ceilings.source_buffer(state_bytes)
         return source

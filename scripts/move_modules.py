@@ -130,13 +130,28 @@ def rewrite_python(text: str, new_module: str, is_pkg: bool, mapping: dict[str, 
                 groups.append((parent, [entry]))
         if changed:
             keep_relative = new_pkg if node.level else None
-            body = "\n".join(render(m, names, keep_relative, indent) for m, names in groups) + "\n"
-            edits.append((node.lineno, node.end_lineno, body))
+            if len(groups) == 1 and [(a.name, a.asname or a.name) for a in node.names] == \
+                    [(n, a or n) for n, a in groups[0][1]] and \
+                    (relative(groups[0][0], new_pkg) if node.level else groups[0][0]) == \
+                    ("." * node.level + (node.module or "") if node.level else node.module):
+                continue  # the same text resolves to the same module from the new place: keep it as written
+            comment = _trailing_comment(lines[node.lineno - 1:node.end_lineno])
+            body = "\n".join(render(m, names, keep_relative, indent) for m, names in groups)
+            edits.append((node.lineno, node.end_lineno, body + (f"  {comment}" if comment else "") + "\n"))
     # every line outside an import statement: dotted and path names
     lines = [line if i in spans else rewrite_dotted(line, mapping) for i, line in enumerate(lines)]
     for start, end, new in sorted(edits, reverse=True):
         lines[start - 1:end] = [new]
     return "".join(lines)
+
+
+def _trailing_comment(source_lines: list[str]) -> str:
+    """The first `# ...` comment on an import statement's lines (a `noqa` must survive the rewrite)."""
+    for line in source_lines:
+        code, sep, comment = line.partition("#")
+        if sep and code.count('"') % 2 == 0 and code.count("'") % 2 == 0:
+            return "#" + comment.rstrip("\n").rstrip()
+    return ""
 
 
 def rewrite_dotted(text: str, mapping: dict[str, str]) -> str:

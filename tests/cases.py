@@ -12,7 +12,7 @@ import os
 import torch
 
 import safe_ckpt
-from safe_ckpt.synthetic import StateSpec, bits_equal, build_state, reference_tensors
+from safe_ckpt_lab.synthetic import StateSpec, bits_equal, build_state, reference_tensors
 from tests.mp import describe_exception
 
 SMALL = dict(hidden=64, ffn=256, vocab=512, layers=2, seq=32, buckets=2, bucket_numel=20_000, pieces_per_rank=3)

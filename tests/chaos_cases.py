@@ -29,7 +29,7 @@ KEEP_LAST = 2
 
 def spec_for(iteration: int, version: int = 0):
     """The state saved as ``iteration``; ``version`` counts re-saves of that iteration."""
-    from safe_ckpt.synthetic import StateSpec
+    from safe_ckpt_lab.synthetic import StateSpec
     from tests.cases import SMALL
 
     return replace(StateSpec(**SMALL), seed=7919 * iteration + 1 + 104729 * version)
@@ -220,7 +220,7 @@ def _save(rank, world, root, iteration, fault, gate, timeout_s, version=0) -> di
 
     from safe_ckpt.megatron import save_state
     from safe_ckpt.retention import Retention
-    from safe_ckpt.synthetic import build_state, reference_tensors
+    from safe_ckpt_lab.synthetic import build_state, reference_tensors
 
     spec = spec_for(iteration, version)
     state = build_state(rank, world, tp=world, spec=spec, references=reference_tensors(spec, world))
@@ -234,7 +234,7 @@ def _save(rank, world, root, iteration, fault, gate, timeout_s, version=0) -> di
 def _load(rank, world, directory, iteration, version=0) -> dict:
     from megatron.core import dist_checkpointing
 
-    from safe_ckpt.synthetic import build_state, reference_tensors
+    from safe_ckpt_lab.synthetic import build_state, reference_tensors
     from tests.cases import compare_loaded
 
     spec = spec_for(iteration, version)
@@ -280,7 +280,7 @@ def intruder_main(commands, results) -> None:
     """A process outside the world (no torch.distributed) that saves a different state under
     the same iteration's name while the world's save of it is held mid-write."""
     from safe_ckpt.megatron import save_state
-    from safe_ckpt.synthetic import build_state, reference_tensors
+    from safe_ckpt_lab.synthetic import build_state, reference_tensors
     from tests.cases import small_options
 
     results.put(("intruder", "ready", {"pid": os.getpid()}))

@@ -7,8 +7,8 @@ import os
 import torch
 
 import safe_ckpt
-from safe_ckpt.bench.measure import RssPeak, host_alloc_bytes
-from safe_ckpt.synthetic import StateSpec, build_state, reference_tensors
+from safe_ckpt_lab.bench.measure import RssPeak, host_alloc_bytes
+from safe_ckpt_lab.synthetic import StateSpec, build_state, reference_tensors
 from tests.cases import SMALL, compare_loaded, small_options
 from tests.mp import describe_exception
 
@@ -206,7 +206,7 @@ def memory_saver_pause(rank, world, root) -> dict:
     from megatron.core.dist_checkpointing import ShardedTensor
     from torch_memory_saver import torch_memory_saver as tms
 
-    from safe_ckpt.synthetic import bits_equal
+    from safe_ckpt_lab.synthetic import bits_equal
 
     torch.cuda.set_device(0)
     tms.hook_mode = "torch"
@@ -362,7 +362,7 @@ def bench_device_copy(rank, world, root) -> dict:
     change behind 0.2 s of GPU work, it must wait for that work; and that ceiling beside writes."""
     import threading
 
-    from safe_ckpt.bench import ceilings
+    from safe_ckpt_lab.bench import ceilings
 
     g = torch.Generator(device="cuda").manual_seed(21)
     sources = [torch.randn(1000, 37, device="cuda", generator=g).to(torch.bfloat16),

@@ -144,7 +144,7 @@ def run(rank, world, root, variant, mode) -> dict:
     elif mode == "save":
         out["losses"] = _train(model, optimizer, scheduler, 0, FIRST)
         out["opt_digest"] = evidence(opt_digest, optimizer, scheduler)  # the state both checkpoints hold
-        from safe_ckpt.bench.measure import count_memcpy
+        from safe_ckpt_lab.bench.measure import count_memcpy
 
         # The whole drop-in (Megatron's own state-dict construction included) under the profiler.
         out["save_memcpy"] = count_memcpy(lambda: safe_megatron.save_checkpoint(

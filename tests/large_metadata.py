@@ -20,7 +20,7 @@ PREFIX = "optimizer.distributed.dp_group_idx_0.gbuf_idx_0.dtype_(torch.bfloat16,
 
 def pieces(world: int = 8, shrink: int = 1) -> list[tuple[str, list[int], torch.dtype]]:
     """(key, this rank's piece sizes, dtype) of the preset, sizes divided by ``shrink`` (at least 1)."""
-    from safe_ckpt.bench import state as bench_state
+    from safe_ckpt_lab.bench import state as bench_state
 
     out = [(key, [max(1, n // shrink)], torch.bfloat16) for key, n in bench_state._weights_spec("qwen3-4b-dp8", 1.0, world)]
     for b, sizes in enumerate(bench_state._bucket_pieces("qwen3-4b-dp8", 1.0, world)):

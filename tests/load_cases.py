@@ -12,7 +12,7 @@ import torch
 
 import safe_ckpt
 from safe_ckpt import compat, names
-from safe_ckpt.synthetic import StateSpec, bits_equal, build_state, reference_tensors
+from safe_ckpt_lab.synthetic import StateSpec, bits_equal, build_state, reference_tensors
 from tests.cases import SMALL, compare_loaded, small_options
 from tests.mp import describe_exception
 

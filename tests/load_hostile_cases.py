@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 import safe_ckpt
 from safe_ckpt.names import MANIFEST_FILE
-from safe_ckpt.synthetic import StateSpec, build_state, reference_tensors
+from safe_ckpt_lab.synthetic import StateSpec, build_state, reference_tensors
 from tests.cases import SMALL, compare_loaded, small_options
 from tests.load_cases import load_options
 from tests.mp import describe_exception

@@ -13,7 +13,7 @@ from argparse import Namespace
 import numpy as np
 import torch
 
-from safe_ckpt.synthetic import StateSpec, bits_equal, build_state, reference_tensors
+from safe_ckpt_lab.synthetic import StateSpec, bits_equal, build_state, reference_tensors
 from tests.cases import SMALL
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from safe_ckpt.synthetic import StateSpec, build_state, reference_tensors
+from safe_ckpt_lab.synthetic import StateSpec, build_state, reference_tensors
 from tests.cases import SMALL, compare_loaded, small_options
 from tests.mp import describe_exception
 

@@ -42,7 +42,7 @@ def matches(path: str, seed: int, world: int) -> bool:
     """Whether the checkpoint at ``path`` loads (stock DCP) bit-exact as save ``seed`` wrote it."""
     import torch.distributed.checkpoint as dcp
 
-    from safe_ckpt.synthetic import bits_equal
+    from safe_ckpt_lab.synthetic import bits_equal
 
     out = {f"w{i}": torch.empty(ROWS * world, COLS) for i in range(TENSORS)}
     from torch.distributed.checkpoint.api import CheckpointException

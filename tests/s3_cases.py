@@ -13,7 +13,7 @@ import time
 import torch
 
 import safe_ckpt
-from safe_ckpt.synthetic import StateSpec, bits_equal, build_state, reference_tensors
+from safe_ckpt_lab.synthetic import StateSpec, bits_equal, build_state, reference_tensors
 from tests.cases import SMALL, compare_common, compare_loaded, load_whole_with_dcp, small_options
 from tests.mp import describe_exception
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from safe_ckpt.bench import report
+from safe_ckpt_lab.bench import report
 
 GB = 10**9
 
@@ -51,7 +51,7 @@ def test_a_run_without_round_names_reports_no_paired_ratio():
 
 
 def test_runs_per_row_as_asked_or_as_recorded():
-    from safe_ckpt.bench.report import _runs_line
+    from safe_ckpt_lab.bench.report import _runs_line
 
     meta = {"reps": 3, "peer_reps": 1}
     full = [{"peer": "safe_sync", "runs": 3}, {"peer": "safe_async", "runs": 3}, {"peer": "dcp_sync", "runs": 1}]

@@ -11,7 +11,7 @@ import pytest
 @pytest.mark.slow  # the whole bench command (~20 s); its parts are tested in the default run
 def test_bench_harness_smoke(tmp_path):
     out = tmp_path / "bench"
-    cmd = [sys.executable, "-m", "safe_ckpt.bench", "--gib", "0.03", "--reps", "2", "--peer-reps", "1",
+    cmd = [sys.executable, "-m", "safe_ckpt_lab.bench", "--gib", "0.03", "--reps", "2", "--peer-reps", "1",
            "--targets", str(tmp_path / "target"), "--cache", "cold,warm", "--peer-cache", "cold",
            "--peers", "safe_sync,safe_async,dcp_sync,megatron_sync,safe_sync_nosum", "--ceiling-each-rep",
            "--ceiling-beside-d2h",
@@ -66,7 +66,7 @@ def test_bench_harness_smoke(tmp_path):
     assert not any("nosum" in k for k in report["meta"]["verified"])  # only the peers --verify names
     # a run cut short keeps its rows and meta: the report can be rebuilt from them alone
     (tmp_path / "bench.md").unlink()
-    proc = subprocess.run([sys.executable, "-m", "safe_ckpt.bench", "--rebuild", str(out)], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "safe_ckpt_lab.bench", "--rebuild", str(out)], capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rebuilt = (tmp_path / "bench.md").read_text()
@@ -106,7 +106,7 @@ def test_bench_ranks_of_one_host_with_torchrun_on_library_defaults(tmp_path, wor
     import os
 
     report = _multi_rank(tmp_path, [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
-                                    "-m", "safe_ckpt.bench"], world, threads="0")
+                                    "-m", "safe_ckpt_lab.bench"], world, threads="0")
     meta = report["meta"]
     assert meta["launcher"] == "torchrun" and meta["ranks_on_host"] == world and meta["safe_defaults"]
     cores = len(os.sched_getaffinity(0))
@@ -131,7 +131,7 @@ def test_bench_ranks_of_one_host_with_torchrun_on_library_defaults(tmp_path, wor
 @pytest.mark.slow
 def test_bench_two_ranks_with_torchrun(tmp_path):
     report = _multi_rank(tmp_path, [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                                    "-m", "safe_ckpt.bench"])
+                                    "-m", "safe_ckpt_lab.bench"])
     assert report["meta"]["launcher"] == "torchrun"
     assert report["meta"]["safe_options"]["gpu"]["io_threads"] == [2, 2] and report["meta"]["peer_threads"] == 2
 
@@ -139,7 +139,7 @@ def test_bench_two_ranks_with_torchrun(tmp_path):
 @pytest.mark.slow
 def test_bench_two_ray_actors(tmp_path):
     pytest.importorskip("ray")
-    report = _multi_rank(tmp_path, [sys.executable, "-m", "safe_ckpt.bench", "--ray-actors", "2"])
+    report = _multi_rank(tmp_path, [sys.executable, "-m", "safe_ckpt_lab.bench", "--ray-actors", "2"])
     assert report["meta"]["launcher"] == "ray"
 
 
@@ -230,7 +230,7 @@ def test_write_ceiling_beside_a_copy(tmp_path):
 
     import torch
 
-    from safe_ckpt.bench import ceilings
+    from safe_ckpt_lab.bench import ceilings
 
     src = torch.empty(64 << 20, dtype=torch.uint8).random_(generator=torch.Generator().manual_seed(2))
     dst = torch.empty_like(src)
@@ -275,7 +275,7 @@ def _beside_on_ranks(rank, world, target, fail_rank, fail_at):
     import torch
     import torch.distributed as dist
 
-    from safe_ckpt.bench import ceilings, run
+    from safe_ckpt_lab.bench import ceilings, run
 
     src = torch.empty(4 << 20, dtype=torch.uint8).random_(generator=torch.Generator().manual_seed(rank))
     dst = torch.empty_like(src)
@@ -330,8 +330,8 @@ def _verify_on_ranks(rank, world, target, fail_rank):
 
     import torch.distributed as dist
 
-    from safe_ckpt.bench import run, verify
-    from safe_ckpt.bench.state import build
+    from safe_ckpt_lab.bench import run, verify
+    from safe_ckpt_lab.bench.state import build
 
     real = verify._empty_like_sharded
 
@@ -448,7 +448,8 @@ def test_bench_fails_a_save_that_does_not_load_back(tmp_path, monkeypatch):
     import os
     import socket
 
-    from safe_ckpt.bench import peers, run
+    from safe_ckpt_lab.bench import main as bench_main
+    from safe_ckpt_lab.bench import peers
 
     real = peers.RUNNERS["safe_sync"]
 
@@ -474,7 +475,7 @@ def test_bench_fails_a_save_that_does_not_load_back(tmp_path, monkeypatch):
 
     try:
         with pytest.raises(RuntimeError, match=r"did not load back bit-exact.*safe_sync gpu .*rank 0: 1 differ"):
-            run.main(["--gib", "0.02", "--reps", "1", "--threads", "2", "--targets", str(tmp_path / "t"),
+            bench_main.main(["--gib", "0.02", "--reps", "1", "--threads", "2", "--targets", str(tmp_path / "t"),
                       "--peers", "safe_sync,safe_async", "--budget-gib", "0.1", "--out", str(out)])
     finally:  # the bench prepares this process's staging pool, as a training job would
         safe_ckpt.release_staging_pool()
@@ -492,7 +493,7 @@ def test_verify_compare_names_every_difference():
     import torch
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
-    from safe_ckpt.bench.verify import compare
+    from safe_ckpt_lab.bench.verify import compare
 
     g = torch.Generator().manual_seed(5)
     a, b = torch.randn(64, generator=g), torch.randn(8, 8, generator=g).to(torch.bfloat16)
@@ -519,8 +520,9 @@ def test_bench_peer_with_its_own_thread_count(tmp_path, monkeypatch, capsys):
     no target is on."""
     import socket
 
-    from safe_ckpt.bench import peers, run
-    from safe_ckpt.bench.machine import fs_type
+    from safe_ckpt_lab.bench import main as bench_main
+    from safe_ckpt_lab.bench import peers
+    from safe_ckpt_lab.bench.machine import fs_type
 
     seen = []
     real = peers.RUNNERS["dcp_sync"]
@@ -535,16 +537,16 @@ def test_bench_peer_with_its_own_thread_count(tmp_path, monkeypatch, capsys):
                       ("dcp_sync@08", "whole number >= 1"), ("dcp_sync@\u00b2", "whole number >= 1"),
                       ("megatron_sync@4", "takes no thread count"), ("nope@3", "unknown peer")):
         with pytest.raises(SystemExit):
-            run.main(["--peers", f"safe_sync,{bad}", *small])
+            bench_main.main(["--peers", f"safe_sync,{bad}", *small])
         err = capsys.readouterr().err
         assert said in err and repr(bad) in err, err
         with pytest.raises(ValueError, match=said):
             peers.resolve(bad)
     with pytest.raises(SystemExit):  # --verify names are checked the same way
-        run.main(["--peers", "safe_sync", "--verify", "safe_sync@0", *small])
+        bench_main.main(["--peers", "safe_sync", "--verify", "safe_sync@0", *small])
     assert "safe_sync@0" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # a filesystem no target is on would measure no ceiling beside the copies
-        run.main(["--peers", "safe_sync", "--ceiling-beside-d2h", "tmfps", *small])
+        bench_main.main(["--peers", "safe_sync", "--ceiling-beside-d2h", "tmfps", *small])
     err = capsys.readouterr().err
     assert "--ceiling-beside-d2h tmfps: no target is on it" in err and fs_type(str(tmp_path)) in err, err
     assert not seen and not (tmp_path / "never").exists()
@@ -556,7 +558,7 @@ def test_bench_peer_with_its_own_thread_count(tmp_path, monkeypatch, capsys):
     import safe_ckpt
 
     try:
-        run.main(["--gib", "0.02", "--reps", "1", "--threads", "2", "--targets", str(tmp_path / "t"),
+        bench_main.main(["--gib", "0.02", "--reps", "1", "--threads", "2", "--targets", str(tmp_path / "t"),
                   "--peers", "dcp_sync,dcp_sync@3,safe_sync@3", "--verify", "none", "--budget-gib", "0.1",
                   "--out", str(tmp_path / "bench")])
     finally:  # the bench prepares this process's staging pool, as a training job would
@@ -683,7 +685,7 @@ def test_one_run_over_tmpfs_and_disk_measures_the_beside_ceiling_on_tmpfs_only(t
         pytest.skip("no /dev/shm")
     shm = f"/dev/shm/safe_ckpt_test_{os.getpid()}"
     out = tmp_path / "bench"
-    cmd = [sys.executable, "-m", "safe_ckpt.bench", "--gib", "0.005", "--reps", "1", "--targets",
+    cmd = [sys.executable, "-m", "safe_ckpt_lab.bench", "--gib", "0.005", "--reps", "1", "--targets",
            f"{shm},{tmp_path / 'disk'}", "--peers", "safe_sync", "--verify", "none", "--ceiling-beside-d2h",
            "tmpfs", "--out", str(out)]
     try:

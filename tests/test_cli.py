@@ -167,7 +167,7 @@ def test_inspect_and_verify_print_no_megatron_import_noise(ckpt):
 
 def _synthetic_save(path, content_metadata=None, sharding_in_common=None, optimizer=True):
     from safe_ckpt.megatron import save_state
-    from safe_ckpt.synthetic import StateSpec, build_state
+    from safe_ckpt_lab.synthetic import StateSpec, build_state
 
     spec = StateSpec(hidden=16, ffn=32, vocab=64, layers=2, seq=8, buckets=2, bucket_numel=500, pieces_per_rank=2)
     state = build_state(0, 1, tp=1, spec=spec)

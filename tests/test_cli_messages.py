@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import safe_ckpt
-from safe_ckpt import cli, cli_output
+from safe_ckpt import cli
+from safe_ckpt.cli import output as cli_output
 from tests.test_cli import OPTS, _cli, _save_root, _state
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -52,7 +53,7 @@ def test_the_library_remedies_the_command_line_rewords_are_still_worded_so():
     sources = ""
     for directory, _, names in os.walk(os.path.join(ROOT, "safe_ckpt")):
         for name in names:
-            if name.endswith(".py") and name not in ("cli.py", "cli_output.py"):
+            if name.endswith(".py") and os.path.basename(directory) != "cli":
                 with open(os.path.join(directory, name)) as f:
                     sources += re.sub(r'"\s*\n\s*f?"', "", f.read())  # implicit concatenation joined
     for pattern, flag in cli_output._CLI_WORDS:
@@ -176,6 +177,40 @@ def _on_a_terminal(*argv):
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         rc = cli.main(list(argv))
     return rc, out.getvalue(), err.getvalue()
+
+
+def test_demo_and_bench_without_the_lab_say_where_it_is_in_one_line(tmp_path, monkeypatch, capsys):
+    """An installation without the lab (a wheel of the library alone, not a clone): `demo` and
+    `bench` exit 2 with one line naming the lab and the remedy, no traceback."""
+    import sys
+
+    from safe_ckpt.cli import lab
+
+    for name in ["safe_ckpt_lab", *[m for m in sys.modules if m.startswith("safe_ckpt_lab.")]]:
+        monkeypatch.setitem(sys.modules, name, None)  # not importable, as where it is not installed
+    monkeypatch.setattr(lab, "clone_root", lambda: tmp_path)  # and no clone around this package
+    for argv in (["demo"], ["bench", "--help"]):
+        assert cli.main(argv) == 2
+        line = _one_clean_line(capsys.readouterr().err)
+        assert line == (f"safe-ckpt {argv[0]}: error: `safe-ckpt {argv[0]}` runs the lab kept in safe_ckpt's "
+                        "source repository (safe_ckpt_lab/), which this installation does not include; run it "
+                        "from a clone (pip install -e .)"), line
+
+
+def test_the_lab_is_found_beside_the_package_in_a_clone(monkeypatch):
+    """A clone whose lab is not on the path (an editable install made before the lab was a
+    package of its own): `demo` and `bench` still find it beside `safe_ckpt`."""
+    import pathlib
+    import sys
+
+    from safe_ckpt.cli import lab
+
+    repo = pathlib.Path(ROOT).resolve()
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p and pathlib.Path(p).resolve() != repo])
+    for name in [m for m in sys.modules if m == "safe_ckpt_lab" or m.startswith("safe_ckpt_lab.")]:
+        monkeypatch.delitem(sys.modules, name)
+    demo = lab.lab_module("demo", "demo")
+    assert pathlib.Path(demo.__file__).resolve() == repo / "safe_ckpt_lab" / "demo.py"
 
 
 def test_long_commands_show_one_progress_line_on_a_terminal(ckpt, tmp_path, monkeypatch):

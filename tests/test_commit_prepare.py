@@ -8,7 +8,7 @@ import torch
 
 import safe_ckpt
 from safe_ckpt import commit_files
-from safe_ckpt.synthetic import bits_equal
+from safe_ckpt_lab.synthetic import bits_equal
 from tests.hooked_sink import HookedSink
 
 

@@ -3,9 +3,9 @@
 import os
 import re
 
-from safe_ckpt import demo
-from safe_ckpt.bench.machine import fs_type
-from safe_ckpt.synthetic import StateSpec
+from safe_ckpt_lab import demo
+from safe_ckpt_lab.bench.machine import fs_type
+from safe_ckpt_lab.synthetic import StateSpec
 
 
 def _lines(text: str) -> str:

@@ -11,7 +11,7 @@ import torch
 import safe_ckpt
 from safe_ckpt.sinks.posix import PosixSink
 from safe_ckpt.staging.dispatch import Dispatch
-from safe_ckpt.synthetic import bits_equal
+from safe_ckpt_lab.synthetic import bits_equal
 from tests.hooked_sink import HookedSink
 
 

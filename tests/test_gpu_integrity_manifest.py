@@ -21,7 +21,7 @@ def gpu_integrity(rank, world, root) -> dict:
     from safe_ckpt import compat
     from safe_ckpt.integrity import GRID_PREFIX, Manifest
     from safe_ckpt.names import MANIFEST_FILE
-    from safe_ckpt.synthetic import StateSpec, build_state, reference_tensors
+    from safe_ckpt_lab.synthetic import StateSpec, build_state, reference_tensors
     from tests.cases import small_options
     from tests.gpu_cases import GPU_SPEC
     from tests.megatron_cases import _stock_verified_load, megatron_integrity_json

@@ -25,7 +25,7 @@ def _names(s3_server, iteration: int) -> list[str]:
 
 
 def _loads_bit_exact(spec, iteration: int, tmp_path) -> bool:
-    from safe_ckpt.synthetic import StateSpec, bits_equal, reference_tensors
+    from safe_ckpt_lab.synthetic import StateSpec, bits_equal, reference_tensors
     from safe_ckpt.tools.copy import copy
     from tests.cases import load_whole_with_dcp
 

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from safe_ckpt.bench.measure import RssPeak
+from safe_ckpt_lab.bench.measure import RssPeak
 
 MiB = 1 << 20
 

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from safe_ckpt.bench import ceilings, goals, node, report
+from safe_ckpt_lab.bench import ceilings, goals, node, report
 
 GB = 10**9
 
@@ -20,7 +20,7 @@ def _node_parts(rank, world, root):
 
     import torch.distributed as dist
 
-    from safe_ckpt.bench.run import _everyone
+    from safe_ckpt_lab.bench.run import _everyone
 
     group = dist.new_group(backend="gloo")
     copying = dist.new_group([0, 1], backend="gloo", timeout=datetime.timedelta(seconds=30))
@@ -208,7 +208,7 @@ def test_a_save_reports_what_it_resolved(tmp_path):
     """What a save used where its options left them to the defaults, as the bench records per rank."""
     import safe_ckpt
     from safe_ckpt import cpu
-    from safe_ckpt.bench.state import build
+    from safe_ckpt_lab.bench.state import build
 
     state = build("anchor", 0.001, "gpu", 0, 1)
     result = safe_ckpt.save(state.make_sharded(), str(tmp_path / "a"), options=safe_ckpt.SaveOptions(
@@ -240,7 +240,7 @@ def test_the_report_says_who_set_the_writers_and_who_the_pool():
 def test_rebuild_reads_a_meta_recorded_before_the_budget_was_kept(tmp_path):
     import json
 
-    from safe_ckpt.bench import run
+    from safe_ckpt_lab.bench import run
 
     meta = {**_meta(), "threads": 0, "safe_defaults": True, "peer_threads": 8, "label": "old run"}
     meta["staging_pool"]["gpu"] = {"bytes": 1 << 30, "pinned": True}  # its key before it ended in _bytes
@@ -264,7 +264,7 @@ def _aligned_ceilings(rank, world, root, fail_at):
 
     import torch.distributed as dist
 
-    from safe_ckpt.bench import collective
+    from safe_ckpt_lab.bench import collective
 
     group = dist.new_group(backend="gloo")
     times = {0: [1.0, 5.0, 5.0], 1: [5.0, 5.0, 1.0]}[rank]
@@ -313,7 +313,7 @@ def _fresh_on_ranks(rank, world, root):
 
     import torch.distributed as dist
 
-    from safe_ckpt.bench import peers
+    from safe_ckpt_lab.bench import peers
 
     removed = []
     real = shutil.rmtree

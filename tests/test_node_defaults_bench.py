@@ -1,7 +1,7 @@
 """Where the benchmark puts a host's ranks: one per GPU where there are enough, else sharing
 the GPUs over a gloo-only group (NCCL refuses two ranks on one device)."""
 
-from safe_ckpt.bench.run import Placement, placement
+from safe_ckpt_lab.bench.run import Placement, placement
 
 
 def test_one_rank_per_gpu_where_there_are_enough():

@@ -13,7 +13,7 @@ import torch
 import safe_ckpt
 from safe_ckpt.plan.records import Box, RankPlan, ShardRef
 from safe_ckpt.plan.validate import validate
-from safe_ckpt.synthetic import bits_equal
+from safe_ckpt_lab.synthetic import bits_equal
 from tests.mp import describe_exception, run_world, values
 
 

@@ -166,7 +166,7 @@ def test_pool_calls_on_wait_only_before_a_real_wait_and_outside_its_lock():
 
 
 def _vm_flags(address: int) -> list[str]:
-    from safe_ckpt.bench.measure import mapping_of
+    from safe_ckpt_lab.bench.measure import mapping_of
 
     return mapping_of(address)["VmFlags"].split()
 
@@ -206,7 +206,7 @@ def test_checksum_threads_beside_the_writers_only_while_cores_are_spare(monkeypa
 
 
 def test_write_ceiling_thread_counts_include_one_writer_per_core(monkeypatch):
-    from safe_ckpt.bench import ceilings
+    from safe_ckpt_lab.bench import ceilings
 
     monkeypatch.setattr(ceilings.os, "sched_getaffinity", lambda pid: set(range(16)))
     assert ceilings.thread_counts(8) == [8, 16] and ceilings.thread_counts(16) == [16]

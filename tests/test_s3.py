@@ -38,7 +38,7 @@ def _dcp_whole(local_dir):
 
 
 def _assert_bits(whole, refs):
-    from safe_ckpt.synthetic import bits_equal
+    from safe_ckpt_lab.synthetic import bits_equal
 
     assert set(whole) == set(refs)
     bad = [k for k in refs if not bits_equal(whole[k], refs[k])]

@@ -11,7 +11,7 @@ import torch
 import safe_ckpt
 from safe_ckpt.sinks.faults import Fault, FaultySink
 from safe_ckpt.sinks.posix import PosixSink
-from safe_ckpt.synthetic import bits_equal
+from safe_ckpt_lab.synthetic import bits_equal
 
 
 def _st(key, data, global_shape=None, offset=None, **kw):

@@ -14,7 +14,7 @@ from safe_ckpt.megatron import save_state
 from safe_ckpt.retention import Retention
 from safe_ckpt.sinks.faults import Fault, FaultySink
 from safe_ckpt.sinks.posix import PosixSink
-from safe_ckpt.synthetic import bits_equal
+from safe_ckpt_lab.synthetic import bits_equal
 from safe_ckpt.tools.verify import verify
 
 FAULTS = [

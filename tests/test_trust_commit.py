@@ -20,7 +20,7 @@ import torch
 import safe_ckpt
 from safe_ckpt import claim, commit, names
 from safe_ckpt.sinks.posix import PosixSink
-from safe_ckpt.synthetic import bits_equal
+from safe_ckpt_lab.synthetic import bits_equal
 from safe_ckpt.tools import gc as gc_tool
 from tests.hooked_sink import HookedSink
 from tests.mp import describe_exception, run_world, values

@@ -11,7 +11,7 @@ import time
 import torch
 
 import safe_ckpt
-from safe_ckpt.synthetic import bits_equal
+from safe_ckpt_lab.synthetic import bits_equal
 from tests.hooked_sink import HookedSink
 from tests.mp import describe_exception
 

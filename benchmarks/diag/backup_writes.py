@@ -1,5 +1,5 @@
 """Where a save from torch_memory_saver's CPU backup loses time on tmpfs: the same write loop as
-the write ceiling (`safe_ckpt.bench.ceilings.write_seconds`: one file per thread, 64 MiB pwrites,
+the write ceiling (`safe_ckpt_lab.bench.ceilings.write_seconds`: one file per thread, 64 MiB pwrites,
 fsync), run from different host memory, and a trace of the save's own item writes.
 
 - `source_of(kind, nbytes)`: seeded random bytes in pageable memory (``pageable``, the ceiling's
@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from safe_ckpt.bench.ceilings import run_lanes
+from safe_ckpt_lab.bench.ceilings import run_lanes
 
 
 def source_of(kind: str, nbytes: int):

@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from safe_ckpt.bench.ceilings import copy_to_host, run_lanes
+from safe_ckpt_lab.bench.ceilings import copy_to_host, run_lanes
 from safe_ckpt.integrity import checksum_of
 from safe_ckpt.staging.views import host_memoryview
 

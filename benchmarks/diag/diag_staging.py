@@ -19,7 +19,7 @@ import time
 import torch
 
 import safe_ckpt
-from safe_ckpt.bench.state import build
+from safe_ckpt_lab.bench.state import build
 from safe_ckpt.staging import stager as stager_mod
 from safe_ckpt.staging.pool import shared_pool
 

@@ -37,11 +37,11 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from safe_ckpt.bench import peers  # noqa: E402
-from safe_ckpt.bench.run import _init_dist  # noqa: E402
-from safe_ckpt.bench.ceilings import copy_to_host, write_seconds  # noqa: E402
-from safe_ckpt.bench.measure import mapping_of  # noqa: E402
-from safe_ckpt.bench.state import build  # noqa: E402
+from safe_ckpt_lab.bench import peers
+from safe_ckpt_lab.bench.run import _init_dist
+from safe_ckpt_lab.bench.ceilings import copy_to_host, write_seconds
+from safe_ckpt_lab.bench.measure import mapping_of
+from safe_ckpt_lab.bench.state import build
 from safe_ckpt.staging import pool as poolmod  # noqa: E402
 
 KINDS = {"4k": False, "thp": True}
@@ -136,7 +136,7 @@ def main() -> None:
             line["stall_median_s"] = round(statistics.median(stalls[case]), 4)
         print(json.dumps(line), flush=True)
     if "safe_sync" in cases:
-        from safe_ckpt.bench import verify
+        from safe_ckpt_lab.bench import verify
 
         poolmod._shared["pool"] = pools["thp"]
         entry = verify.across_ranks(state, f"{args.target}/verify_thp",

@@ -66,7 +66,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from safe_ckpt.bench.state import build
+from safe_ckpt_lab.bench.state import build
 from safe_ckpt.integrity import checksum_of
 from safe_ckpt.sinks import posix
 from safe_ckpt.staging.pool import PinnedPool, shared_pool

@@ -30,7 +30,7 @@ import time
 import torch
 
 import safe_ckpt
-from safe_ckpt.bench.ceilings import run_lanes
+from safe_ckpt_lab.bench.ceilings import run_lanes
 
 
 def _state(items: int, numel: int, distinct: bool) -> dict:

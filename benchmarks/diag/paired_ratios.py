@@ -19,7 +19,7 @@ import os
 import statistics
 import sys
 
-from safe_ckpt.bench import report
+from safe_ckpt_lab.bench import report
 
 
 def _rounds(meta: dict, rows: list[dict], target: str) -> tuple[list[str] | None, str]:

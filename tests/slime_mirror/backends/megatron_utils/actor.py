@@ -168,7 +168,7 @@ class MegatronTrainRayActor:
         os.environ.update(WORLD_SIZE=str(world_size), RANK=str(rank), LOCAL_RANK="0")
 
     def get_master_addr_and_port(self):
-        from safe_ckpt.bench.ray_launch import host_rendezvous
+        from safe_ckpt_lab.bench.ray_launch import host_rendezvous
 
         return host_rendezvous()
 
@@ -180,7 +180,7 @@ class MegatronTrainRayActor:
         from megatron.core import mpu
         from megatron.training.global_vars import set_args
 
-        from safe_ckpt.synthetic import StateSpec, build_state
+        from safe_ckpt_lab.synthetic import StateSpec, build_state
         from tests.slime_mirror.utils.misc import load_function
 
         from tests.slime_mirror.utils.reloadable_process_group import register_default_process_group
@@ -545,7 +545,7 @@ class MegatronTrainRayActor:
         loaded with stock Megatron: the keys that differ (bit for bit)."""
         from megatron.core import dist_checkpointing
 
-        from safe_ckpt.synthetic import bits_equal, build_state
+        from safe_ckpt_lab.synthetic import bits_equal, build_state
 
         tp = self.args.tensor_model_parallel_size
         out = []
@@ -563,7 +563,7 @@ class MegatronTrainRayActor:
         Reads only the checkpoint and a freshly seeded CPU reference, so it works asleep too."""
         from megatron.core import dist_checkpointing
 
-        from safe_ckpt.synthetic import build_state
+        from safe_ckpt_lab.synthetic import build_state
         from tests.cases import compare_loaded
 
         tp = self.args.tensor_model_parallel_size

@@ -25,6 +25,8 @@ import shutil
 import tempfile
 import time
 
+from safe_ckpt.names import TRACKER_FILE, iteration_dir
+
 log = logging.getLogger("safe_ckpt.demo")
 
 MiB = 1 << 20
@@ -67,8 +69,8 @@ def _rank_main(rank: int, world_size: int, init_file: str, out_dir: str, size_mb
     import safe_ckpt
     from megatron.core import dist_checkpointing
     from safe_ckpt import commit
-    from safe_ckpt.bench import ceilings
-    from safe_ckpt.synthetic import StateSpec, bits_equal, build_state, reference_tensors
+    from safe_ckpt_lab.bench import ceilings
+    from safe_ckpt_lab.synthetic import StateSpec, bits_equal, build_state, reference_tensors
 
     # The demo prints its own summary; the library's per-save log lines would repeat it.
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s rank{rank} %(levelname)s %(message)s")
@@ -79,7 +81,7 @@ def _rank_main(rank: int, world_size: int, init_file: str, out_dir: str, size_mb
         refs = reference_tensors(spec, world_size)
         state = build_state(rank, world_size, tp=world_size, spec=spec, references=refs)
         plain = _dcp_tensors(state, rank)
-        ckpt = os.path.join(out_dir, f"iter_{ITERATION:07d}")
+        ckpt = os.path.join(out_dir, iteration_dir(ITERATION))
         ceiling_dir = os.path.join(out_dir, f".demo_write_ceiling_rank{rank}")
         dcp_dir = os.path.join(out_dir, ".demo_dcp")
         options = safe_ckpt.SaveOptions(io_threads=io_threads)
@@ -248,9 +250,9 @@ def _plural(n: int, word: str) -> str:
 
 def dispose(out_dir: str, keep: bool) -> str:
     """Keep the demo's checkpoint or remove its directory; the line that says which."""
-    ckpt = os.path.join(out_dir, f"iter_{ITERATION:07d}")
+    ckpt = os.path.join(out_dir, iteration_dir(ITERATION))
     if keep:
-        return (f"checkpoint kept: {ckpt} (tracker {os.path.join(out_dir, 'latest_checkpointed_iteration.txt')}); "
+        return (f"checkpoint kept: {ckpt} (tracker {os.path.join(out_dir, TRACKER_FILE)}); "
                 f"check it with: safe-ckpt verify {ckpt}")
     shutil.rmtree(out_dir, ignore_errors=True)
     return f"checkpoint removed with its temporary directory {out_dir}; pass --keep (or --out DIR) to keep it"
@@ -286,7 +288,7 @@ def main(world_size: int = 2, size_mb: int = 384, out: str | None = None, keep: 
         print(f"demo FAILED: {errors or 'a rank died'}")
         return 1
     r0 = per_rank[0]
-    ckpt = os.path.join(out_dir, f"iter_{ITERATION:07d}")
+    ckpt = os.path.join(out_dir, iteration_dir(ITERATION))
     mib = r0["bytes"] / MiB
     safe_s, ceil_s, dcp_s = (_rounds(per_rank, n) for n in ("safe_ckpt", "ceiling", "dcp"))
     ceil_mib = sum(v["rank_bytes"] // io_threads * io_threads for v in per_rank.values()) / MiB

@@ -9,6 +9,9 @@ from __future__ import annotations
 import os
 import socket
 
+from .args import parse
+from .run import run_here
+
 
 def host_rendezvous() -> tuple[str, int]:
     """Pick a free local port for rank 0's rendezvous and export it (MASTER_ADDR/PORT)."""
@@ -30,9 +33,7 @@ class BenchActor:
         return host_rendezvous()
 
     def run(self, argv: list[str]) -> str:
-        from .run import main
-
-        main(argv)
+        run_here(parse(argv))
         return "ok"
 
 

@@ -18,10 +18,10 @@ import sys
 import traceback
 import warnings
 
-from .cli_output import ProgressLine, cli_words
-from .progress import human_bytes
-from .names import HIDDEN, TRACKER_FILE
-from .version import __version__
+from .output import ProgressLine, cli_words
+from ..progress import human_bytes
+from ..names import HIDDEN, TRACKER_FILE
+from ..version import __version__
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -54,7 +54,7 @@ def quiet_megatron_import() -> None:
 
 
 def _located(path: str):
-    from .tools.locate import locate
+    from ..tools.locate import locate
 
     located = locate(path)
     if located.note():
@@ -64,7 +64,7 @@ def _located(path: str):
 
 def _kv_located(args: argparse.Namespace, target):
     """A kvstore argument's checkpoint prefix, following a save root's tracker (said on stderr)."""
-    from .tools import kvtools
+    from ..tools import kvtools
 
     located = kvtools.locate(target, args.request_timeout_s)
     if located.note():
@@ -76,7 +76,7 @@ def _kv_target(args: argparse.Namespace, path: str, spec_json: str | None = None
     """The kvstore target of a tool argument (None: a local directory); ``flag`` names the
     argument ``spec_json`` came from. The endpoint of an `s3://` URL: --endpoint, else the
     environment's, by the rule every entry point follows (`safe_ckpt.endpoints`)."""
-    from .endpoints import tool_target
+    from ..endpoints import tool_target
 
     spec = _json_arg(spec_json, flag)
     if spec is not None:
@@ -101,8 +101,8 @@ def _add_kv_arguments(p: argparse.ArgumentParser, spec: bool = True) -> None:
 def _verify(args: argparse.Namespace) -> int:
     import json
 
-    from .tools import kvtools
-    from .tools.verify import verify
+    from ..tools import kvtools
+    from ..tools.verify import verify
 
     target = _kv_target(args, args.directory, args.kvstore_spec)
     located = _located(args.directory) if target is None else _kv_located(args, target)
@@ -142,8 +142,8 @@ def _verify(args: argparse.Namespace) -> int:
 def _inspect(args: argparse.Namespace) -> int:
     import json
 
-    from .tools import kvtools
-    from .tools.inspect import inspect, to_text
+    from ..tools import kvtools
+    from ..tools.inspect import inspect, to_text
 
     target = _kv_target(args, args.directory, args.kvstore_spec)
     located = _located(args.directory) if target is None else _kv_located(args, target)
@@ -155,9 +155,9 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _gc(args: argparse.Namespace) -> int:
-    from .tools import kvtools
-    from .tools.gc import collect
-    from .tools.locate import require_directory
+    from ..tools import kvtools
+    from ..tools.gc import collect
+    from ..tools.locate import require_directory
 
     target = _kv_target(args, args.root, args.kvstore_spec)
     quiet_megatron_import()  # reading an index imports megatron-core: its import chatter silenced first
@@ -214,8 +214,8 @@ def _json_arg(text: str | None, name: str):
 def _copy(args: argparse.Namespace) -> int:
     import os
 
-    from .tools.copy import copy
-    from .tools.locate import require_directory
+    from ..tools.copy import copy
+    from ..tools.locate import require_directory
 
     src = _kv_target(args, args.src, args.src_spec, "--src-spec")
     dst = _kv_target(args, args.dst, args.dst_spec, "--dst-spec")
@@ -243,13 +243,21 @@ def _copy(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     import os
 
-    from . import demo
-
+    demo = _lab("demo", "demo")
     if args.out is not None and os.path.exists(args.out) and not os.path.isdir(args.out):
         raise UsageError(f"--out {args.out}: not a directory")
 
     return demo.main(world_size=args.ranks, size_mb=args.size_mb, out=args.out, keep=args.keep,
                      io_threads=args.io_threads)
+
+
+def _lab(module: str, command: str):
+    from .lab import LabMissing, lab_module
+
+    try:
+        return lab_module(module, command)
+    except LabMissing as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _add_verbose(parser: argparse.ArgumentParser) -> None:
@@ -351,9 +359,9 @@ def _fail(command: str, message: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run a parsed command and map its outcome to an exit code."""
-    from .errors import CheckpointError
-    from .sinks.tensorstore import StoreNotFoundError
-    from .tools.locate import PathUsageError, TrackerError
+    from ..errors import CheckpointError
+    from ..sinks.tensorstore import StoreNotFoundError
+    from ..tools.locate import PathUsageError, TrackerError
 
     try:
         return args.func(args)
@@ -381,10 +389,13 @@ def main(argv: list[str] | None = None) -> int:
         argv = sys.argv[1:]
     try:
         if argv[:1] == ["bench"]:
-            from .bench.run import main as bench_main
-
+            try:
+                bench = _lab("bench.main", "bench")
+            except UsageError as exc:
+                _fail("bench", f"error: {exc}")
+                return EXIT_USAGE
             logging.basicConfig(level=logging.WARNING)
-            return bench_main(argv[1:])
+            return bench.main(argv[1:])
         args = build_parser().parse_args(argv)
         logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                             format="%(asctime)s %(levelname)s %(message)s")

@@ -143,7 +143,7 @@ class DeviceToHostCopy:
     (a `PinnedPool` of exactly the bytes: torch's pinned cache would round 9.23 GB up to 16 GiB)."""
 
     def __init__(self, tensors: list[torch.Tensor]) -> None:
-        from ..staging.pool import PinnedPool
+        from safe_ckpt.staging.pool import PinnedPool
 
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
         device = tensors[0].device
