@@ -4,9 +4,9 @@ size, and the writers' priority.
 One job: derive the defaults of `io_threads`, `staging_budget_bytes` and `checksum_threads`
 from the cores and memory each rank of a host has (the rule is in `SaveOptions`' docstring),
 decide how many hashing threads fit beside the writers, and lower a writer thread's
-scheduling priority or keep it off some cores. Must not: start threads, read environment
-variables, or touch the priority or cores of any thread but the calling one (a thread cannot
-get its priority back without privileges).
+scheduling priority. Must not: start threads, read environment variables, or touch the
+priority of any thread but the calling one (a thread cannot get its priority back without
+privileges).
 """
 
 from __future__ import annotations
@@ -23,39 +23,12 @@ from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
 
-# Writer threads run this much nicer than the thread that started the save. On a host whose
-# cores the writers fill (16 writers, 16 cores), the thread that issues the device copies
-# otherwise waits for a core each time it wakes: a 9.23 GB async save to disk stalled
-# 0.32 s (median of 3) with the writers at the caller's priority and 0.19 s with them 5
-# nicer, time-to-durable 5.32 s against 5.22 s (H200, diag_ttd `safe_async_io16{,_nice5}`).
-# The writes are background work beside a training loop too. Threads a writer starts (the
-# hashing pool's workers, started on a writer's first submit) inherit it: they do the
-# writers' work. 0: the writers' priority is left alone.
+# Writer threads run this much nicer than the thread that started the save: where the writers
+# fill every core, the thread issuing the device copies otherwise waits for a core each time it
+# wakes (figures: benchmarks/results/HISTORY.md). The writes are background work beside a
+# training loop too. Threads a writer starts (the hashing pool's workers, started on a writer's
+# first submit) inherit it: they do the writers' work. 0: the writers' priority is left alone.
 WRITER_NICE_INCREMENT = 5
-
-
-# Writer threads keep off this many of the process's cores (the highest-numbered), so that
-# the thread issuing the device copies finds an idle core. Measured, no help, so 0: on the
-# same 9.23 GB async save to disk, sparing 1 / 2 cores stalled 0.32 / 0.37 s against 0.32 s,
-# and sparing 1 slowed a tmpfs save from 0.37 to 0.41 s (H200, diag_ttd `*_spare1`); nicer
-# writers (above) do what it was for. Where cores have two hardware threads the last logical
-# CPUs may be siblings of the first, so sparing them need not free a whole core. Threads a
-# writer starts inherit it; at least two cores are always left to them.
-WRITER_SPARED_CPUS = 0
-
-
-def spare_cpus(count: int) -> None:
-    """Keep the calling thread off the last ``count`` of the cores it may run on (Linux: pid 0
-    names the calling thread only). Leaves it alone where fewer than two cores would remain."""
-    if count <= 0 or not hasattr(os, "sched_setaffinity"):
-        return
-    try:
-        allowed = sorted(os.sched_getaffinity(0))
-        if len(allowed) - count < 2:
-            return
-        os.sched_setaffinity(0, allowed[:-count])
-    except OSError as exc:
-        log.debug("writer cores unchanged: %s", exc)
 
 
 def lower_thread_priority(increment: int) -> None:
@@ -73,10 +46,9 @@ def lower_thread_priority(increment: int) -> None:
 
 def checksum_threads(asked: int | None, lanes: int, cores: int | None = None) -> int:
     """Beside-the-writes hashing needs idle cores; where the writers take them all, hashing
-    in the writer threads costs less than twice as many threads fighting for the cores (on a
-    16-core H200 host, 16 writers + 16 hashers took 0.52 s where 16 writers without
-    checksums took 0.40 s). ``cores``: the rank's share of its host's cores (default: every
-    core this process may run on)."""
+    in the writer threads costs less than twice as many threads fighting for the cores
+    (benchmarks/results/HISTORY.md). ``cores``: the rank's share of its host's cores (default:
+    every core this process may run on)."""
     if asked is not None:
         return asked
     if cores is None:
@@ -86,9 +58,8 @@ def checksum_threads(asked: int | None, lanes: int, cores: int | None = None) ->
 
 
 # ------------------------------------------------------------------ defaults per rank
-# A rank's default writers: its share of the host's cores, at most this many. 16 writers
-# saved 9.23 GB from one H200 to tmpfs in 0.36-0.39 s against 0.63-0.64 s with 8 (README,
-# `io_threads`); more than 16 was never measured to help one rank.
+# A rank's default writers: its share of the host's cores, at most this many: more than 16
+# was never seen to help one rank (benchmarks/results/HISTORY.md).
 MAX_DEFAULT_IO_THREADS = 16
 # A rank's default staging pool: 1/STAGING_MEMORY_DIVISOR of its share of the host's
 # available memory, at most MAX_DEFAULT_STAGING_BYTES (the pool is pinned: memory the

@@ -1,12 +1,11 @@
 """The few CUDA driver entry points safe_ckpt calls directly, through ctypes on libcuda.
 
-One job: load libcuda once (with a second, GIL-holding handle on it for the calls that
-issue copies, used while `HOLD_GIL_ON_ISSUE` is on) and wrap, with argument types, the calls torch does not offer
+One job: load libcuda once and wrap, with argument types, the calls torch does not offer
 at the cost we need: `cuPointerGetAttribute` (is a device address backed by memory? A
 copy out of a paused range kills the process instead of raising) and
-`cuMemcpyDtoHAsync` (one device-to-host copy enqueued for ~2 us of the issuing thread,
-where `Tensor.copy_` on views of a pinned buffer costs ~25 us: for a state of a thousand
-chunks that is the time every writer waits before its first byte).
+`cuMemcpyDtoHAsync` (one device-to-host copy enqueued for an order of magnitude less of the
+issuing thread's time than `Tensor.copy_` on views of a pinned buffer: for a state of a
+thousand chunks that is the time every writer waits before its first byte).
 
 Must not: create contexts, streams or memory, or synchronize. Callers fall back to torch
 where `library()` is None or the calling thread has no current context of the right device.
@@ -22,17 +21,6 @@ CU_POINTER_ATTRIBUTE_MAPPED = 13
 
 _lock = threading.Lock()
 _loaded: list = []  # [ctypes.CDLL or None], filled once
-# Measured, no help, so off: the calls on the copy-issuing path (`current_device`,
-# `memcpy_dtoh_async`) keeping the GIL. They return in microseconds, and each release lets
-# one of 16 busy writer threads take the GIL, so the issuing thread waits to get it back:
-# a 9.23 GB async save to disk issued its last copy at 0.35-0.41 s, right when staging
-# ended, where the copies alone beside 16 writers take 0.18 s (H200,
-# h200_diag_ttd_anchor_disk_issue_trace). Such a call blocks only while the driver's queue
-# is full, and would then hold the GIL until the copy engine frees a slot; a copy into
-# memory that is not page-locked runs synchronously, so it always releases the GIL. Holding
-# it left that save's stall at 0.33 s against 0.32 s (median of 3); the issuing thread waits
-# for a core, not for the GIL, and nicer writers fix that (cpu.WRITER_NICE_INCREMENT).
-HOLD_GIL_ON_ISSUE = False
 
 
 class CudaDriverError(RuntimeError):
@@ -52,13 +40,6 @@ def library():
                     continue
             if lib is not None:
                 _declare(lib)
-                held = None
-                try:  # the same library, called without releasing the GIL (see HOLD_GIL_ON_ISSUE)
-                    held = ctypes.PyDLL(lib._name)
-                    _declare(held)
-                except (OSError, AttributeError):
-                    held = None
-                lib.safe_ckpt_gil_held = held  # always set: a missing attribute would be looked up as a symbol
             _loaded.append(lib)
         return _loaded[0]
 
@@ -113,17 +94,9 @@ def _required():
     return lib
 
 
-def _issuing(page_locked: bool = True):
-    """libcuda for the copy-issuing calls: the GIL-holding handle where there is one and the
-    call returns at once (a copy into pageable memory does not)."""
-    lib = _required()
-    held = getattr(lib, "safe_ckpt_gil_held", None) if HOLD_GIL_ON_ISSUE and page_locked else None
-    return lib if held is None else held
-
-
 def current_device() -> int | None:
     """The device of the calling thread's current context, or None where it has none."""
-    lib = _issuing()
+    lib = _required()
     ctx = ctypes.c_void_p()
     if lib.cuCtxGetCurrent(ctypes.byref(ctx)) != _CUDA_SUCCESS or not ctx.value:
         return None
@@ -133,11 +106,10 @@ def current_device() -> int | None:
     return device.value
 
 
-def memcpy_dtoh_async(dst_address: int, src_address: int, nbytes: int, stream_handle: int,
-                      page_locked: bool = True) -> None:
+def memcpy_dtoh_async(dst_address: int, src_address: int, nbytes: int, stream_handle: int) -> None:
     """Enqueue a copy of ``nbytes`` from device ``src_address`` to host ``dst_address`` on the
     stream (a raw CUstream, e.g. `torch.cuda.Stream.cuda_stream`); the destination must be
-    page-locked for the copy to be asynchronous (``page_locked``: it is)."""
-    rc = _issuing(page_locked).cuMemcpyDtoHAsync_v2(dst_address, src_address, nbytes, stream_handle)
+    page-locked for the copy to be asynchronous (into pageable memory it runs synchronously)."""
+    rc = _required().cuMemcpyDtoHAsync_v2(dst_address, src_address, nbytes, stream_handle)
     if rc != _CUDA_SUCCESS:
         raise CudaDriverError(f"cuMemcpyDtoHAsync of {nbytes} bytes from {src_address:#x} failed: {error_name(rc)}")

@@ -231,9 +231,9 @@ def _all_gather_objects(obj, group, world_size: int) -> list:
     Not `torch.distributed.all_gather_object`: its gather of bytes has gloo's worker thread copy
     each rank's part (one element per byte) out of a flat buffer with ATen's parallel copy, so
     that thread starts an OpenMP team as large as the host's cores, whose threads spin after
-    every copy. At 8 ranks of an 81 KB plan message on a 16-core host those teams burned 1.1-1.2 s
-    of CPU per rank and held every rank 0.6-0.9 s in the exchange, wherever OMP_NUM_THREADS is
-    not 1 (benchmarks/results/plan_exchange_8ranks_qwen3-4b-dp8_2026-12-04.md). In parts of fewer elements
+    every copy, burning CPU on every rank and holding it in the exchange wherever
+    OMP_NUM_THREADS is not 1 (benchmarks/results/plan_exchange_8ranks_qwen3-4b-dp8_2026-12-04.md,
+    figures in benchmarks/results/HISTORY.md). In parts of fewer elements
     than the parallel grain the copies stay on gloo's thread; the padding and the reassembly
     are done on the host without ATen, so no team starts on the caller's thread either.
     """

@@ -3,10 +3,9 @@
 One job: while a save runs, move the objects that existed when it began into the
 collector's permanent generation (`gc.freeze()`) and put them back when it ends
 (`gc.unfreeze()`). A save allocates tens of objects per stored item; the collections that
-triggers each walked the whole heap: on a 2-core VM with torch and megatron-core loaded,
-every save of 2000 items met a 0.17-0.24 s generation-2 pause, none with the freeze
-(benchmarks/gc_pauses.py). The
-collector still runs; it only skips what was already there, and garbage among those
+triggers each walk the whole heap, a generation-2 pause per save in a process with torch
+and megatron-core loaded, none with the freeze (benchmarks/diag/gc_pauses.py; figures in
+benchmarks/results/HISTORY.md). The collector still runs; it only skips what was already there, and garbage among those
 objects is collected after the save (for an async save, that can be some training steps
 later). Nothing is done if the collector is disabled.
 
@@ -17,8 +16,7 @@ off the collector's oldest generation instead (CPython before 3.14, where that g
 exists): its threshold is raised for the save and put back after (unless the process set its
 own meanwhile), so no automatic collection walks the whole heap during the save (an explicit
 `gc.collect()` still does); the younger generations are still collected. Without this, such a
-process met a 0.23-0.33 s full pass inside the planning of a save on some rank, in 5 of 6
-saves, at 8 ranks of qwen3-4b-dp8 on the H200 host
+process meets a full pass inside the planning of a save on some rank
 (benchmarks/results/plan_exchange_8ranks_qwen3-4b-dp8_2026-12-04.md).
 
 Either way the pass is moved, not removed: cyclic garbage among the held objects waits for the
@@ -48,9 +46,8 @@ HELD_THRESHOLD = 2**31 - 1
 class _Freezer:
     """Process-wide (the collector is): nested holds share one freeze.
 
-    `gc.get_freeze_count()` walks the whole permanent generation (~30 ms for 400k objects on a
-    2-core VM, so 0.1-0.4 s in a large training process), so it is asked only while nothing is
-    frozen, where it costs nothing. Whether the process froze objects itself during the save
+    `gc.get_freeze_count()` walks the whole permanent generation (a large training process's
+    whole heap), so it is asked only while nothing is frozen, where it costs nothing. Whether the process froze objects itself during the save
     is told by a sentinel created just after our freeze: a freeze by anyone else moves it into
     the permanent generation too, and finding it among the unfrozen objects costs only the
     objects created since (the older ones are frozen)."""

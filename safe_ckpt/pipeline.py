@@ -11,13 +11,11 @@ While a writer writes chunk k, later chunks are already being copied.
 
 When device chunks are small on average, the writers start once the last device chunk's
 copy has been issued (or earlier, when the staging pool is full and only writing can free
-it): issuing a thousand small copies while eight writers compete for the GIL took 0.4-0.9 s
-on an H200 instead of 0.13 s, and a writer has nothing to write before the first copy lands
-anyway. With large chunks (sync or async) the writers start at once: holding them back
-cost 20-45 ms of idle writers (H200, tmpfs). Writers busy from the start do slow the
-staging where they fill every core: a 9.23 GB async save to disk on a 16-core H200 host
-issued its last copy at 0.35-0.41 s, where the copies alone take 0.18 s (see
-`cpu.WRITER_NICE_INCREMENT`: with the writers 5 nicer, the stall was 0.19 s).
+it): issuing many small copies while writers compete for the GIL is slow, and a writer has
+nothing to write before the first copy lands anyway. With large chunks (sync or async) the
+writers start at once: holding them back only idles them. Writers busy from the start slow
+the staging where they fill every core (see `cpu.WRITER_NICE_INCREMENT`). Figures:
+benchmarks/results/HISTORY.md.
 
 Must not: decide what goes where (the layout did), talk to other ranks, or publish.
 """
@@ -42,7 +40,7 @@ from .progress import Progress
 from .residence import HOST_RESIDENCES, Residence
 from .sinks.base import Sink
 from . import cpu
-from .cpu import checksum_threads as _checksum_threads, lower_thread_priority, spare_cpus
+from .cpu import checksum_threads as _checksum_threads, lower_thread_priority
 from .staging.dispatch import Dispatch
 from .staging.stager import Stager, StagedChunk
 from .staging.views import chunk_view
@@ -54,7 +52,6 @@ log = logging.getLogger(__name__)
 # changing them meanwhile. torch_memory_saver's CPU backup among them: its resume frees the
 # backup by default, but with the backup retained (`TMS_RETAIN_CPU_BACKUP`) a resume, a step and a
 # pause during the save rewrite it in place at the same address, which only the second hash sees.
-# Hashing it once saved 0.06 s of 0.59 s on a 9.2 GB tmpfs save (one save each, within noise).
 RECHECKED_RESIDENCES = HOST_RESIDENCES
 
 # Device chunks at least this large on average: the writers start at once (see above).
@@ -138,8 +135,7 @@ class RankWriter:
         self._t0 = time.perf_counter()
         if self._checksum_threads and self.work.layout.files:
             self._writes.hasher = ThreadPoolExecutor(self._checksum_threads, thread_name_prefix="safe_ckpt-sum")
-        # The stager first: starting 16 writer threads took 3.6-5.6 ms on an H200 host, and
-        # until the first copies are issued no writer has anything to write.
+        # The stager first: until the first copies are issued no writer has anything to write.
         self._threads.append(threading.Thread(target=self._stage_all, name="safe_ckpt-stage", daemon=True))
         if self.work.layout.files:
             for lane in range(self._lanes):
@@ -301,9 +297,8 @@ class RankWriter:
     def _writer_thread(self) -> None:
         try:
             lower_thread_priority(cpu.WRITER_NICE_INCREMENT if self._nice is None else self._nice)
-            spare_cpus(cpu.WRITER_SPARED_CPUS)
-        except Exception as exc:  # a priority or affinity left as it was must not cost the save a writer
-            log.warning("writer thread kept its priority and cores: %s", exc)
+        except Exception as exc:  # a priority left as it was must not cost the save a writer
+            log.warning("writer thread kept its priority: %s", exc)
         self._write_loop()
 
     def _write_loop(self) -> None:

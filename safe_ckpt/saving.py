@@ -309,8 +309,8 @@ class _Job:
 
     def _prepare_commit(self) -> None:
         """Rank 0 builds the small files (the others every rank's layout, for `total_file_bytes`)
-        while its writers write: the caller's thread would only
-        wait in `join` (on an H200, 2.5-6 ms of a 0.36 s save's commit). It waits for the device
+        while its writers write, so the commit after the vote only adds the manifest and
+        publishes (the caller's thread would only wait in `join`). It waits for the device
         copies to be issued and landed first, so that it does not hold the GIL while the stager
         issues them. A failure here is left for `_commit` to meet again, in the commit stage."""
         self.writer.wait_staged()

@@ -277,8 +277,7 @@ def pool_reuse(rank, world, root) -> dict:
     return out
 
 
-MODES_DEVICE_CHECKSUMS = ("sync", "async", "off", "sync_early", "sync_torch_copies", "async_sums_on_copy",
-                          "sync_early_sums_on_copy")
+MODES_DEVICE_CHECKSUMS = ("sync", "async", "off", "sync_early", "sync_torch_copies")
 
 
 def device_checksums(rank, world, ckpt_dir) -> dict:
@@ -305,20 +304,16 @@ def device_checksums(rank, world, ckpt_dir) -> dict:
     out = {}
     # sync / async: writers held until every copy is issued, so the sums are deferred (and flushed
     # when the 128 MiB pool runs out); sync_early: writers from the start, sums enqueued with each
-    # copy; sync_torch_copies: copies through Tensor.copy_ instead of the CUDA driver;
-    # *_sums_on_copy: the sums' kernels on the copy stream, between the copies (stager.SUMS_BESIDE_COPIES off).
-    from safe_ckpt.staging import stager
-
+    # copy; sync_torch_copies: copies through Tensor.copy_ instead of the CUDA driver.
     for mode in MODES_DEVICE_CHECKSUMS:
         state = build_state(rank, world, tp=world, spec=spec, device="cuda", references=refs)
         opts = small_options(chunk_bytes=12 << 20, staging_budget_bytes=128 << 20, device_checksums=mode != "off")
         path = f"{ckpt_dir}_{mode}"
-        saved = pipeline.EARLY_WRITERS_MIN_CHUNK_BYTES, cuda_driver.copies_available, stager.SUMS_BESIDE_COPIES
-        if mode in ("sync_early", "sync_early_sums_on_copy"):
+        saved = pipeline.EARLY_WRITERS_MIN_CHUNK_BYTES, cuda_driver.copies_available
+        if mode == "sync_early":
             pipeline.EARLY_WRITERS_MIN_CHUNK_BYTES = 1
         if mode == "sync_torch_copies":
             cuda_driver.copies_available = lambda: False
-        stager.SUMS_BESIDE_COPIES = not mode.endswith("_sums_on_copy")
         torch.cuda.synchronize()
         try:
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -328,7 +323,7 @@ def device_checksums(rank, world, ckpt_dir) -> dict:
                     safe_ckpt.save(state, path, options=opts)
                 torch.cuda.synchronize()
         finally:
-            pipeline.EARLY_WRITERS_MIN_CHUNK_BYTES, cuda_driver.copies_available, stager.SUMS_BESIDE_COPIES = saved
+            pipeline.EARLY_WRITERS_MIN_CHUNK_BYTES, cuda_driver.copies_available = saved
         manifest = Manifest.parse(open(os.path.join(path, MANIFEST_FILE), "rb").read())
         report = verify(path, deep=True)
         target = build_state(rank, world, tp=world, spec=spec, layout="alt", empty=True, references=refs,

@@ -86,56 +86,19 @@ def test_an_unknown_address_counts_as_unmapped(fake):
     assert cuda_driver.address_mapped(0x1000) is False
 
 
-def test_copy_issuing_calls_hold_the_gil_through_their_own_handle_unless_switched_off(fake, monkeypatch):
-    lib = fake(copy_rc=700, with_ctx=False)
-    lib.safe_ckpt_gil_held = _FakeDriver(copy_rc=0, with_ctx=True)  # what library() builds with ctypes.PyDLL
-    monkeypatch.setattr(cuda_driver, "HOLD_GIL_ON_ISSUE", True)
-    cuda_driver.memcpy_dtoh_async(0x1000, 0x2000, 16, 0)
-    assert cuda_driver.current_device() == 3
-    monkeypatch.setattr(cuda_driver, "HOLD_GIL_ON_ISSUE", False)
-    assert cuda_driver.current_device() is None
-    with pytest.raises(cuda_driver.CudaDriverError):
-        cuda_driver.memcpy_dtoh_async(0x1000, 0x2000, 16, 0)
-
-
-def test_pageable_destinations_never_take_the_gil_holding_handle(fake, monkeypatch):
-    lib = fake(copy_rc=0)
-    lib.safe_ckpt_gil_held = _FakeDriver(copy_rc=700)  # taking it would raise
-    monkeypatch.setattr(cuda_driver, "HOLD_GIL_ON_ISSUE", True)
-    cuda_driver.memcpy_dtoh_async(0x1000, 0x2000, 16, 0, page_locked=False)
-    with pytest.raises(cuda_driver.CudaDriverError):
-        cuda_driver.memcpy_dtoh_async(0x1000, 0x2000, 16, 0)
-
-
-def test_loading_declares_the_library_and_its_gil_holding_handle(monkeypatch):
+def test_loading_declares_the_library(monkeypatch):
     made = []
 
     class Loaded(_FakeDriver):
-        def __init__(self, name, kind):
+        def __init__(self, name):
             super().__init__()
-            self._name, self.kind = name, kind
+            self._name = name
             made.append(self)
 
     monkeypatch.setattr(cuda_driver, "_loaded", [])
-    monkeypatch.setattr(ctypes, "CDLL", lambda name: Loaded(name, "CDLL"))
-    monkeypatch.setattr(ctypes, "PyDLL", lambda name: Loaded(name, "PyDLL"))
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: Loaded(name))
     lib = cuda_driver.library()
-    assert lib.kind == "CDLL" and lib.safe_ckpt_gil_held.kind == "PyDLL"
-    assert lib.safe_ckpt_gil_held._name == lib._name == "libcuda.so.1"
-    for handle in made:  # both declared: arguments typed for ctypes
-        assert handle.cuMemcpyDtoHAsync_v2.argtypes and handle.cuMemcpyDtoHAsync_v2.restype is ctypes.c_int
-    assert cuda_driver.library() is lib and len(made) == 2  # loaded once
-
-
-def test_a_library_without_a_gil_holding_handle_still_issues(monkeypatch):
-    monkeypatch.setattr(cuda_driver, "_loaded", [])
-
-    def no_pydll(name):
-        raise OSError("no second handle")
-
-    monkeypatch.setattr(ctypes, "CDLL", lambda name: type("L", (_FakeDriver,), {"_name": name})(copy_rc=0))
-    monkeypatch.setattr(ctypes, "PyDLL", no_pydll)
-    monkeypatch.setattr(cuda_driver, "HOLD_GIL_ON_ISSUE", True)
-    lib = cuda_driver.library()
-    assert lib.safe_ckpt_gil_held is None
-    cuda_driver.memcpy_dtoh_async(0x1000, 0x2000, 16, 0)
+    assert lib._name == "libcuda.so.1"
+    # declared: arguments typed for ctypes (an untyped 64-bit address would be truncated)
+    assert lib.cuMemcpyDtoHAsync_v2.argtypes and lib.cuMemcpyDtoHAsync_v2.restype is ctypes.c_int
+    assert cuda_driver.library() is lib and len(made) == 1  # loaded once

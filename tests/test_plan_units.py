@@ -173,13 +173,14 @@ def _vm_flags(address: int) -> list[str]:
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="needs Linux /proc/self/smaps")
 def test_pool_on_huge_pages_is_an_advised_private_mapping_that_leases_like_any_other():
-    from safe_ckpt.staging.pool import PinnedPool, host_buffer
+    """The lab's huge-page pool (benchmarks/diag/diag_thp.py measures with it)."""
+    from safe_ckpt_lab.diag import thp
 
-    plain = host_buffer(8 << 20, huge_pages=False)
+    plain = thp.host_buffer(8 << 20, huge_pages=False)
     assert "hg" not in _vm_flags(plain.data_ptr())
     with pytest.raises(ValueError, match="0x8"):
         _vm_flags(8)  # below any mapping
-    pool = PinnedPool(8 << 20, pinned=False, huge_pages=True)
+    pool = thp.pool(8 << 20, pinned=False)
     first, second = pool.lease(3 << 20), pool.lease(3 << 20)
     flags = _vm_flags(first.tensor.data_ptr())
     assert "hg" in flags and "sh" not in flags  # MADV_HUGEPAGE, private: anonymous THP, not shmem

@@ -1,5 +1,7 @@
-"""The POSIX sink's early writeback: which byte runs it hands to the kernel, what it does
-when the kernel refuses, and that files it touched hold exactly what was written."""
+"""Early writeback, the lab's diagnostic (`safe_ckpt_lab.diag.writeback`, measured by
+benchmarks/diag/diag_ttd.py; the library leaves writeback to fsync): which byte runs it hands
+to the kernel, what it does when the kernel refuses, and that files it touched hold exactly
+what was written."""
 
 import ctypes
 import errno
@@ -8,7 +10,7 @@ import os
 import pytest
 import torch
 
-from safe_ckpt.sinks import posix
+from safe_ckpt_lab.diag import writeback
 
 MiB = 1 << 20
 
@@ -18,9 +20,12 @@ def _random_bytes(n: int, seed: int) -> bytes:
 
 
 @pytest.fixture
-def threshold(monkeypatch):
-    monkeypatch.setattr(posix, "EARLY_WRITEBACK_BYTES", 4 * MiB)
+def threshold():
     return 4 * MiB
+
+
+def _file(path, threshold, fsync=True):
+    return writeback.WritebackFile(str(path), fsync, threshold)
 
 
 def _recording(monkeypatch, result=0, code=0):
@@ -31,7 +36,7 @@ def _recording(monkeypatch, result=0, code=0):
         ctypes.set_errno(code)
         return result
 
-    monkeypatch.setattr(posix, "_sync_file_range", fake)
+    monkeypatch.setattr(writeback, "_sync_file_range", fake)
     return calls
 
 
@@ -39,12 +44,12 @@ WRITE = 2  # SYNC_FILE_RANGE_WRITE in <fcntl.h>: spelled out, so a wrong constan
 
 
 def _kernel_starts_writeback(path) -> bool:
-    if posix._sync_file_range is None:
+    if writeback._sync_file_range is None:
         return False
     fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
     try:
         os.pwrite(fd, b"probe", 0)
-        return posix._sync_file_range(fd, 0, 5, WRITE) == 0
+        return writeback._sync_file_range(fd, 0, 5, WRITE) == 0
     finally:
         os.close(fd)
         os.unlink(path)
@@ -54,7 +59,7 @@ def test_real_kernel_call_starts_runs_and_the_file_is_exact(tmp_path, threshold)
     if not _kernel_starts_writeback(tmp_path / "probe"):
         pytest.skip("this kernel or filesystem refuses sync_file_range")
     data = _random_bytes(10 * MiB + 123, seed=11)
-    f = posix.PosixFile(str(tmp_path / "a"), fsync=True)
+    f = _file(tmp_path / "a", threshold)
     for off in range(0, len(data), MiB):
         f.write_at(off, [data[off:off + MiB]])
     started = f.writeback.started_bytes
@@ -64,22 +69,22 @@ def test_real_kernel_call_starts_runs_and_the_file_is_exact(tmp_path, threshold)
     assert (tmp_path / "a").read_bytes() == data
 
 
-@pytest.mark.skipif(posix._sync_file_range is None, reason="no sync_file_range in this libc")
+@pytest.mark.skipif(writeback._sync_file_range is None, reason="no sync_file_range in this libc")
 def test_the_binding_passes_64_bit_offsets_and_reads_errno(tmp_path):
     fd = os.open(tmp_path / "w", os.O_WRONLY | os.O_CREAT, 0o644)
     try:
         # A negative offset is EINVAL; truncated to 32 bits this one would read as 0 and pass.
-        assert posix._sync_file_range(fd, -(1 << 32), 4096, WRITE) == -1
+        assert writeback._sync_file_range(fd, -(1 << 32), 4096, WRITE) == -1
         assert ctypes.get_errno() == errno.EINVAL
     finally:
         os.close(fd)
 
 
-@pytest.mark.skipif(posix._sync_file_range is None, reason="no sync_file_range in this libc")
+@pytest.mark.skipif(writeback._sync_file_range is None, reason="no sync_file_range in this libc")
 def test_a_real_refusal_turns_it_off_and_a_real_error_is_raised(tmp_path):
     read_end, write_end = os.pipe()
     try:
-        pipe = posix.EarlyWriteback(write_end, "a pipe", 1)
+        pipe = writeback.EarlyWriteback(write_end, "a pipe", 1)
         pipe.wrote(0, 10)  # ESPIPE from the kernel: left to fsync, not an error
         pipe.wrote(10, 10)
         assert pipe.started_bytes == 0 and not pipe._enabled
@@ -88,7 +93,7 @@ def test_a_real_refusal_turns_it_off_and_a_real_error_is_raised(tmp_path):
         os.close(write_end)
     fd = os.open(tmp_path / "closed", os.O_WRONLY | os.O_CREAT, 0o644)
     os.close(fd)
-    closed = posix.EarlyWriteback(fd, str(tmp_path / "closed"), 1)
+    closed = writeback.EarlyWriteback(fd, str(tmp_path / "closed"), 1)
     with pytest.raises(OSError) as info:
         closed.wrote(0, 10)
     assert info.value.errno == errno.EBADF and info.value.filename == str(tmp_path / "closed")
@@ -97,7 +102,7 @@ def test_a_real_refusal_turns_it_off_and_a_real_error_is_raised(tmp_path):
 
 def test_runs_follow_contiguous_writes_and_a_jump_leaves_the_short_run_to_fsync(tmp_path, threshold, monkeypatch):
     calls = _recording(monkeypatch)
-    f = posix.PosixFile(str(tmp_path / "b"), fsync=True)
+    f = _file(tmp_path / "b", threshold)
     piece = _random_bytes(MiB, seed=3)
     for off in (0, MiB, 2 * MiB):  # 3 MiB pending, under the threshold
         f.write_at(off, [piece])
@@ -112,7 +117,7 @@ def test_runs_follow_contiguous_writes_and_a_jump_leaves_the_short_run_to_fsync(
 
 def test_first_write_elsewhere_backward_writes_and_empty_writes(threshold, monkeypatch):
     calls = _recording(monkeypatch)
-    wb = posix.EarlyWriteback(-1, "p", threshold)
+    wb = writeback.EarlyWriteback(-1, "p", threshold)
     wb.wrote(5 * MiB, 3 * MiB)
     wb.wrote(8 * MiB, 0)  # an empty write neither breaks nor extends the run
     wb.wrote(8 * MiB, MiB)
@@ -128,7 +133,7 @@ def test_first_write_elsewhere_backward_writes_and_empty_writes(threshold, monke
 
 def test_a_vectored_write_counts_every_buffer(tmp_path, threshold, monkeypatch):
     calls = _recording(monkeypatch)
-    f = posix.PosixFile(str(tmp_path / "c"), fsync=True)
+    f = _file(tmp_path / "c", threshold)
     f.write_at(0, [b"x" * 100, _random_bytes(4 * MiB, seed=4), b"y" * 28])
     assert calls == [(0, 4 * MiB + 128, WRITE)]
     f.close()
@@ -137,7 +142,7 @@ def test_a_vectored_write_counts_every_buffer(tmp_path, threshold, monkeypatch):
 @pytest.mark.parametrize("code", [errno.ENOSYS, errno.EINVAL, errno.ESPIPE, errno.EOPNOTSUPP])
 def test_a_kernel_or_file_that_cannot_is_left_to_fsync(tmp_path, threshold, monkeypatch, code):
     calls = _recording(monkeypatch, result=-1, code=code)
-    f = posix.PosixFile(str(tmp_path / "d"), fsync=True)
+    f = _file(tmp_path / "d", threshold)
     data = _random_bytes(12 * MiB, seed=5)
     for off in range(0, len(data), 4 * MiB):
         f.write_at(off, [data[off:off + 4 * MiB]])
@@ -151,18 +156,16 @@ def test_a_kernel_or_file_that_cannot_is_left_to_fsync(tmp_path, threshold, monk
 def test_a_failed_writeback_is_the_write_failure_and_names_the_file(tmp_path, threshold, monkeypatch):
     _recording(monkeypatch, result=-1, code=errno.EIO)
     path = str(tmp_path / "e")
-    f = posix.PosixFile(path, fsync=True)
+    f = _file(path, threshold)
     with pytest.raises(OSError) as info:
         f.write_at(0, [_random_bytes(4 * MiB, seed=6)])
     assert info.value.errno == errno.EIO and info.value.filename == path
     f.close()
 
 
-def test_off_without_fsync_or_at_zero(tmp_path, monkeypatch):
-    monkeypatch.setattr(posix, "EARLY_WRITEBACK_BYTES", 4 * MiB)
-    unsynced = posix.PosixFile(str(tmp_path / "f"), fsync=False)
-    monkeypatch.setattr(posix, "EARLY_WRITEBACK_BYTES", 0)
-    at_zero = posix.PosixFile(str(tmp_path / "g"), fsync=True)
+def test_off_without_fsync_or_at_zero(tmp_path):
+    unsynced = _file(tmp_path / "f", 4 * MiB, fsync=False)
+    at_zero = _file(tmp_path / "g", 0)
     try:
         assert unsynced.writeback is None and at_zero.writeback is None
     finally:
@@ -171,8 +174,8 @@ def test_off_without_fsync_or_at_zero(tmp_path, monkeypatch):
 
 
 def test_no_libc_function_means_no_calls(tmp_path, threshold, monkeypatch):
-    monkeypatch.setattr(posix, "_sync_file_range", None)
-    f = posix.PosixFile(str(tmp_path / "h"), fsync=True)
+    monkeypatch.setattr(writeback, "_sync_file_range", None)
+    f = _file(tmp_path / "h", threshold)
     data = _random_bytes(8 * MiB, seed=7)
     f.write_at(0, [data])
     assert f.writeback.started_bytes == 0

@@ -102,41 +102,6 @@ def test_no_writer_thread_started_the_caller_writes_at_its_own_priority(tmp_path
     assert not (tmp_path / "ck").exists()
 
 
-@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="per-thread affinity is Linux's")
-@pytest.mark.parametrize("mode", ["sync", "async"])
-def test_writers_keep_off_spared_cores_and_the_caller_keeps_all(tmp_path, monkeypatch, mode):
-    allowed = sorted(os.sched_getaffinity(0))
-    if len(allowed) < 3:
-        pytest.skip("needs 3 cores: at least two are always left to the writers")
-    monkeypatch.setattr(cpu, "WRITER_SPARED_CPUS", 1)
-    seen, loop = [], pipeline.RankWriter._write_loop
-
-    def recording(self):
-        seen.append(sorted(os.sched_getaffinity(0)))
-        return loop(self)
-
-    monkeypatch.setattr(pipeline.RankWriter, "_write_loop", recording)
-    tensors, state = _state(5)
-    options = safe_ckpt.SaveOptions(io_threads=2)
-    if mode == "sync":
-        safe_ckpt.save(state, tmp_path / "ck", options=options)
-    else:
-        safe_ckpt.async_save(state, tmp_path / "ck", options=options).wait(timeout=60)
-    assert sorted(os.sched_getaffinity(0)) == allowed
-    assert seen == [allowed[:-1]] * 2, seen
-    assert _load(tmp_path / "ck", tensors)
-
-
-@pytest.mark.parametrize("cores, count, expected", [([0, 1, 2, 3], 1, [0, 1, 2]), ([0, 1, 2, 3], 2, [0, 1]),
-                                                    ([0, 1, 2, 3], 3, None), ([5, 7], 1, None), ([0, 1, 2], 0, None)])
-def test_spared_cores_leave_at_least_two(monkeypatch, cores, count, expected):
-    calls = []
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(cores), raising=False)
-    monkeypatch.setattr(os, "sched_setaffinity", lambda pid, mask: calls.append((pid, list(mask))), raising=False)
-    cpu.spare_cpus(count)
-    assert calls == ([] if expected is None else [(0, expected)])
-
-
 def test_the_save_option_overrides_the_default_and_is_validated(tmp_path, monkeypatch):
     monkeypatch.setattr(cpu, "WRITER_NICE_INCREMENT", 3)
     seen, loop = [], pipeline.RankWriter._write_loop

@@ -35,7 +35,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from safe_ckpt_lab.bench.ceilings import run_lanes, source_buffer, write_seconds
+from safe_ckpt_lab.bench.ceilings import run_lanes, source_buffer, write_seconds  # noqa: E402
 from safe_ckpt.integrity import checksum_of  # noqa: E402
 
 MiB = 1 << 20

@@ -16,8 +16,8 @@ import time
 import torch
 
 import safe_ckpt
-from safe_ckpt.sinks import posix
 from safe_ckpt.staging.pool import shared_pool
+from safe_ckpt_lab.diag.writeback import WritebackSink
 
 
 STALLS: dict[str, list[float]] = {}  # case -> async_save's return times
@@ -34,19 +34,17 @@ def _sums_inline(stage):
 def patched_save(state, target: str, budget: int, mode: str, piece_bytes: int | None = None,
           grid_min_bytes: int | None = None, early_min_bytes: int | None = None, files_per_writer: int | None = None,
           torch_copies: bool = False, inline_sums: bool = False, trace: bool = False,
-          blocking_events: bool = False, sums_beside: bool | None = None, nice: int | None = None,
-          gil_held: bool | None = None, spare: int | None = None, pythread_s: float | None = None,
+          blocking_events: bool = False, nice: int | None = None, pythread_s: float | None = None,
           writeback_bytes: int | None = None, rate_gbps: float | None = None,
           devpace_gbps: float | None = None, **opts) -> float:
     """One save with module constants patched for its duration (None: the shipped value):
     ``torch_copies``: copies through Tensor.copy_, not the CUDA driver; ``inline_sums``: grid sums
-    enqueued with each copy even while the writers wait; ``sums_beside``: the sums' kernels on
-    their own stream or (False) on the copy stream (stager.SUMS_BESIDE_COPIES); ``nice``: the
-    writers' nice increment (cpu.WRITER_NICE_INCREMENT); ``gil_held``: the copy-issuing
-    driver calls keep the GIL (cuda_driver.HOLD_GIL_ON_ISSUE); ``spare``: cores the writers keep
-    off (cpu.WRITER_SPARED_CPUS); ``pythread_s``: another Python thread beside the save, waking
+    enqueued with each copy even while the writers wait; ``nice``: the writers' nice increment
+    (cpu.WRITER_NICE_INCREMENT); ``pythread_s``: another Python thread beside the save, waking
     this often to read /proc/self/statm (what the bench's RSS sampler did, and a training
-    process's own threads do); ``writeback_bytes``: posix.EARLY_WRITEBACK_BYTES (0: off);
+    process's own threads do); ``writeback_bytes``: the kernel's writeback started every that
+    many bytes a file gets (`safe_ckpt_lab.diag.writeback.WritebackSink` as the save's
+    ``sink_factory``; 0 or None: left to fsync, as the library does);
     ``rate_gbps``: the device copies paced to this rate (`_paced`); ``devpace_gbps``: the same
     paced on the device (`_devpaced`)."""
     from safe_ckpt import cpu, cuda_driver, item_writes, pipeline, saving
@@ -56,14 +54,14 @@ def patched_save(state, target: str, budget: int, mode: str, piece_bytes: int | 
                (pipeline, "EARLY_WRITERS_MIN_CHUNK_BYTES", early_min_bytes),
                (saving, "FILES_PER_WRITER", files_per_writer),
                (torch.cuda, "Event", functools.partial(torch.cuda.Event, blocking=True) if blocking_events else None),
-               (stager, "SUMS_BESIDE_COPIES", sums_beside), (cpu, "WRITER_NICE_INCREMENT", nice),
-               (cpu, "WRITER_SPARED_CPUS", spare),
-               (cuda_driver, "HOLD_GIL_ON_ISSUE", gil_held),
-               (posix, "EARLY_WRITEBACK_BYTES", writeback_bytes),
+               (cpu, "WRITER_NICE_INCREMENT", nice),
                (cuda_driver, "copies_available", (lambda: False) if torch_copies else None),
                (stager.Stager, "stage", _sums_inline(stager.Stager.stage) if inline_sums else None),
                (stager.Stager, "_enqueue_copy", _paced(stager.Stager._enqueue_copy, rate_gbps) if rate_gbps
                 else _devpaced(stager.Stager._enqueue_copy, devpace_gbps) if devpace_gbps else None)]
+    if writeback_bytes:
+        fsync = opts.get("fsync", True)
+        opts["sink_factory"] = lambda root: WritebackSink(root, fsync, writeback_bytes)
     saved = [(module, name, getattr(module, name)) for module, name, value in patches if value is not None]
     for module, name, value in patches:
         if value is not None:

@@ -5,7 +5,7 @@ The staging pool and the write ceiling's source are ordinary pageable allocation
 pages where THP is `madvise` (the H200 host's setting): the kernel's copy of each write walks
 one page-table entry per 4 KiB of the source, and the driver pins and maps the pool 4 KiB at a
 time. Here each buffer is made both ways (``4k``: torch.empty; ``thp``: an anonymous mapping
-with MADV_HUGEPAGE, `safe_ckpt.staging.pool.host_buffer`), and every case runs for both, rounds
+with MADV_HUGEPAGE, `safe_ckpt_lab.diag.thp.host_buffer`), and every case runs for both, rounds
 interleaved so drift hits all alike:
 - ``write_K``: the write ceiling (16 threads pwrite 64 MiB pieces + fsync) from a source of kind K;
 - ``d2h_K``: the state's GPU tensors copied back to back into a registered buffer of kind K;
@@ -37,12 +37,13 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from safe_ckpt_lab.bench import peers
-from safe_ckpt_lab.bench.run import _init_dist
-from safe_ckpt_lab.bench.ceilings import copy_to_host, write_seconds
-from safe_ckpt_lab.bench.measure import mapping_of
-from safe_ckpt_lab.bench.state import build
+from safe_ckpt_lab.bench import peers  # noqa: E402
+from safe_ckpt_lab.bench.run import _init_dist  # noqa: E402
+from safe_ckpt_lab.bench.ceilings import copy_to_host, write_seconds  # noqa: E402
+from safe_ckpt_lab.bench.measure import mapping_of  # noqa: E402
+from safe_ckpt_lab.bench.state import build  # noqa: E402
 from safe_ckpt.staging import pool as poolmod  # noqa: E402
+from safe_ckpt_lab.diag import thp  # noqa: E402
 
 KINDS = {"4k": False, "thp": True}
 
@@ -54,13 +55,13 @@ def huge_share(t: torch.Tensor) -> float:
 
 
 def random_buffer(nbytes: int, huge: bool, seed: int) -> torch.Tensor:
-    buf = poolmod.host_buffer(nbytes, huge)
+    buf = thp.host_buffer(nbytes, huge)
     buf.random_(generator=torch.Generator().manual_seed(seed))
     return buf
 
 
 def registered(nbytes: int, huge: bool) -> poolmod.Lease:
-    pool = poolmod.PinnedPool(-(-nbytes // 4096) * 4096, pinned=True, huge_pages=huge)
+    pool = thp.pool(-(-nbytes // 4096) * 4096, pinned=True, huge_pages=huge)
     return pool.lease(nbytes)
 
 
@@ -96,7 +97,7 @@ def main() -> None:
     stream = torch.cuda.Stream()
     sources = {k: random_buffer(nbytes, h, 5) for k, h in KINDS.items()}
     dsts = {k: registered(state.device_bytes, h) for k, h in KINDS.items()}
-    pools = {k: poolmod.PinnedPool(budget, pinned=True, huge_pages=h) for k, h in KINDS.items()}
+    pools = {k: thp.pool(budget, pinned=True, huge_pages=h) for k, h in KINDS.items()}
     for p in pools.values():
         p.preallocate()
     for k in KINDS:

@@ -34,15 +34,11 @@ attributed:
   ``gated`` / ``early``: the writers wait for every device copy to be issued / start at once,
   whatever the chunk sizes; ``fpw1``: one file per writer instead of two; ``torchcopy``: copies
   through Tensor.copy_ instead of the CUDA driver; ``inline``: grid sums enqueued with each copy
-  even while the writers wait; ``old``: both (the issue path before cuda_driver); ``sumsbeside`` /
-  ``sumsoncopy``: the sums' kernels on their own stream (the default) / on the copy stream,
-  between the copies (stager.SUMS_BESIDE_COPIES); ``nice5`` / ``nice10``: the writers 5 / 10
-  nicer than the caller (cpu.WRITER_NICE_INCREMENT); ``gilheld``: the copy-issuing driver
-  calls keep the GIL (cuda_driver.HOLD_GIL_ON_ISSUE); ``newissue``: nice5 and gilheld;
-  ``spare1`` / ``spare2``: the writers keep off the last 1 / 2 cores (cpu.WRITER_SPARED_CPUS);
+  even while the writers wait; ``old``: both (the issue path before cuda_driver); ``nice5`` /
+  ``nice10``: the writers 5 / 10 nicer than the caller (cpu.WRITER_NICE_INCREMENT);
   ``pythread``: another Python thread beside the save wakes every 2 ms (like a training process's);
   ``wb0`` / ``wbN``: the kernel's writeback left to fsync / started every N MiB a file gets
-  (posix.EARLY_WRITEBACK_BYTES; ``write_16_wb32``: the same for the ceiling's writers);
+  (`safe_ckpt_lab.diag.writeback`; ``write_16_wb32``: the same for the ceiling's writers);
 - ``safe_*``: `safe_ckpt.save` / `async_save` with the defaults and with options changed
   (``io16``: 16 writer threads, ``sumN``: N checksum threads, 0 = in the writers, ``chunkN``: N MiB chunks,
   ``hostsum``: device checksums off, every byte hashed on the host; ``gridminN``: device checksums
@@ -68,7 +64,7 @@ import torch
 
 from safe_ckpt_lab.bench.state import build
 from safe_ckpt.integrity import checksum_of
-from safe_ckpt.sinks import posix
+from safe_ckpt_lab.diag.writeback import EarlyWriteback
 from safe_ckpt.staging.pool import PinnedPool, shared_pool
 from safe_ckpt.staging.views import host_memoryview
 
@@ -91,7 +87,7 @@ def _write_lanes(target: str, mv: memoryview, threads: int, piece: int, hash_mod
     unaligned tail through the page cache, to see whether the disk takes bytes faster than the
     buffered write + fsync ceiling (the source is page-aligned pinned memory);
     ``writeback_bytes``: start the kernel's writeback of every that many written bytes
-    (posix.EarlyWriteback), as safe_ckpt does with ``posix.EARLY_WRITEBACK_BYTES``;
+    (`safe_ckpt_lab.diag.writeback.EarlyWriteback`, as the ``wbN`` save cases do);
     ``reuse_bytes``: read every piece from the first that many bytes (the old ceiling's 1 GiB buffer);
     ``shift_bytes``: each file's bytes start that far in (a hole before them), so the page cache's
     pages and the source's are that far out of step (a packed torch_dist file's payloads are)."""
@@ -103,7 +99,7 @@ def _write_lanes(target: str, mv: memoryview, threads: int, piece: int, hash_mod
         if direct:
             return _direct_lane(path, mv, span, piece)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        early = posix.EarlyWriteback(fd, path, writeback_bytes) if writeback_bytes else None
+        early = EarlyWriteback(fd, path, writeback_bytes) if writeback_bytes else None
         try:
             for off in range(span.start, span.stop, piece):
                 n = min(piece, span.stop - off)
@@ -207,11 +203,7 @@ def main() -> None:
     dmv = mv[(-pinned.data_ptr()) % DIRECT_ALIGN:]
     pageable = pinned[:nbytes].clone()
     pmv = host_memoryview(pageable)
-    from safe_ckpt import cuda_driver
-
-    lib = cuda_driver.library()
-    print(json.dumps({"state": state.description, "bytes": nbytes, "cores": os.cpu_count(),
-                      "gil_holding_driver_handle": getattr(lib, "safe_ckpt_gil_held", None) is not None}), flush=True)
+    print(json.dumps({"state": state.description, "bytes": nbytes, "cores": os.cpu_count()}), flush=True)
 
     def d2h_beside_write() -> float:
         box = {}
@@ -354,17 +346,8 @@ def main() -> None:
            for mode in ("sync", "async") for io in ("", "_io16")
            for suffix, kw in (("_torchcopy", {"torch_copies": True}), ("_inline", {"inline_sums": True}),
                               ("_old", {"torch_copies": True, "inline_sums": True}), ("_gated", {"early_min_bytes": 1 << 62}),
-                              ("_sumsbeside", {"sums_beside": True}), ("_sumsoncopy", {"sums_beside": False}),
-                              ("_sumsoncopy_trace", {"sums_beside": False, "trace": True}),
-                              ("_nice5", {"nice": 5}), ("_nice10", {"nice": 10}), ("_gilheld", {"gil_held": True}),
-                              ("_newissue", {"nice": 5, "gil_held": True}),
-                              ("_newissue_trace", {"nice": 5, "gil_held": True, "trace": True}),
-                              ("_spare1", {"spare": 1}), ("_spare2", {"spare": 2}),
-                              ("_spare1_nice5", {"spare": 1, "nice": 5}),
-                              ("_spare1_trace", {"spare": 1, "trace": True}),
-                              ("_spare1_nice5_gilheld", {"spare": 1, "nice": 5, "gil_held": True}),
+                              ("_nice5", {"nice": 5}), ("_nice10", {"nice": 10}),
                               ("_pythread", {"pythread_s": 0.002}),
-                              ("_pythread_gilheld", {"pythread_s": 0.002, "gil_held": True}),
                               ("_pythread_trace", {"pythread_s": 0.002, "trace": True}),
                               ("_wb0", {"writeback_bytes": 0}), ("_wb8", {"writeback_bytes": 8 * MiB}),
                               ("_wb32", {"writeback_bytes": 32 * MiB}), ("_wb128", {"writeback_bytes": 128 * MiB}),

@@ -10,8 +10,8 @@ the mechanism without a GPU: an issuing thread makes ``--calls`` calls per "chun
 - ``release``: a ctypes call of about the length of enqueueing a copy (~2 us: libc ``memset``
   of ``--call-bytes``) that releases the GIL (``ctypes.CDLL``, as `cuda_driver` calls libcuda
   by default),
-- ``hold``: the same call through ``ctypes.PyDLL``, which keeps the GIL
-  (`cuda_driver.HOLD_GIL_ON_ISSUE`),
+- ``hold``: the same call through ``ctypes.PyDLL``, which keeps the GIL (the library tried
+  this for its copy-issuing calls and does not ship it: benchmarks/results/HISTORY.md),
 - ``torch``: a torch view op (``Tensor.view``), whose binding releases the GIL like the
   grid sums' ops,
 - ``python``: a few bytecodes that never release it (what the thread's share of the cores

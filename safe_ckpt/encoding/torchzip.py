@@ -275,7 +275,7 @@ def tensor_container(
 _SID_LEN = 40  # what torch's writer uses, and `new_serialization_id`
 
 
-# Per process, ~1.5 KB each: a rank's distinct chunk shapes (1217 for qwen3-4b-dp8) stay cached
+# Per process, ~1.5 KB each: a rank's distinct chunk shapes stay cached
 # from the layout to the write and from one save to the next.
 @functools.lru_cache(maxsize=4096)
 def _template(dtype: torch.dtype, shape: tuple[int, ...]) -> Container:

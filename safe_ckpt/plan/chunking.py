@@ -5,11 +5,10 @@ at most ``max_bytes`` of payload and each contiguous in a C-contiguous source: l
 axes are split first, so a chunk is a run of whole rows (or, when one row is too big,
 a run inside a single row). And say where to cut a rank's shards so that its writer
 slots (one file and one writer thread each) get equal bytes: with whole chunks dealt
-to files the largest file set the save's end (5-20 % above the mean on the anchor state).
+to files the largest file set the save's end.
 A slot's last ``chunk_bytes`` go in quarter-size chunks: the writers take the next item of
 any file as they get free, so they end within one item of each other, and items of a
-quarter the size make that spread a quarter as long (on the H200 the writers of a 9.23 GB
-save ended 41-120 ms apart with 64 MiB items, 4-6 ms with this tail).
+quarter the size make that spread a quarter as long (figures: benchmarks/results/HISTORY.md).
 Must not: know about tensors, files or ranks.
 """
 

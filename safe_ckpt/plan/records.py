@@ -89,8 +89,8 @@ class RankPlan:
 
     def __reduce__(self):
         # Every rank unpickles every rank's plan: shards as rows of plain values load about
-        # twice as fast as ShardRef and Box objects restored field by field (1217 shards:
-        # 2.9 against 6.2 ms of CPU per plan), and pickle five times as fast.
+        # twice as fast as ShardRef and Box objects restored field by field, and pickle five
+        # times as fast (figures: benchmarks/results/HISTORY.md).
         rows = [(s.key, s.rank, s.local_index, s.dtype, s.global_shape, s.box.offsets, s.box.sizes, s.is_main,
                  s.residence, s.path) for s in self.shards]
         return _plan_from_rows, (self.rank, rows, self.objects, self.problems)

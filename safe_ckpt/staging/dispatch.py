@@ -3,8 +3,7 @@
 One job: keep the staged items in staging order and give each writer that asks the first
 one whose file no other writer is writing, and say when a file's last item is done (so
 that writer syncs and closes it). Any writer may take any file's items: a writer bound to
-its own files idles while a slower one still has work (on a 16-core H200 host the
-fastest of 16 bound writers finished 71-109 ms before the slowest, of a 0.40-0.43 s save).
+its own files idles while a slower one still has work (benchmarks/results/HISTORY.md).
 One file is never given to two writers at once: the kernel serializes writes to one
 file (the inode lock), so the second would only wait.
 

@@ -11,7 +11,6 @@ Must not: allocate per save, copy data, or know about chunks or files.
 from __future__ import annotations
 
 import logging
-import mmap
 import threading
 import time
 from dataclasses import dataclass
@@ -60,12 +59,9 @@ class Lease:
 class PinnedPool:
     """First-fit allocator over one buffer; `lease` blocks until enough room is free."""
 
-    def __init__(self, capacity_bytes: int, pinned: bool | None = None, huge_pages: bool = False) -> None:
+    def __init__(self, capacity_bytes: int, pinned: bool | None = None) -> None:
         self.capacity_bytes = int(capacity_bytes)
         self.pinned = torch.cuda.is_available() if pinned is None else pinned
-        # Off by default: on the H200 host a pool on huge pages saved no faster
-        # (benchmarks/diag/diag_thp.py, benchmarks/README.md "Measured and not shipped").
-        self.huge_pages = huge_pages
         self._cond = threading.Condition()
         self._buffer: torch.Tensor | None = None
         self._free_list: list[list[int]] = []  # [offset, size], sorted by offset
@@ -74,10 +70,14 @@ class PinnedPool:
         self._allocations = 0
         self._registered = False
 
+    def _host_buffer(self) -> torch.Tensor:
+        """The memory the pool is made of, allocated once (a subclass may take it elsewhere)."""
+        return host_buffer(self.capacity_bytes)
+
     def _ensure_buffer(self) -> None:
         if self._buffer is None:
             t0 = time.perf_counter()
-            buffer = host_buffer(self.capacity_bytes, self.huge_pages)
+            buffer = self._host_buffer()
             if self.pinned:
                 # Page-lock our own allocation instead of asking torch's pinned cache, which
                 # rounds sizes up to a power of two and is what `_host_emptyCache` empties.
@@ -181,15 +181,8 @@ class PinnedPool:
             self._free_list = []
 
 
-def host_buffer(nbytes: int, huge_pages: bool) -> torch.Tensor:
-    """``nbytes`` of pageable host memory as a uint8 tensor; with ``huge_pages``, a private
-    anonymous mapping advised for transparent huge pages (so a reader of the buffer walks one
-    page-table entry per 2 MiB, not per 4 KiB), where this platform has MADV_HUGEPAGE. The
-    tensor keeps the mapping alive; it is unmapped when the last view of it goes."""
-    if huge_pages and hasattr(mmap, "MADV_HUGEPAGE") and nbytes > 0:
-        mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        mapping.madvise(mmap.MADV_HUGEPAGE)
-        return torch.frombuffer(mapping, dtype=torch.uint8)
+def host_buffer(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of pageable host memory as a uint8 tensor (the pool page-locks it itself)."""
     return torch.empty(nbytes, dtype=torch.uint8)
 
 

@@ -30,19 +30,9 @@ from .views import host_memoryview, run_split, run_views
 
 log = logging.getLogger(__name__)
 
-# Smaller chunks are hashed on the host: the ~90 us of launches per chunk, GIL-bound on the
-# issuing thread, cost more than the hashing (qwen3-4b-dp8's 1217 chunks on an H200).
+# Smaller chunks are hashed on the host: below this, the kernel launches per chunk (GIL-bound
+# on the issuing thread) cost more than hashing on the host.
 GRID_MIN_PAYLOAD_BYTES = 8 << 20
-# The sums' kernels run on a stream of their own: they read the device source, not the copy,
-# so they can run beside the copies instead of between them. Only their small copy to the
-# host goes on the copy stream, behind its chunk's copy. (With the sums' copies on a second
-# stream too, before b152293, they landed late behind the payload copies.) Against the
-# kernels on the copy stream (b152293-d16d295), one diag process on an H200 measured sync
-# saves of 9.23 GB in 0.418 / 4.62 s instead of 0.462 / 4.88 s (tmpfs / disk); the async
-# stalls moved within their spread (diagnostics_2026-12-01_02.txt, sections
-# h200_diag_ttd_anchor_sums_beside_2026-12-01.txt and
-# h200_diag_ttd_anchor_disk_sums_beside_2026-12-01.txt).
-SUMS_BESIDE_COPIES = True
 
 
 class StagedChunk:
@@ -131,12 +121,11 @@ def record_producer_fence(devices: set[int]) -> ProducerFence:
 
 class Stager:
     """Stages chunks for one save. Per device, payload copies go on one side stream ordered
-    after the producer's fence; each chunk's grid sums are computed on a second stream
-    (`SUMS_BESIDE_COPIES`) and copied to the host on the first, right behind its chunk's copy.
-    (With the sums' copies on the second stream too, each of an H200's 16 writers waited 0.12-0.16 s in
-    `grid()` for sums that landed late, and a 9.23 GB save to tmpfs took 0.47 s instead of
-    0.36 s.) The sums' launches (~70 us a chunk, the larger part of issuing one) can wait
-    until the writers are released (`stage`'s ``defer_sums``); deferred sums then queue
+    after the producer's fence; each chunk's grid sums are computed on a second stream (the
+    kernels read the device source, not the copy, so they run beside the copies instead of
+    between them) and copied to the host on the first, right behind its chunk's copy, so they
+    are never late for the writer. The sums' launches (the larger part of issuing a chunk) can
+    wait until the writers are released (`stage`'s ``defer_sums``); deferred sums then queue
     behind every copy issued before them, which writers held back until the last copy is
     issued would be waiting for anyway."""
 
@@ -150,7 +139,7 @@ class Stager:
         self.lease_timeout_s = lease_timeout_s
         self._driver = cuda_driver.copies_available() if driver_copies is None else driver_copies
         self._streams: dict[int, object] = {}  # device -> copy stream
-        self._kernel_streams: dict[int, object] = {}  # device -> grid sums' kernels (SUMS_BESIDE_COPIES)
+        self._kernel_streams: dict[int, object] = {}  # device -> grid sums' kernels, beside the copies
         self._last_copy: dict[int, object] = {}  # device -> the last event recorded on its stream
         self._pending: list[_PendingSums] = []
         self._lock = threading.Lock()
@@ -269,8 +258,7 @@ class Stager:
     def _copy(self, dst: torch.Tensor, offset: int, src: torch.Tensor, nbytes: int, stream) -> None:
         """Enqueue ``nbytes`` of the contiguous device tensor ``src`` into the host bytes ``dst`` at ``offset``."""
         if self._driver and cuda_driver.current_device() == stream.device_index:
-            cuda_driver.memcpy_dtoh_async(dst.data_ptr() + offset, src.data_ptr(), nbytes, stream.cuda_stream,
-                                          page_locked=self.pool.pinned)
+            cuda_driver.memcpy_dtoh_async(dst.data_ptr() + offset, src.data_ptr(), nbytes, stream.cuda_stream)
         else:
             dst[offset:offset + nbytes].view(src.dtype).view(src.shape).copy_(src, non_blocking=True)
 
@@ -282,21 +270,18 @@ class Stager:
             if not self.grid or dst is None:
                 return
             index = chunk.device.index
-            stream = kernels = self._stream(index)
+            stream = self._stream(index)
             with torch.cuda.stream(stream):
                 try:
-                    if SUMS_BESIDE_COPIES:
-                        kernels = self._stream(index, self._kernel_streams)
+                    kernels = self._stream(index, self._kernel_streams)
                     try:
                         with torch.cuda.stream(kernels):
                             sums = grid_sums(chunk)
                     finally:  # also after a failure: the copy stream's last event follows every kernel launched
-                        if kernels is not stream:
-                            computed = torch.cuda.Event()
-                            computed.record(kernels)
-                            stream.wait_event(computed)
-                    if kernels is not stream:
-                        sums.record_stream(stream)  # freed on the kernels' stream, read on this one
+                        computed = torch.cuda.Event()
+                        computed.record(kernels)
+                        stream.wait_event(computed)
+                    sums.record_stream(stream)  # freed on the kernels' stream, read on this one
                     self._copy(dst, staged._sums_at, sums, sums.numel() * 4, stream)
                 except torch.cuda.OutOfMemoryError:
                     # Each failed allocation makes the caching allocator free (and synchronize)
