@@ -129,7 +129,7 @@ class _Collections:
         if phase == "start":
             self._t0 = time.perf_counter()
         else:
-            from safe_ckpt import gcfreeze
+            from safe_ckpt.host import gcfreeze
 
             self.passes.append((info.get("generation"), time.perf_counter() - self._t0,
                                 gcfreeze.FREEZER.frozen_by_us))
@@ -138,7 +138,7 @@ class _Collections:
         self.passes, self.active = [], True
 
     def stop(self) -> dict:
-        from safe_ckpt import gcfreeze
+        from safe_ckpt.host import gcfreeze
 
         self.active = False
         full = [(s, frozen) for g, s, frozen in self.passes if g == 2]
@@ -172,7 +172,9 @@ def _rank(rank: int, world: int, init_file: str, target: str, args, out_queue) -
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
         import safe_ckpt
-        from safe_ckpt import agreement, local_plan, saving
+        from safe_ckpt.plan import agreement
+        from safe_ckpt.saving import local_plan
+        from safe_ckpt import saving
         from safe_ckpt.encoding.layout import lay_out
         from safe_ckpt.encoding.metadata import build_metadata, metadata_bytes
 

@@ -36,7 +36,7 @@ def _residences(tree) -> dict:
     import torch
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
 
-    from safe_ckpt import residence
+    from safe_ckpt.residence import classify as residence
 
     counts: dict = {}
 

@@ -7,14 +7,14 @@ staging pool, into the layout that stock Megatron and stock PyTorch DCP load.
 Data flow: plan → residence → staging → encoding → sinks → commit, coordinated by
 `dist` over a CPU (gloo) group; `save` wires the stages together. `load` reads any
 torch_dist checkpoint back with the contract of megatron-core's `dist_checkpointing.load`
-(`safe_ckpt/load/`: source → index → plan → execute, in parallel and safely).
+(`safe_ckpt/loading/`: source → index → plan → execute, in parallel and safely).
 
 The public API is what `__all__` names (saving, loading, checking a checkpoint, the errors,
 progress on a terminal), plus the `safe_ckpt.megatron` and `safe_ckpt.integrations.slime`
 adapters. Every other module is internal and may change between versions.
 """
 
-from .api_tools import inspect, verify
+from .tools.api import inspect, verify
 from .errors import (
     CheckpointError,
     CommitError,
@@ -28,9 +28,8 @@ from .errors import (
     WriteError,
 )
 from .options import SaveOptions
-from .load import LoadOptions
-from .load import load  # the function: `safe_ckpt.load` (the package stays importable as safe_ckpt.load.*)
-from .progress import show_progress
+from .loading import LoadOptions, load
+from .write.progress import show_progress
 from .results import SaveResult, SaveTimings
 from .saving import SaveHandle, async_save, save
 from .staging.pool import prepare as prepare_staging_pool

@@ -95,6 +95,14 @@ class UnreadableCheckpointError(CheckpointError):
         self.refused_global = refused_global
 
 
+class PathUsageError(ValueError):
+    """The path given to a tool is not something it can work on (missing, not a directory)."""
+
+
+class TrackerError(ValueError):
+    """A save root's tracker file is unreadable or names a checkpoint that is not there."""
+
+
 _KINDS = {
     cls.__name__: cls
     for cls in (

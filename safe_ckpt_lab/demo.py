@@ -68,7 +68,7 @@ def _rank_main(rank: int, world_size: int, init_file: str, out_dir: str, size_mb
 
     import safe_ckpt
     from megatron.core import dist_checkpointing
-    from safe_ckpt import commit
+    from safe_ckpt.targets.directory import publish as commit
     from safe_ckpt_lab.bench import ceilings
     from safe_ckpt_lab.synthetic import StateSpec, bits_equal, build_state, reference_tensors
 

@@ -299,7 +299,8 @@ def gridded_roundtrip(rank, world, tp, load_tp, ckpt_dir, spec_kwargs, options_k
                       as_device: bool = False) -> dict:
     """``as_device``: every source reported as device memory, so the writers wait for the last
     "copy" and the sums are deferred until then (or until the pool runs out)."""
-    from safe_ckpt import residence, saving
+    from safe_ckpt.residence import classify as residence
+    from safe_ckpt import saving
     from safe_ckpt.staging import stager
 
     deferred: list = []

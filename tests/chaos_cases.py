@@ -70,7 +70,7 @@ class PublishFault:
         return call
 
     def __enter__(self):
-        from safe_ckpt import commit
+        from safe_ckpt.targets.directory import publish as commit
 
         self._saved = (commit.publish, commit.fsync_path, commit._exchange, os.rename)
         real_publish = commit.publish
@@ -90,7 +90,7 @@ class PublishFault:
         return self
 
     def __exit__(self, *exc):
-        from safe_ckpt import commit
+        from safe_ckpt.targets.directory import publish as commit
 
         commit.publish, commit.fsync_path, commit._exchange, os.rename = self._saved
         return False
@@ -219,7 +219,7 @@ def _save(rank, world, root, iteration, fault, gate, timeout_s, version=0) -> di
     import contextlib
 
     from safe_ckpt.megatron import save_state
-    from safe_ckpt.retention import Retention
+    from safe_ckpt.targets.retention import Retention
     from safe_ckpt_lab.synthetic import build_state, reference_tensors
 
     spec = spec_for(iteration, version)

@@ -166,7 +166,7 @@ def unmapped_is_refused(rank, world, root) -> dict:
     """Rank world-1 holds a tensor whose VMM memory is unmapped; every rank must raise ResidenceError."""
     from megatron.core.dist_checkpointing import ShardedTensor
 
-    from safe_ckpt import residence
+    from safe_ckpt.residence import classify as residence
 
     torch.cuda.set_device(0)
     g = torch.Generator(device="cuda").manual_seed(rank)
@@ -299,7 +299,8 @@ def device_checksums(rank, world, ckpt_dir) -> dict:
     # device-sum threshold.
     spec = StateSpec(**dict(GPU_SPEC, hidden=1031, ffn=4124, vocab=8200, bucket_numel=3_000_001))
     refs = reference_tensors(spec, world)
-    from safe_ckpt import cuda_driver, pipeline
+    from safe_ckpt.residence import cuda_driver
+    from safe_ckpt.write import pipeline
 
     out = {}
     # sync / async: writers held until every copy is issued, so the sums are deferred (and flushed

@@ -78,7 +78,7 @@ def _pin(tree):
 def _through_the_pool(on: bool):
     """Make host templates travel as GPU ones do (pieces of the pinned pool, then byte copies):
     the copy path of GPU destinations, run on a CPU-only machine."""
-    from safe_ckpt.load import plan
+    from safe_ckpt.loading import plan
 
     stock_destination = plan.destination
     if on:

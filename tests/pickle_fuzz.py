@@ -366,7 +366,9 @@ def _tools(data: bytes) -> str | None:
     """verify and inspect on a directory holding ``data`` as its index; a crash, or None."""
     import tempfile
 
-    from safe_ckpt.tools import inspect, safe_load, verify
+    from safe_ckpt.tools import inspect
+    from safe_ckpt.encoding import safe_read as safe_load
+    from safe_ckpt.tools import verify
 
     with tempfile.TemporaryDirectory() as directory:
         with open(f"{directory}/.metadata", "wb") as f:
@@ -386,10 +388,10 @@ def _tools(data: bytes) -> str | None:
 def main(argv: list[str]) -> int:
     seed, count, max_bytes, budget_base = (int(v) for v in argv[:4])
     seeds = [open(path, "rb").read() for path in argv[4:]]
-    from safe_ckpt.tools import safe_load
+    from safe_ckpt.encoding import safe_read as safe_load
 
     try:
-        from safe_ckpt.tools import metadata_unpickler
+        from safe_ckpt.encoding.safe_read import unpickler as metadata_unpickler
     except ImportError:  # a reader without a work budget: outcomes and times only
         metadata_unpickler = None
     else:

@@ -17,7 +17,7 @@ import signal
 
 import torch
 
-from safe_ckpt import commit
+from safe_ckpt.targets.directory import publish as commit
 
 ROWS, COLS, TENSORS = 64, 64, 3
 

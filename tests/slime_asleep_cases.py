@@ -147,7 +147,7 @@ def detached_group_survives_the_cycles(rank, world, save_dir, cycles=2):
     """The asleep save's group works before, during and after slime's destroy/reload cycles; a gloo group made with `new_group` before sleep does not survive one."""
     import torch.distributed as dist
 
-    from safe_ckpt import dist as safe_dist
+    from safe_ckpt.coord import dist as safe_dist
     from safe_ckpt.integrations.slime_asleep import installed
     from tests.slime_mirror.utils import reloadable_process_group as rpg
 

@@ -10,7 +10,7 @@ import signal
 import torch
 
 import safe_ckpt
-from safe_ckpt.agreement import PLACES_STAGE, agree
+from safe_ckpt.plan.agreement import PLACES_STAGE, agree
 from safe_ckpt.errors import CoordinationError
 from safe_ckpt.plan.message import PlanMessage, layout_options
 from safe_ckpt.plan.records import UNSENT_PATH, Box, RankPlan, ShardRef
@@ -88,7 +88,7 @@ def test_paths_that_do_not_fit_their_plans_keep_the_refusal_and_name_the_bug():
 
 
 def test_a_check_failing_on_one_rank_still_meets_its_peers_in_the_second_exchange(monkeypatch):
-    from safe_ckpt import agreement
+    from safe_ckpt.plan import agreement
 
     def out_of_memory(*args):
         raise MemoryError("cannot cut the chunks")
@@ -131,7 +131,8 @@ def _opts():
 
 def _refused_save(rank, world, target, fault):
     """A save both ranks refuse (their dtypes differ), with ``fault`` on rank 1 in the agreement."""
-    from safe_ckpt import agreement, dist
+    from safe_ckpt.plan import agreement
+    from safe_ckpt.coord import dist
 
     if rank == 1 and fault == "dies_before_second_exchange":
         exchange = dist.Coordinator.exchange

@@ -119,7 +119,7 @@ class PosixStore:
             return None
 
     def complete(self) -> set[int]:
-        from safe_ckpt.commit import is_complete_checkpoint
+        from safe_ckpt.targets.directory.publish import is_complete_checkpoint
 
         return {int(n[5:]) for n in os.listdir(self.root)
                 if n.startswith("iter_") and n[5:].isdigit() and is_complete_checkpoint(os.path.join(self.root, n))}
@@ -128,7 +128,7 @@ class PosixStore:
         return {n for n in os.listdir(self.root) if ".safe_ckpt-" in n}
 
     def gc(self) -> set[str]:
-        from safe_ckpt.tools import gc as gc_tool
+        from safe_ckpt.targets.directory import gc as gc_tool
 
         return set(map(os.path.basename, gc_tool.collect(self.root)))
 
@@ -157,28 +157,28 @@ class S3Store:
             return None
 
     def complete(self) -> set[int]:
-        from safe_ckpt.tools import kvtools
+        from safe_ckpt.targets.objectstore import root as kv_root
 
         try:
-            return set(kvtools.iterations(self.target))
+            return set(kv_root.iterations(self.target))
         except FileNotFoundError:
             return set()
 
     def leftovers(self) -> set[str]:
-        from safe_ckpt.tools import kvtools
-        from safe_ckpt.tools.locate import PathUsageError
+        from safe_ckpt.targets.objectstore import gc as kv_gc
+        from safe_ckpt.errors import PathUsageError
 
         try:
-            return set(kvtools.find(self.target))
+            return set(kv_gc.find(self.target))
         except PathUsageError:  # nothing saved yet
             return set()
 
     def gc(self) -> set[str]:
-        from safe_ckpt.tools import kvtools
-        from safe_ckpt.tools.locate import PathUsageError
+        from safe_ckpt.targets.objectstore import gc as kv_gc
+        from safe_ckpt.errors import PathUsageError
 
         try:
-            return set(kvtools.collect(self.target))
+            return set(kv_gc.collect(self.target))
         except PathUsageError:
             return set()
 

@@ -128,7 +128,7 @@ def test_deep_verify_reports_what_it_loaded(ckpt):
     assert rc == 0 and "deep:" not in out
     rc, deep, _ = _cli("verify", "--deep", ckpt)
     tensor_bytes = 60 * 40 * 4 + 17 * 2
-    from safe_ckpt.tools.safe_load import read_metadata
+    from safe_ckpt.encoding.safe_read import read_metadata
 
     tensor_items = sum(1 for index in read_metadata(ckpt).storage_data if index.fqn in ("w", "b"))
     assert rc == 0 and tensor_items >= 2

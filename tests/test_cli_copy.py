@@ -126,7 +126,7 @@ def test_copy_over_a_kvstore_checkpoint_prints_no_import_noise(tmp_path):
 
 def test_replace_never_replaces_a_save_that_is_running(tmp_path):
     pytest.importorskip("tensorstore")
-    from safe_ckpt import kvcommit
+    from safe_ckpt.targets.objectstore import publish as kvcommit
     from safe_ckpt.sinks.tensorstore import KvTarget, open_sink
 
     src = str(tmp_path / "ck")

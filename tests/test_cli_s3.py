@@ -65,13 +65,13 @@ def test_s3_messages_name_the_bucket_the_checkpoints_and_the_flag(s3_server, mon
 
 def test_s3_copy_follows_the_tracker_and_replace_leaves_exactly_the_checkpoint(s3_server, monkeypatch, tmp_path):
     from safe_ckpt.sinks.tensorstore import KvTarget
-    from safe_ckpt.tools import kvtools
+    from safe_ckpt.targets.objectstore import root as kv_root
 
     s3_server.bucket("copies")
     monkeypatch.setenv("AWS_ENDPOINT_URL_S3", s3_server.endpoint)
     for it in (3, 5):
         safe_ckpt.save(_state(it), f"s3://copies/run/iter_{it:07d}", options=_opts())
-    kvtools.write_tracker(KvTarget("run", s3_server.spec("copies")), 5)
+    kv_root.write_tracker(KvTarget("run", s3_server.spec("copies")), 5)
     client = s3_server.client()
     client.put_object(Bucket="copies", Key="dst/notes.txt", Body=b"mine")
     client.put_object(Bucket="copies", Key="dst/deeper/more.txt", Body=b"mine too")

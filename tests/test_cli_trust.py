@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import safe_ckpt
-from safe_ckpt.tools import safe_load
+from safe_ckpt.encoding import safe_read as safe_load
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import safe_ckpt
-from safe_ckpt import commit_files
+from safe_ckpt.encoding import small_files as commit_files
 from safe_ckpt_lab.synthetic import bits_equal
 from tests.hooked_sink import HookedSink
 

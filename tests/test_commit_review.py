@@ -9,9 +9,10 @@ import threading
 
 import pytest
 
-from safe_ckpt import claim, commit, leftovers, names
+from safe_ckpt.targets.directory import claim, publish as commit, leftovers
+from safe_ckpt import names
 from safe_ckpt.errors import CommitError
-from safe_ckpt.tools import gc as gc_tool
+from safe_ckpt.targets.directory import gc as gc_tool
 
 
 def _data(seed: int, n_bytes: int = 4096) -> bytes:

@@ -145,8 +145,8 @@ def test_a_slow_writer_thread_writes_fewer_items_and_every_byte_lands(tmp_path):
 def test_staging_order_advances_every_file_at_the_same_rate():
     """A file of many small items is not left behind by files of few large ones."""
     from safe_ckpt.encoding.layout import FileSpec, PlacedItem, RankLayout
-    from safe_ckpt.pipeline import RankWork, RankWriter
-    from safe_ckpt.progress import Progress
+    from safe_ckpt.write.pipeline import RankWork, RankWriter
+    from safe_ckpt.write.progress import Progress
 
     def file(name, lengths):
         items, at = [], 0

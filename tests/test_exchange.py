@@ -1,6 +1,6 @@
 """The ranks' exchange of small records (plan messages, votes): every rank's object, whole and
 in rank order, over a real gloo group, in gathers whose parts stay below ATen's parallel grain
-(see `safe_ckpt.dist._all_gather_objects` for the cost that rule removes). The part sizes are
+(see `safe_ckpt.coord.dist._all_gather_objects` for the cost that rule removes). The part sizes are
 checked as a rule here; what the rule saves is measured by benchmarks/plan_exchange.py on a
 host with more cores than ranks, which a test on this 2-core machine cannot show."""
 
@@ -21,7 +21,7 @@ def _exchange_twice(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
     from safe_ckpt import compat
-    from safe_ckpt import dist as safe_dist
+    from safe_ckpt.coord import dist as safe_dist
 
     gathered_elements = []
     real = compat.all_gather_into_tensor

@@ -89,7 +89,7 @@ def test_device_summed_items_are_hashed_for_the_manifest_in_file_order(hasher):
 
     from safe_ckpt.encoding.integrity_manifest import FileDigests
     from safe_ckpt.encoding.layout import PlacedItem
-    from safe_ckpt.item_writes import ItemWrites
+    from safe_ckpt.write.item_writes import ItemWrites
 
     rng = np.random.default_rng(7)
     parts = [(rng.bytes(64), rng.bytes(3 << 20), rng.bytes(22)) for _ in range(3)]

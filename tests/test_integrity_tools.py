@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import safe_ckpt
-from safe_ckpt.retention import Retention, to_remove
-from safe_ckpt.tools import gc as gc_tool
+from safe_ckpt.targets.retention import Retention, to_remove
+from safe_ckpt.targets.directory import gc as gc_tool
 
 from safe_ckpt.tools.verify import verify
 
@@ -49,7 +49,7 @@ def test_verify_passes_a_good_checkpoint_deeply(ckpt):
 
 @pytest.mark.parametrize("threads", [0, 1, 3])
 def test_checksums_in_the_writers_equal_checksums_beside_them(tmp_path, threads, monkeypatch):
-    from safe_ckpt import item_writes
+    from safe_ckpt.write import item_writes
 
     monkeypatch.setattr(item_writes, "FUSED_PIECE_BYTES", 4096)  # several pieces per item, split inside buffers
     paths = {}
@@ -67,7 +67,7 @@ def test_checksums_in_the_writers_equal_checksums_beside_them(tmp_path, threads,
 
 
 def test_pieces_regroup_buffers_in_order_within_the_limit():
-    from safe_ckpt.item_writes import pieces
+    from safe_ckpt.write.item_writes import pieces
 
     bufs = [b"ab", bytes(range(10)), b"", b"xyz"]
     groups = list(pieces(bufs, 4))

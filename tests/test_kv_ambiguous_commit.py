@@ -40,6 +40,7 @@ def test_an_ambiguous_last_write_never_leaves_a_complete_looking_checkpoint_with
     from safe_ckpt import names
     from safe_ckpt.sinks.tensorstore import KvTarget
     from safe_ckpt.tools import kvtools
+    from safe_ckpt.targets.objectstore import gc as kv_gc, root as kv_root
 
     spec = s3_server.bucket("amb")
     out = values(run_world(2, s3_cases.s3_ambiguous_commits, (spec,), timeout_s=300))
@@ -54,7 +55,7 @@ def test_an_ambiguous_last_write_never_leaves_a_complete_looking_checkpoint_with
     # lost: the save fails, and its data is removed
     assert all(r[4] is not None for r in out)
 
-    assert kvtools.iterations(KvTarget("run", spec)) == {1: "iter_0000001", 2: "iter_0000002", 3: "iter_0000003"}
+    assert kv_root.iterations(KvTarget("run", spec)) == {1: "iter_0000001", 2: "iter_0000002", 3: "iter_0000003"}
     for iteration in (2, 3):
         assert any(n.endswith(".distcp") for n in _names(s3_server, iteration))
         report = kvtools.verify(KvTarget(f"run/iter_{iteration:07d}", spec))
@@ -64,12 +65,13 @@ def test_an_ambiguous_last_write_never_leaves_a_complete_looking_checkpoint_with
     assert _names(s3_server, 4) == []  # the failed commit's data and small files are gone
     tracker = s3_server.client().get_object(Bucket="amb", Key="run/latest_checkpointed_iteration.txt")["Body"].read()
     assert tracker == b"2"  # the tracker names the last save that succeeded
-    assert kvtools.collect(KvTarget("run", spec)) == []
+    assert kv_gc.collect(KvTarget("run", spec)) == []
 
 
 def test_a_marker_over_missing_data_is_not_counted_and_gc_removes_it(s3_server, tmp_path):
     from safe_ckpt.sinks.tensorstore import KvTarget
     from safe_ckpt.tools import kvtools
+    from safe_ckpt.targets.objectstore import gc as kv_gc, root as kv_root
 
     spec = s3_server.bucket("amb")
     for iteration in (1, 2):
@@ -77,9 +79,9 @@ def test_a_marker_over_missing_data_is_not_counted_and_gc_removes_it(s3_server, 
     # what an abort that trusted a timeout used to leave: the marker and index, a data object gone
     victim = next(n for n in _names(s3_server, 2) if n.endswith(".distcp"))
     s3_server.client().delete_object(Bucket="amb", Key=f"run/iter_0000002/{victim}")
-    assert kvtools.iterations(KvTarget("run", spec)) == {1: "iter_0000001"}
+    assert kv_root.iterations(KvTarget("run", spec)) == {1: "iter_0000001"}
     assert not kvtools.verify(KvTarget("run/iter_0000002", spec)).ok
     left = _names(s3_server, 2)
-    assert kvtools.collect(KvTarget("run", spec)) == sorted(f"iter_0000002/{n}" for n in left)
+    assert kv_gc.collect(KvTarget("run", spec)) == sorted(f"iter_0000002/{n}" for n in left)
     assert _names(s3_server, 2) == [] and kvtools.verify(KvTarget("run/iter_0000001", spec)).ok
     assert _loads_bit_exact(spec, 1, tmp_path)

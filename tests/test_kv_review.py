@@ -35,7 +35,7 @@ def _plant_hostile_metadata(prefix_dir, marker) -> None:
 
 def test_gc_and_a_resave_never_unpickle_a_hostile_metadata(tmp_path, caplog):
     from safe_ckpt.sinks.tensorstore import KvTarget
-    from safe_ckpt.tools import kvtools
+    from safe_ckpt.targets.objectstore import gc as kv_gc
 
     root = tmp_path / "ck"
     url = f"file://{root}/iter_0000001"
@@ -52,7 +52,7 @@ def test_gc_and_a_resave_never_unpickle_a_hostile_metadata(tmp_path, caplog):
     assert "iter_0000001" in proc.stderr and "skips" in proc.stderr, proc.stderr[-2000:]
     assert not marker.exists()
     with caplog.at_level("WARNING", logger="safe_ckpt"):
-        assert kvtools.collect(KvTarget(f"file://{root}")) == []
+        assert kv_gc.collect(KvTarget(f"file://{root}")) == []
     assert "iter_0000001" in caplog.text and stray.exists() and not marker.exists()
 
     with pytest.raises(safe_ckpt.CommitError, match=r"\.metadata.*os\.system|posix\.system"):
@@ -84,13 +84,13 @@ class _GcBeforeCommit:
 
 def test_gc_during_a_save_never_yields_an_ok_checkpoint_without_its_data(tmp_path):
     from safe_ckpt.sinks.tensorstore import KvTarget
-    from safe_ckpt.tools import kvtools
+    from safe_ckpt.targets.objectstore import gc as kv_gc
 
     root = tmp_path / "ck"
     wrapped = []
 
     def factory(sink):
-        wrapped.append(_GcBeforeCommit(sink, lambda: kvtools.collect(KvTarget(f"file://{root}"))))
+        wrapped.append(_GcBeforeCommit(sink, lambda: kv_gc.collect(KvTarget(f"file://{root}"))))
         return wrapped[0]
 
     try:
@@ -138,9 +138,9 @@ def test_a_commit_with_a_data_file_missing_publishes_nothing(tmp_path):
 def test_gc_removes_a_dead_saves_keys_once_its_owner_object_is_stale(tmp_path):
     import json
 
-    from safe_ckpt import kvcommit
+    from safe_ckpt.targets.objectstore import publish as kvcommit
     from safe_ckpt.sinks.tensorstore import KvTarget
-    from safe_ckpt.tools import kvtools
+    from safe_ckpt.targets.objectstore import gc as kv_gc
 
     prefix = tmp_path / "ck" / "iter_0000002"
     prefix.mkdir(parents=True)
@@ -150,7 +150,7 @@ def test_gc_removes_a_dead_saves_keys_once_its_owner_object_is_stale(tmp_path):
         (prefix / f".safe_ckpt-owner-{save_id}").write_text(json.dumps(
             {"save_id": save_id, "written_at_unix_s": __import__("time").time() - age_s,
              "stale_after_s": kvcommit.OWNER_STALE_S}))
-    removed = kvtools.collect(KvTarget(f"file://{tmp_path}/ck"))
+    removed = kv_gc.collect(KvTarget(f"file://{tmp_path}/ck"))
     assert removed == sorted([f"iter_0000002/__0_0-{dead}.distcp", f"iter_0000002/.safe_ckpt-owner-{dead}"])
     assert sorted(os.listdir(prefix)) == sorted([f"__0_0-{fresh}.distcp", f".safe_ckpt-owner-{fresh}"])
 
@@ -195,17 +195,17 @@ def test_bad_kvstore_and_number_arguments_are_usage_errors(argv, message, capsys
 
 def test_retention_on_a_kvstore_root_keeps_the_checkpoint_the_run_resumed_from(tmp_path):
     from safe_ckpt.megatron.training import save_state
-    from safe_ckpt.retention import Retention
+    from safe_ckpt.targets.retention import Retention
     from safe_ckpt.sinks.tensorstore import KvTarget
-    from safe_ckpt.tools import kvtools
+    from safe_ckpt.targets.objectstore import root as kv_root
 
     root = f"file://{tmp_path}/run"
     for it in (1, 2, 3):  # an earlier run's checkpoints; it resumed from 2
         safe_ckpt.save(_state(it), f"{root}/iter_{it:07d}", options=_opts())
-    kvtools.write_tracker(KvTarget(root), 2)
+    kv_root.write_tracker(KvTarget(root), 2)
     for it in (4, 5):
         save_state(_state(it), root, f"{root}/iter_{it:07d}", str(it), options=_opts(), retention=Retention(keep_last=1))
-    assert sorted(kvtools.iterations(KvTarget(root))) == [2, 5]
+    assert sorted(kv_root.iterations(KvTarget(root))) == [2, 5]
     assert (tmp_path / "run" / "latest_checkpointed_iteration.txt").read_text() == "5"
     from safe_ckpt.tools.verify import verify
 

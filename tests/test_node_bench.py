@@ -207,7 +207,7 @@ def test_no_share_measured_is_not_a_pass():
 def test_a_save_reports_what_it_resolved(tmp_path):
     """What a save used where its options left them to the defaults, as the bench records per rank."""
     import safe_ckpt
-    from safe_ckpt import cpu
+    from safe_ckpt.host import cpu
     from safe_ckpt_lab.bench.state import build
 
     state = build("anchor", 0.001, "gpu", 0, 1)

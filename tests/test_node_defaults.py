@@ -8,7 +8,7 @@ import re
 import pytest
 
 import safe_ckpt
-from safe_ckpt import cpu
+from safe_ckpt.host import cpu
 from tests import cases
 from tests.mp import run_world, values
 

@@ -196,7 +196,7 @@ def test_pool_on_huge_pages_is_an_advised_private_mapping_that_leases_like_any_o
 
 
 def test_checksum_threads_beside_the_writers_only_while_cores_are_spare(monkeypatch):
-    from safe_ckpt import cpu
+    from safe_ckpt.host import cpu
 
     monkeypatch.setattr(cpu.os, "sched_getaffinity", lambda pid: set(range(16)))
     assert cpu.checksum_threads(None, 8) == 8

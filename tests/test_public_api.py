@@ -44,15 +44,31 @@ def test_all_names_the_public_api_and_every_name_imports():
 
 
 def test_dir_shows_the_public_surface_not_internal_modules():
-    import safe_ckpt.pipeline  # noqa: F401  (loaded by every save anyway)
+    import safe_ckpt.write.pipeline
 
     shown = set(dir(safe_ckpt))
     assert set(safe_ckpt.__all__) <= shown and {"megatron", "integrations"} <= shown
-    assert not shown & {"pipeline", "staging", "plan", "dist", "commit", "saving", "errors", "api_tools"}
+    assert not shown & {"write", "staging", "plan", "coord", "targets", "saving", "errors", "tools", "loading", "names"}
+
+
+def test_the_load_function_survives_its_package_being_imported_and_patched():
+    """`safe_ckpt.load` is the function; its package is `safe_ckpt.loading`, so importing a module
+    of it or patching one by dotted path never rebinds the function's name."""
+    import importlib
+    from unittest import mock
+
+    load = safe_ckpt.load
+    importlib.import_module("safe_ckpt.loading.plan")
+    with mock.patch("safe_ckpt.loading.objects.decode") as patched:
+        from safe_ckpt.loading import objects
+
+        assert objects.decode is patched
+    assert safe_ckpt.load is load and load.__module__ == "safe_ckpt.loading.contract"
+    assert safe_ckpt.LoadOptions.__module__ == "safe_ckpt.loading.options"
 
 
 def test_verify_and_inspect_from_python(tmp_path):
-    from safe_ckpt import commit
+    from safe_ckpt.targets.directory import publish as commit
 
     ckpt = tmp_path / "iter_0000042"
     _save(ckpt)
@@ -160,8 +176,8 @@ def test_built_wheel_carries_the_license_and_py_typed(tmp_path):
     if int(setuptools.__version__.split(".")[0]) < 77:
         pytest.skip("pyproject's license-files needs setuptools >= 77")
     src = tmp_path / "src"
-    shutil.copytree(os.path.join(ROOT, "safe_ckpt"), src / "safe_ckpt",
-                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    for package in ("safe_ckpt", "safe_ckpt_lab"):
+        shutil.copytree(os.path.join(ROOT, package), src / package, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy(os.path.join(ROOT, name), src / name)
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
@@ -169,6 +185,9 @@ def test_built_wheel_carries_the_license_and_py_typed(tmp_path):
     (wheel,) = (tmp_path / "dist").glob("safe_ckpt-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert "safe_ckpt/py.typed" in names
+    # both top-level packages: the library, and the lab `safe-ckpt demo` / `bench` run
+    assert {"safe_ckpt/__init__.py", "safe_ckpt/cli/lab.py", "safe_ckpt_lab/__init__.py",
+            "safe_ckpt_lab/bench/main.py"} <= set(names)
     licenses = [n for n in names if n.endswith(".dist-info/licenses/LICENSE")]
     assert licenses and "Apache License" in zipfile.ZipFile(wheel).read(licenses[0]).decode()
     metadata = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import os
 
-from safe_ckpt import claim, commit, names
-from safe_ckpt.tools import gc as gc_tool
+from safe_ckpt.targets.directory import claim, publish as commit
+from safe_ckpt import names
+from safe_ckpt.targets.directory import gc as gc_tool
 from tests import publish_cases as pc
 from tests.mp import run_world, values
 

@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from safe_ckpt.tools import safe_load
+from safe_ckpt.encoding import safe_read as safe_load
 from tests import large_metadata
 from tests.mp import run_world, values
 from tests.test_cli_trust import _save
@@ -241,7 +241,7 @@ def test_fuzzed_pickles_are_read_or_refused_within_the_budget(tmp_path):
 @pytest.mark.timeout(3600)
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_fuzzed_pickles_at_full_budget_and_size(tmp_path, seed):
-    from safe_ckpt.tools import metadata_unpickler
+    from safe_ckpt.encoding.safe_read import unpickler as metadata_unpickler
 
     rows = _fuzz(tmp_path, seed=seed, count=20000, max_bytes=1 << 18, budget_base=metadata_unpickler.BUDGET_BASE,
                  timeout_s=3000)
@@ -250,7 +250,7 @@ def test_fuzzed_pickles_at_full_budget_and_size(tmp_path, seed):
 
 def _read_like_pickle(path: str) -> float:
     """Read ``path`` with the restricted reader, compare with plain pickle; units used per byte."""
-    from safe_ckpt.tools import metadata_unpickler
+    from safe_ckpt.encoding.safe_read import unpickler as metadata_unpickler
 
     with open(path, "rb") as f:
         data = f.read()

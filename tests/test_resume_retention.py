@@ -10,7 +10,8 @@ from argparse import Namespace
 
 import pytest
 
-from safe_ckpt import commit, names
+from safe_ckpt.targets.directory import publish as commit
+from safe_ckpt import names
 from safe_ckpt.megatron import resume
 from tests.test_trust_commit import _fake_checkpoint, _iters, _opts, _state
 
@@ -81,7 +82,7 @@ def test_a_process_that_never_said_what_it_loaded_keeps_the_tracker_fallback(tmp
 
 def test_save_state_keeps_what_note_loaded_named_not_what_the_tracker_names(tmp_path, caplog):
     from safe_ckpt.megatron import save_state
-    from safe_ckpt.retention import Retention
+    from safe_ckpt.targets.retention import Retention
 
     root = str(tmp_path)
     for it in (100, 200, 300):

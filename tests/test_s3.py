@@ -174,9 +174,10 @@ def _owner_record(s3_server, bucket, key, **changes):
 
 
 def test_killed_save_leftovers_go_stale_gc_removes_them_and_a_resave_leaves_none_inside(s3_server, tmp_path):
-    from safe_ckpt import kvcommit
+    from safe_ckpt.targets.objectstore import publish as kvcommit
     from safe_ckpt.sinks.tensorstore import KvTarget
     from safe_ckpt.tools import kvtools
+    from safe_ckpt.targets.objectstore import gc as kv_gc
 
     spec = s3_server.bucket("leftover")
     prefix = "ck/iter_0000003"
@@ -191,18 +192,18 @@ def test_killed_save_leftovers_go_stale_gc_removes_them_and_a_resave_leaves_none
     owner_key = f"{prefix}/{owners[0]}"
     expected = sorted(f"iter_0000003/{n}" for n in left)
     # Its process ran on this machine and has exited: stale at once.
-    assert kvtools.find(KvTarget("ck", spec)) == expected
+    assert kv_gc.find(KvTarget("ck", spec)) == expected
     # Had it run elsewhere, its heartbeat would decide: fresh for STALE_AFTER_S (60 s) after the last one ...
     record = _owner_record(s3_server, "leftover", owner_key, machine="another-host/boot/ns",
                            written_at_unix_s=time.time())
     assert record["stale_after_s"] == kvcommit.STALE_AFTER_S <= 60 and record["heartbeat_s"] < record["stale_after_s"]
-    assert kvtools.find(KvTarget("ck", spec)) == []
+    assert kv_gc.find(KvTarget("ck", spec)) == []
     # ... and a new save of the prefix is refused meanwhile (one save per prefix), naming the way out
     with pytest.raises(safe_ckpt.CommitError, match=r"another save of .*gc --force"):
         s3_cases.s3_save(0, 1, spec, prefix)
     # ... then stale (time passes beyond the bound), or removed at once with --force.
     _owner_record(s3_server, "leftover", owner_key, written_at_unix_s=time.time() - kvcommit.STALE_AFTER_S - 1)
-    assert kvtools.find(KvTarget("ck", spec)) == expected
+    assert kv_gc.find(KvTarget("ck", spec)) == expected
     _owner_record(s3_server, "leftover", owner_key, written_at_unix_s=time.time())
     proc = _cli("gc", "s3://leftover/ck", "--dry-run", "--force", "--endpoint", s3_server.endpoint)
     assert proc.returncode == 0 and proc.stdout.count("would remove ") == len(left), proc.stdout + proc.stderr
@@ -222,7 +223,7 @@ def test_killed_save_leftovers_go_stale_gc_removes_them_and_a_resave_leaves_none
     assert not [n for n in now if n.startswith(names.OWNER_OBJECT_PREFIX)]
     report = kvtools.verify(KvTarget(prefix, spec))
     assert report.ok and not [f for f in report.findings if "extra" in f.message], report.findings
-    assert kvtools.find(KvTarget("ck", spec)) == []
+    assert kv_gc.find(KvTarget("ck", spec)) == []
     local = str(tmp_path / "local")
     from safe_ckpt.tools.copy import copy
 
@@ -233,9 +234,10 @@ def test_killed_save_leftovers_go_stale_gc_removes_them_and_a_resave_leaves_none
 def test_tracker_and_retention_on_a_bucket_prefix(s3_server, monkeypatch):
     """The Megatron entry point's path with `--save s3://bucket/prefix` and AWS_ENDPOINT_URL_S3."""
     from safe_ckpt.megatron.training import save_state, save_target
-    from safe_ckpt.retention import Retention
+    from safe_ckpt.targets.retention import Retention
     from safe_ckpt.sinks.tensorstore import KvTarget
     from safe_ckpt.tools import kvtools
+    from safe_ckpt.targets.objectstore import gc as kv_gc
     from tests.test_integrity_tools import _state
 
     s3_server.bucket("train")
@@ -251,7 +253,7 @@ def test_tracker_and_retention_on_a_bucket_prefix(s3_server, monkeypatch):
     assert s3_server.client().get_object(Bucket="train", Key="run/latest_checkpointed_iteration.txt")["Body"].read() == b"4"
     info = kvtools.inspect(KvTarget("run/iter_0000004", opts.kvstore_spec))
     assert info["tracker"] == "4"
-    assert kvtools.find(KvTarget("run", opts.kvstore_spec)) == []
+    assert kv_gc.find(KvTarget("run", opts.kvstore_spec)) == []
 
 
 # ------------------------------------------------------------------ without a server
@@ -259,7 +261,7 @@ def test_tracker_and_retention_on_a_bucket_prefix(s3_server, monkeypatch):
 
 def test_s3_url_with_an_endpoint_becomes_the_s3_spec_and_other_targets_pass_unchanged():
     from safe_ckpt.sinks.tensorstore import KvTarget, resolve_target
-    from safe_ckpt.tools.kvtools import endpoint_from
+    from safe_ckpt.targets.endpoints import endpoint_from
 
     t = resolve_target("s3://bkt/a/b/iter_0000001", endpoint="http://minio:9000")
     assert t == KvTarget("a/b/iter_0000001", {"driver": "s3", "bucket": "bkt", "endpoint": "http://minio:9000",
@@ -276,7 +278,7 @@ def test_s3_url_with_an_endpoint_becomes_the_s3_spec_and_other_targets_pass_unch
 
 
 def test_what_counts_as_an_interrupted_saves_keys():
-    from safe_ckpt.kvcommit import is_save_leftover
+    from safe_ckpt.targets.objectstore.publish import is_save_leftover
 
     tagged = ["__0_0-0123456789abcdef.distcp", "__1_3-0123456789abcdef.distcp"]
     assert is_save_leftover(tagged)

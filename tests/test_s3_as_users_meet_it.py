@@ -45,6 +45,7 @@ def _quiet(stderr: str) -> bool:
 def test_an_s3_save_root_from_the_python_api_is_verified_through_its_tracker(s3_server, monkeypatch):
     from safe_ckpt.sinks.tensorstore import KvTarget
     from safe_ckpt.tools import kvtools
+    from safe_ckpt.targets.objectstore import root as kv_root
 
     s3_server.bucket("edges")
     monkeypatch.setenv("AWS_ENDPOINT_URL_S3", s3_server.endpoint)
@@ -52,7 +53,7 @@ def test_an_s3_save_root_from_the_python_api_is_verified_through_its_tracker(s3_
         safe_ckpt.save(_state(it), f"s3://edges/run/iter_{it:07d}", options=_opts())
     assert "run/iter_0000005/metadata.json" in s3_server.keys("edges", "run/")
     root = KvTarget("run", s3_server.spec("edges"))
-    kvtools.write_tracker(root, 5)
+    kv_root.write_tracker(root, 5)
 
     proc = _cli("verify", "s3://edges/run")
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
@@ -122,7 +123,8 @@ def test_s3_failures_are_one_clean_line_with_the_exit_codes_of_local_paths(s3_se
 
 
 def test_the_python_api_the_command_line_and_the_adapter_share_one_endpoint_rule(monkeypatch):
-    from safe_ckpt import cli, endpoints
+    from safe_ckpt import cli
+    from safe_ckpt.targets import endpoints
     from safe_ckpt.megatron.training import save_target as adapter_target
 
     env = {"AWS_ENDPOINT_URL": "http://generic:1", "AWS_ENDPOINT_URL_S3": "http://s3only:2", "AWS_REGION": "eu-west-1",
@@ -174,7 +176,7 @@ class _CountsOwnerWrites:
 
 
 def test_a_running_saves_owner_object_is_rewritten_until_the_save_ends(tmp_path, monkeypatch):
-    from safe_ckpt import kvcommit
+    from safe_ckpt.targets.objectstore import publish as kvcommit
     from safe_ckpt.sinks.tensorstore import KvTarget, open_sink
 
     monkeypatch.setattr(kvcommit, "HEARTBEAT_S", 0.01)

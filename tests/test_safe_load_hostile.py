@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from safe_ckpt.tools import safe_load
+from safe_ckpt.encoding import safe_read as safe_load
 from tests.test_cli_trust import _cli, _save
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -35,7 +35,7 @@ def _metadata_with_sdm_key(key_ops: bytes) -> bytes:
 def _fresh(code: str, timeout=120):
     """``code`` in a fresh interpreter with ``read`` = read_metadata printing its refusal."""
     prelude = ("import os, resource, sys\n"
-               "from safe_ckpt.tools import safe_load\n"
+               "from safe_ckpt.encoding import safe_read as safe_load\n"
                "def read(d):\n"
                "    try:\n"
                "        safe_load.read_metadata(d); print('READ')\n"

@@ -82,7 +82,7 @@ def test_async_save_catches_a_cpu_backup_rewritten_in_place(tmp_path, monkeypatc
     tensor as the paused tensor, with a host copy as its backup, written through numpy."""
     import threading
 
-    from safe_ckpt import residence
+    from safe_ckpt.residence import classify as residence
     from tests.hooked_sink import HookedSink
 
     paused = torch.randn(64, 256, generator=torch.Generator().manual_seed(4))
@@ -181,7 +181,7 @@ def test_retention_from_megatron_args():
     import argparse
 
     from safe_ckpt.megatron import retention_from_args
-    from safe_ckpt.retention import Retention
+    from safe_ckpt.targets.retention import Retention
 
     assert retention_from_args(argparse.Namespace(save_retain_interval=5)) == Retention(keep_last=1, keep_every=5)
     assert retention_from_args(argparse.Namespace(safe_ckpt_keep_last=3)) == Retention(keep_last=3)
@@ -191,7 +191,7 @@ def test_retention_from_megatron_args():
 def _as_device(monkeypatch):
     """Report every source as mapped device memory, so that the write phase holds its writers
     until the last "device" chunk is staged; the stager still copies them as host tensors."""
-    from safe_ckpt import residence
+    from safe_ckpt.residence import classify as residence
 
     monkeypatch.setattr(residence, "classify", lambda t, **kw: residence.Classified(residence.Residence.CUDA.value))
 
@@ -217,7 +217,7 @@ def test_writers_wait_for_device_staging_and_start_when_the_pool_is_full(tmp_pat
 def _staging_events(monkeypatch, tmp_path, save):
     """The order of stage and write events of a save of ten small "device" tensors (a slow
     stager gives writers that are not held back every chance to start early)."""
-    import safe_ckpt.pipeline as pipeline
+    import safe_ckpt.write.pipeline as pipeline
 
     _as_device(monkeypatch)
     events = []
@@ -255,7 +255,7 @@ def test_no_write_starts_before_the_last_small_device_chunk_is_staged(tmp_path, 
 def test_large_device_chunks_are_written_while_staging_goes_on(tmp_path, monkeypatch):
     """A save of large chunks (here: any size counts as large), sync or async, lets the
     writers start at once."""
-    import safe_ckpt.pipeline as pipeline
+    import safe_ckpt.write.pipeline as pipeline
 
     monkeypatch.setattr(pipeline, "EARLY_WRITERS_MIN_CHUNK_BYTES", 1)
     events = _staging_events(monkeypatch, tmp_path, lambda s, p, o: safe_ckpt.save(s, p, options=o))
@@ -267,7 +267,7 @@ def test_large_device_chunks_are_written_while_staging_goes_on(tmp_path, monkeyp
 
 def _as_device_only(monkeypatch, tensors):
     """Report only the given tensors as mapped device memory (the rest by their real residence)."""
-    from safe_ckpt import residence
+    from safe_ckpt.residence import classify as residence
 
     real = residence.classify
     ptrs = {t.data_ptr() for t in tensors}
@@ -277,7 +277,7 @@ def _as_device_only(monkeypatch, tensors):
 
 def test_host_items_are_written_while_device_copies_land(tmp_path, monkeypatch):
     """The wait for the last device copies must not hold back the host items behind them."""
-    import safe_ckpt.pipeline as pipeline
+    import safe_ckpt.write.pipeline as pipeline
     from safe_ckpt.staging.stager import Stager
 
     g = torch.Generator().manual_seed(6)
@@ -334,7 +334,7 @@ def test_a_failure_waiting_for_device_copies_fails_the_save(tmp_path, monkeypatc
 @pytest.fixture(autouse=True)
 def _fresh_freezer(monkeypatch):
     """Each test starts with a freezer that has not yet seen the process freeze objects."""
-    from safe_ckpt import gcfreeze
+    from safe_ckpt.host import gcfreeze
 
     monkeypatch.setattr(gcfreeze, "FREEZER", gcfreeze._Freezer())
 
@@ -366,7 +366,8 @@ def _probe_factory(seen, oldest=None):
 def test_gc_freeze_holds_during_the_save_only(tmp_path, mode):
     import gc
 
-    from safe_ckpt import compat, gcfreeze
+    from safe_ckpt import compat
+    from safe_ckpt.host import gcfreeze
 
     gc.unfreeze()
     seen, oldest = [], []
@@ -424,7 +425,7 @@ def test_gc_freeze_released_when_planning_fails(tmp_path, monkeypatch):
 def test_gc_freeze_released_when_waiting_for_staging_fails(tmp_path, monkeypatch):
     import gc
 
-    from safe_ckpt import pipeline
+    from safe_ckpt.write import pipeline
 
     gc.unfreeze()
 
@@ -538,7 +539,8 @@ def test_a_held_oldest_generation_comes_back_whatever_the_process_set_meanwhile(
     oldest one back; one that sets the oldest one itself keeps that."""
     import gc
 
-    from safe_ckpt import compat, gcfreeze
+    from safe_ckpt import compat
+    from safe_ckpt.host import gcfreeze
 
     if not compat.generational_gc():
         pytest.skip("no oldest generation to hold off: this interpreter's collector is incremental")
@@ -645,7 +647,7 @@ def test_a_chunk_whose_lease_waited_gets_its_sums_at_once(tmp_path, monkeypatch)
     """A lease that waits releases the writers (and flushes the sums deferred so far); the chunk
     it was for, and every later one, must not be deferred, or its writer sits in grid() until
     the last device chunk (found in review)."""
-    import safe_ckpt.pipeline as pipeline
+    import safe_ckpt.write.pipeline as pipeline
 
     log: list = []
     _grid_on_host(monkeypatch, log)

@@ -100,7 +100,7 @@ def test_copy_local_to_kvstore_and_back(tmp_path):
     _save(src, seed=4)
     copy(src, "memory://bucket/ck")  # stands for a bucket; same process
     back = str(tmp_path / "back")
-    from safe_ckpt.tools.locate import PathUsageError
+    from safe_ckpt.errors import PathUsageError
 
     with pytest.raises(PathUsageError, match="no such checkpoint"):  # a prefix with no key: a usage error
         copy("memory://bucket/nothing", back)

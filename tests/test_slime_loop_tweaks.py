@@ -13,7 +13,7 @@ sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 
 from diag.backup_writes import tweaked_asleep_saves  # noqa: E402
 
-from safe_ckpt import item_writes, pipeline  # noqa: E402
+from safe_ckpt.write import item_writes, pipeline  # noqa: E402
 from safe_ckpt.megatron import training  # noqa: E402
 
 

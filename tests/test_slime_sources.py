@@ -11,7 +11,7 @@ import textwrap
 import pytest
 import torch
 
-from safe_ckpt import residence
+from safe_ckpt.residence import classify as residence
 from safe_ckpt.integrations import slime_sources
 from tests.slime_mirror.utils.tensor_backper import TensorBackuper
 

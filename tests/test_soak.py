@@ -11,7 +11,7 @@ import torch
 
 import safe_ckpt
 from safe_ckpt.megatron import save_state
-from safe_ckpt.retention import Retention
+from safe_ckpt.targets.retention import Retention
 from safe_ckpt.sinks.faults import Fault, FaultySink
 from safe_ckpt.sinks.posix import PosixSink
 from safe_ckpt_lab.synthetic import bits_equal

@@ -18,10 +18,11 @@ import pytest
 import torch
 
 import safe_ckpt
-from safe_ckpt import claim, commit, names
+from safe_ckpt.targets.directory import claim, publish as commit
+from safe_ckpt import names
 from safe_ckpt.sinks.posix import PosixSink
 from safe_ckpt_lab.synthetic import bits_equal
-from safe_ckpt.tools import gc as gc_tool
+from safe_ckpt.targets.directory import gc as gc_tool
 from tests.hooked_sink import HookedSink
 from tests.mp import describe_exception, run_world, values
 
@@ -392,7 +393,7 @@ def _iters(root) -> list[str]:
 
 
 def test_retention_keeps_lineage_and_touches_only_complete_checkpoints(tmp_path):
-    from safe_ckpt.retention import Retention, prune
+    from safe_ckpt.targets.retention import Retention, prune
 
     for it in (100, 200, 250, 300, 400, 500):
         _fake_checkpoint(tmp_path, it)
@@ -411,7 +412,7 @@ def test_retention_keeps_lineage_and_touches_only_complete_checkpoints(tmp_path)
 
 def test_save_state_never_removes_the_checkpoint_the_run_resumed_from(tmp_path):
     from safe_ckpt.megatron import save_state
-    from safe_ckpt.retention import Retention
+    from safe_ckpt.targets.retention import Retention
 
     root = str(tmp_path)
     for it in (100, 200, 300, 400, 500):

@@ -127,7 +127,7 @@ def test_a_new_group_at_a_dead_groups_address_starts_its_own_counts():
     take its numbers with it, or a new group given its address (on one rank, by chance) would
     go on counting from them there while the other ranks start at 1: every save on it would
     then fail as cross-paired."""
-    from safe_ckpt import dist as safe_dist
+    from safe_ckpt.coord import dist as safe_dist
     from tests.addresses import new_at_freed_address
 
     class Group:  # any object a save's group can be; the counts only need it weakly

@@ -93,7 +93,7 @@ def concurrent_saves(rank, world, root, mirrored: bool) -> dict:
     """Two threads each save `model` (A) and `ema` (B) at once. With ``mirrored``, rank 0 starts
     `model` first and every other rank `ema` first; the first save's writes are held until the
     second one has been planned (or is waiting for it)."""
-    import safe_ckpt.dist as sdist
+    import safe_ckpt.coord.dist as sdist
 
     a, b = full(1, world), full(2, world)
     first, second = ("ema", "model") if mirrored and rank != 0 else ("model", "ema")
@@ -194,7 +194,7 @@ def local_failure_then_save(rank, world, root) -> dict:
 def interrupts(rank, world, root) -> dict:
     """Rank 1 is interrupted twice: a sink raising KeyboardInterrupt in a writer thread, then a
     SIGINT to its main thread while its only writer is held at a gate; then a plain save."""
-    from safe_ckpt import pipeline
+    from safe_ckpt.write import pipeline
 
     a = full(5, world)
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:

@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from safe_ckpt.tools import safe_load
+from safe_ckpt.encoding import safe_read as safe_load
 from tests.test_cli_trust import _cli, _save
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -9,7 +9,8 @@ import threading
 import pytest
 
 import safe_ckpt
-from safe_ckpt import cpu, pipeline
+from safe_ckpt.host import cpu
+from safe_ckpt.write import pipeline
 from tests.test_commit_prepare import _load, _state
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")

@@ -101,7 +101,7 @@ class WriteTrace:
         self._lock = threading.Lock()
 
     def __enter__(self):
-        from safe_ckpt import item_writes
+        from safe_ckpt.write import item_writes
 
         self._cls = item_writes.ItemWrites
         self._orig = self._cls.write
@@ -165,7 +165,7 @@ def tweaked_asleep_saves(names: list, args, save, save_dir, ceiling=None) -> lis
     `backup_writes_ceiling`. Every name is checked before the first save."""
     import dataclasses
 
-    from safe_ckpt import item_writes, pipeline
+    from safe_ckpt.write import item_writes, pipeline
     from safe_ckpt.megatron import training
 
     settings = {"default", "threads16", "nice0", "no_recheck", "nosum"}
@@ -187,7 +187,7 @@ def tweaked_asleep_saves(names: list, args, save, save_dir, ceiling=None) -> lis
             print("tweak", json.dumps(rows[-1]), flush=True)
             continue
         if name == "trace":
-            from safe_ckpt import residence
+            from safe_ckpt.residence import classify as residence
 
             real = residence._cpu_backup
             residence._cpu_backup = lambda t, _real=real: (queried.append(t), _real(t))[1]
@@ -230,7 +230,7 @@ def backup_writes_ceiling(kind: str, ceiling, queried: list) -> dict:
     ``registered`` or ``pageable`` bytes as many as the state, or ``backup`` / ``backup2m``: the
     CPU backup of the tensors the traced save read (asleep now, so their backups exist), in 64 / 2
     MiB pieces. Threads: the ceiling's best (``ceiling()``'s record)."""
-    from safe_ckpt import residence
+    from safe_ckpt.residence import classify as residence
 
     best = ceiling()
     target, threads, nbytes = best["target"], best["threads"], best["bytes"]

@@ -47,7 +47,10 @@ def patched_save(state, target: str, budget: int, mode: str, piece_bytes: int | 
     ``sink_factory``; 0 or None: left to fsync, as the library does);
     ``rate_gbps``: the device copies paced to this rate (`_paced`); ``devpace_gbps``: the same
     paced on the device (`_devpaced`)."""
-    from safe_ckpt import cpu, cuda_driver, item_writes, pipeline, saving
+    from safe_ckpt.host import cpu
+    from safe_ckpt.residence import cuda_driver
+    from safe_ckpt.write import item_writes, pipeline
+    from safe_ckpt import saving
     from safe_ckpt.staging import stager
 
     patches = [(item_writes, "FUSED_PIECE_BYTES", piece_bytes), (stager, "GRID_MIN_PAYLOAD_BYTES", grid_min_bytes),
@@ -160,7 +163,7 @@ def traced_save(state, target: str, budget: int, mode: str = "sync", **opts) -> 
     for copies to land (`StagedChunk.ready`), how long it spent in its items, when it finished;
     when the staging thread had issued its last device copy or deferred sums (``last_issued_at_s``) and when they had all
     landed (``staging_done_at_s``). Prints one ``trace`` line."""
-    from safe_ckpt import pipeline
+    from safe_ckpt.write import pipeline
     from safe_ckpt.staging import stager
 
     marks, lock = {}, threading.Lock()
@@ -270,7 +273,14 @@ def phased_save(state, target: str, budget: int, mode: str = "sync", **opts) -> 
     """A save with its fixed costs timed: each planning and commit step (when it first started,
     from the call, and its seconds over all calls) and when the first copy was issued, the first
     item handed to a writer and the first item written. Prints one ``phases`` line."""
-    from safe_ckpt import agreement, commit_files, dist, gcfreeze, local_plan, pipeline, saving, slot
+    from safe_ckpt.plan import agreement
+    from safe_ckpt.encoding import small_files as commit_files
+    from safe_ckpt.coord import dist
+    from safe_ckpt.host import gcfreeze
+    from safe_ckpt.saving import local_plan
+    from safe_ckpt.write import pipeline
+    from safe_ckpt import saving
+    from safe_ckpt.coord import slot
     from safe_ckpt.sinks import posix
     from safe_ckpt.staging import dispatch, stager
 

@@ -59,7 +59,7 @@ def _other_threads_cpu_s() -> float:
 
 
 def _cases(rank: int, world: int, reps: int) -> dict:
-    from safe_ckpt import dist as safe_dist
+    from safe_ckpt.coord import dist as safe_dist
 
     second = dist.new_group(backend="gloo")
     out = {}

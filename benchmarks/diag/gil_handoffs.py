@@ -40,7 +40,7 @@ MiB = 1 << 20
 
 
 def _writer(path: str, piece: memoryview, stop: threading.Event, span_bytes: int, nice: int) -> None:
-    from safe_ckpt.cpu import lower_thread_priority
+    from safe_ckpt.host.cpu import lower_thread_priority
 
     lower_thread_priority(nice)
     fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)

@@ -19,7 +19,7 @@ import traceback
 import warnings
 
 from .output import ProgressLine, cli_words
-from ..progress import human_bytes
+from ..write.progress import human_bytes
 from ..names import HIDDEN, TRACKER_FILE
 from ..version import __version__
 
@@ -54,7 +54,7 @@ def quiet_megatron_import() -> None:
 
 
 def _located(path: str):
-    from ..tools.locate import locate
+    from ..targets.directory.locate import locate
 
     located = locate(path)
     if located.note():
@@ -75,8 +75,8 @@ def _kv_located(args: argparse.Namespace, target):
 def _kv_target(args: argparse.Namespace, path: str, spec_json: str | None = None, flag: str = "--kvstore-spec"):
     """The kvstore target of a tool argument (None: a local directory); ``flag`` names the
     argument ``spec_json`` came from. The endpoint of an `s3://` URL: --endpoint, else the
-    environment's, by the rule every entry point follows (`safe_ckpt.endpoints`)."""
-    from ..endpoints import tool_target
+    environment's, by the rule every entry point follows (`safe_ckpt.targets.endpoints`)."""
+    from ..targets.endpoints import tool_target
 
     spec = _json_arg(spec_json, flag)
     if spec is not None:
@@ -155,9 +155,9 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _gc(args: argparse.Namespace) -> int:
-    from ..tools import kvtools
-    from ..tools.gc import collect
-    from ..tools.locate import require_directory
+    from ..targets.directory.gc import collect
+    from ..targets.directory.locate import require_directory
+    from ..targets.objectstore import gc as kv_gc
 
     target = _kv_target(args, args.root, args.kvstore_spec)
     quiet_megatron_import()  # reading an index imports megatron-core: its import chatter silenced first
@@ -165,8 +165,8 @@ def _gc(args: argparse.Namespace) -> int:
         found = collect(require_directory(args.root, "save root"), dry_run=args.dry_run,
                         **({"stale_after_s": 0.0} if args.force else {}))
     else:
-        found = kvtools.collect(target, dry_run=args.dry_run, request_timeout_s=args.request_timeout_s,
-                                force=args.force)
+        found = kv_gc.collect(target, dry_run=args.dry_run, request_timeout_s=args.request_timeout_s,
+                              force=args.force)
     for path in found:
         print(("would remove " if args.dry_run else "removed ") + path)
     if not found:
@@ -215,7 +215,7 @@ def _copy(args: argparse.Namespace) -> int:
     import os
 
     from ..tools.copy import copy
-    from ..tools.locate import require_directory
+    from ..targets.directory.locate import require_directory
 
     src = _kv_target(args, args.src, args.src_spec, "--src-spec")
     dst = _kv_target(args, args.dst, args.dst_spec, "--dst-spec")
@@ -359,9 +359,8 @@ def _fail(command: str, message: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run a parsed command and map its outcome to an exit code."""
-    from ..errors import CheckpointError
+    from ..errors import CheckpointError, PathUsageError, TrackerError
     from ..sinks.tensorstore import StoreNotFoundError
-    from ..tools.locate import PathUsageError, TrackerError
 
     try:
         return args.func(args)

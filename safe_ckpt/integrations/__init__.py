@@ -1,0 +1,2 @@
+"""Integrations with training frameworks: slime (`slime`, installed with `--ckpt-backend safe`).
+"""

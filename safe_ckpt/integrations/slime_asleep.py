@@ -42,7 +42,7 @@ Megatron's async saves raise at finalize: one rollout and `update_weights()` aft
 which is logged at once. The ranks vote on their state-dict builds before planning, so a build
 that fails on one rank fails every rank with the same error. A failure that nobody is told about
 before the process exits (no later `wake_up`, forced save or `save_model`) counts at exit like
-a failed asynchronous save: the process exits with status 1 (`safe_ckpt.handle`).
+a failed asynchronous save: the process exits with status 1 (`safe_ckpt.saving.handle`).
 
 "Asleep" is what the actor's own code did last: slime calls `self.sleep()` at the end of `init`,
 `train` and `save_model` and `self.wake_up()` at the start of `train` (and in `update_weights` when
@@ -69,8 +69,8 @@ import time
 from dataclasses import dataclass
 
 from .. import compat
-from .. import dist as safe_dist
-from .. import residence
+from ..coord import dist as safe_dist
+from ..residence import classify as residence
 from ..errors import ValidationError, failure_from_exception
 from . import slime_groups, slime_sources
 from .slime_resume_guard import guard_resume

@@ -5,7 +5,7 @@ One job: give the asleep save (a) a CPU gloo group that slime's group cycle cann
 
 Why (read from slime 624b824a, `slime/utils/reloadable_process_group.py`): `sleep()` destroys
 WORLD with `torch.distributed.destroy_process_group()`, which shuts down *every* group registered
-with torch (gloo ones included, so also the gloo group `safe_ckpt.dist` caches), then starts a
+with torch (gloo ones included, so also the gloo group `safe_ckpt.coord.dist` caches), then starts a
 temporary gloo WORLD; `reload_process_groups()` (in `wake_up()`, and alone in `update_weights()`,
 which runs while an asleep save is still writing) destroys that one again. A group created with
 `new_group` at any point is therefore gone within one cycle, and with slime's patched `new_group`
@@ -33,7 +33,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from .. import dist as safe_dist
+from ..coord import dist as safe_dist
 
 log = logging.getLogger("safe_ckpt")
 
@@ -67,7 +67,7 @@ def create_detached_gloo(timeout_s: float) -> DetachedGloo:
 
 
 def coordinator_with_detached(original):
-    """Wrap `safe_ckpt.dist.coordinator` so that a `DetachedGloo` passed as the save's
+    """Wrap `safe_ckpt.coord.dist.coordinator` so that a `DetachedGloo` passed as the save's
     process group is used as is (torch's registry, which the wrapped one asks, does not know it)."""
     if getattr(original, "_detached_aware", False):
         return original
@@ -83,7 +83,7 @@ def coordinator_with_detached(original):
 
 
 def install_detached_support() -> None:
-    """Idempotent: let `safe_ckpt.dist` take a `DetachedGloo` as a save's process group."""
+    """Idempotent: let `safe_ckpt.coord.dist` take a `DetachedGloo` as a save's process group."""
     # (safe_ckpt's exchange calls the backend itself, not through torch.distributed's functions,
     # which warn when given a bare backend: nothing here silences warnings process-wide.)
     safe_dist.coordinator = coordinator_with_detached(safe_dist.coordinator)

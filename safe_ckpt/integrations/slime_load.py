@@ -34,7 +34,7 @@ log = logging.getLogger("safe_ckpt")
 
 SLIME_CHECKPOINT_MODULE = "slime.backends.megatron_utils.checkpoint"
 LOAD_NAME = "_load_checkpoint_megatron"
-_REFUSED = "refused: it references"  # safe_ckpt.load.objects' refusal of an unlisted class
+_REFUSED = "refused: it references"  # safe_ckpt.loading.objects' refusal of an unlisted class
 
 
 def classes_in_args(args) -> tuple[type, ...]:

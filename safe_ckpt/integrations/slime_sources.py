@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import residence
+from ..residence import classify as residence
 
 log = logging.getLogger("safe_ckpt")
 

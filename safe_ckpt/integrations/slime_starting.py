@@ -3,7 +3,7 @@
 One job: run the build of an asleep save (`slime_asleep.start_asleep_save`) off the caller's
 thread, so that slime's `save_model` returns at once, and hand its outcome to whoever waits:
 the `SaveHandle` writing the checkpoint, or the build's error. A build error nobody was told of
-counts at exit like a failed asynchronous save (`safe_ckpt.handle.count_at_exit`): an exiting
+counts at exit like a failed asynchronous save (`safe_ckpt.saving.handle.count_at_exit`): an exiting
 process ends with status 1.
 
 Must not: build anything itself, or touch the device beyond setting the build thread's device.
@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 
-from .. import handle as handle_mod
+from ..saving import handle as handle_mod
 from ..errors import CheckpointError
 
 log = logging.getLogger("safe_ckpt")
@@ -59,7 +59,7 @@ class StartingSave:
             self._built.set()
 
     @property
-    def _error(self) -> BaseException | None:  # what `safe_ckpt.handle`'s exit report names
+    def _error(self) -> BaseException | None:  # what `safe_ckpt.saving.handle`'s exit report names
         return self.error
 
     def take_error(self) -> BaseException | None:

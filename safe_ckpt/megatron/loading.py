@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 from .. import compat
 from ..errors import ValidationError
-from ..load import LoadOptions
-from ..load import contract
+from ..loading import LoadOptions
+from ..loading import contract
 from ..options import GiB
 from ..sinks.tensorstore import is_kvstore_url
 

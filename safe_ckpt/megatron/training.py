@@ -20,15 +20,16 @@ import logging
 import os
 import threading
 
-from .. import commit, compat
+from ..targets.directory import publish as commit
+from .. import compat
 from . import resume
-from ..tools import kvtools
+from ..targets.objectstore import root as kv_save_root
 from .. import saving as save_mod
 from ..errors import MissingDependencyError, ValidationError, failure_from_exception
 from ..names import RELEASE_DIR, SHARDED_BACKEND
 from ..options import GiB, SaveOptions
 from ..results import SaveResult
-from ..retention import Retention, prune
+from ..targets.retention import Retention, prune
 from ..sinks.tensorstore import KvTarget, deadlines_for, is_kvstore_url, resolve_target
 
 log = logging.getLogger("safe_ckpt")
@@ -75,14 +76,14 @@ def options_from_args(args) -> SaveOptions:
 
 def save_target(save: str, options: SaveOptions, environ) -> tuple:
     """``--save`` as (save root, options), by the rule every entry point follows
-    (`safe_ckpt.endpoints`): an `s3://bucket/prefix` URL with `AWS_ENDPOINT_URL_S3` (or
+    (`safe_ckpt.targets.endpoints`): an `s3://bucket/prefix` URL with `AWS_ENDPOINT_URL_S3` (or
     `AWS_ENDPOINT_URL`) set goes to that S3-compatible endpoint; the root is then the prefix
     inside `options.kvstore_spec`. Other URLs and paths pass unchanged."""
     return _endpoints().save_target(save, options, environ)
 
 
 def _endpoints():
-    from .. import endpoints  # the one rule for every entry point
+    from ..targets import endpoints  # the one rule for every entry point
 
     return endpoints
 
@@ -158,7 +159,7 @@ def save_state(state_dict: dict, save_dir: str, checkpoint_dir: str, tracker_val
         if coord.rank == 0:
             try:
                 if kv_root is not None:
-                    kvtools.write_tracker(kv_root, tracker_value, deadlines_for(options))
+                    kv_save_root.write_tracker(kv_root, tracker_value, deadlines_for(options))
                 else:
                     commit.write_tracker(save_dir, tracker_value, fsync=options.fsync)
             except Exception as exc:
@@ -166,8 +167,8 @@ def save_state(state_dict: dict, save_dir: str, checkpoint_dir: str, tracker_val
         coord.vote("tracker", failure)
         if coord.rank == 0 and retention is not None and tracker_value.isdigit():
             if kv_root is not None:
-                kvtools.prune(kv_root, int(tracker_value), retention, deadlines_for(options),
-                              resumed_from=resumed)
+                kv_save_root.prune(kv_root, int(tracker_value), retention, deadlines_for(options),
+                                   resumed_from=resumed)
             else:
                 prune(save_dir, int(tracker_value), retention, resumed_from=resumed)  # once the new one is current
 

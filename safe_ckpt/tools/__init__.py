@@ -1,4 +1,7 @@
-"""Read-only and housekeeping tools behind the CLI: `verify`, `inspect`, `gc`, `copy`; `safe_load` reads a
-checkpoint's pickled files without running code from them (`.metadata` through `metadata_unpickler`, within
-a work budget), `checkpoint_files` opens a checkpoint's files (regular files inside it only), `locate`
-resolves the path a user gave."""
+"""Read-only and housekeeping tools behind the command line and `safe_ckpt.verify` /
+`safe_ckpt.inspect` (`api`): `verify`, `inspect`, `copy`, and `kvtools` (verify and inspect on an
+object-store prefix). They read checkpoints through `encoding.safe_read` (never running code from
+them) and find them through `targets` (a save root's tracker, an object store's prefix); `gc`
+is each target's own (`targets.directory.gc`, `targets.objectstore.gc`).
+Must not: write a checkpoint except through a target (`copy`).
+"""

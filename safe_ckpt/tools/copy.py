@@ -15,7 +15,7 @@ Each file travels as one value (kvstores take whole values), so memory peaks at 
 and each request is bounded by ``request_timeout_s``. A source that cannot be listed or read is a
 `CommitError` naming the file (one with no key, in a bucket that does not exist, or a save root
 without a tracker, a `PathUsageError`); a write that fails is the sink's `WriteError`; either way
-the destination never becomes a checkpoint. A local source is read through `checkpoint_files`:
+the destination never becomes a checkpoint. A local source is read through `safe_read.files`:
 regular files inside it only (a FIFO, a device or a symlink leading out is refused, not read).
 Must not: modify the source.
 """
@@ -26,12 +26,13 @@ import os
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from .. import commit, kvcommit
-from ..errors import CommitError
+from ..targets.directory import publish as commit
+from ..targets.objectstore import publish as kvcommit
+from ..errors import CommitError, PathUsageError
 from ..names import CONFIG_FILE, DATA_SUFFIX, METADATA_FILE, OWNER_OBJECT_PREFIX, SHARDED_BACKEND
 from ..sinks.tensorstore import DEFAULT_REQUEST_TIMEOUT_S, KvDeadlines, KvTarget, StoreNotFoundError, open_sink
-from .checkpoint_files import check_name, read_file
-from .locate import PathUsageError, locate
+from ..encoding.safe_read.files import check_name, read_file
+from ..targets.directory.locate import locate
 
 # A local file is read whole, as one kvstore value: no cap but its size when opened.
 _ANY_SIZE = 1 << 62
@@ -51,7 +52,7 @@ class CopyReport:
 
 class _LocalSource:
     """A local source directory, read as `copy` reads a kvstore (names, whole values), through
-    `checkpoint_files`; ``shown``: the directory as the user wrote it."""
+    `safe_read.files`; ``shown``: the directory as the user wrote it."""
 
     def __init__(self, directory: str, shown: str) -> None:
         self.directory = os.path.abspath(directory)

@@ -3,9 +3,9 @@
 One job: summarise keys, shapes, dtypes and chunks, objects, bytes per rank and per
 file, the distributed-optimizer sharding type (from the checkpoint's content metadata,
 the optimizer's common state, or else inferred from its keys) and the iteration, as a
-dict (for `--json`) and as text. Files are opened through `checkpoint_files` (regular files
+dict (for `--json`) and as text. Files are opened through `safe_read.files` (regular files
 inside the directory only); an entry that is not one is listed with what it is, never read.
-Must not: modify anything, or unpickle anything except through `safe_load` (restricted
+Must not: modify anything, or unpickle anything except through `safe_read` (restricted
 `.metadata`, weights-only common state).
 """
 
@@ -17,8 +17,8 @@ import re
 from collections import defaultdict
 
 from ..names import CONFIG_FILE, DATA_FILE, METADATA_FILE, SHARDED_BACKEND, TRACKER_FILE
-from .checkpoint_files import describe, open_file, read_file
-from .safe_load import UnreadableCheckpointError, load_common_state, read_metadata
+from ..encoding.safe_read.files import describe, open_file, read_file
+from ..encoding.safe_read import UnreadableCheckpointError, load_common_state, read_metadata
 
 _MAX_CONFIG_BYTES = 16 << 20
 

@@ -7,11 +7,11 @@ with ``deep`` items that `torch.load(weights_only=True)` cannot read back as the
 tensor. Works on any torch_dist checkpoint (without a manifest: structure only), and on a
 plain DCP checkpoint (`torch.distributed.checkpoint.save`: no `metadata.json`, no manifest):
 files, sizes and structure, with checksums reported unavailable.
-`.metadata` and the common state are read through `safe_load`, so a crafted file is
-reported, never run. Every file is opened through `checkpoint_files`: only regular files
+`.metadata` and the common state are read through `safe_read`, so a crafted file is
+reported, never run. Every file is opened through `safe_read.files`: only regular files
 inside the directory are read (a FIFO, a device or a symlink leading out is an error, not a
 hang), and only the ranges the index declares, each byte once (overlapping items are errors).
-Must not: modify the directory, or unpickle anything except through `safe_load` and
+Must not: modify the directory, or unpickle anything except through `safe_read` and
 `torch.load(weights_only=True)`; bytes items (objects) are checked by checksum only.
 """
 
@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 
 from ..integrity import Hasher, Manifest, checksum_of, item_hasher
 from ..names import COMMON_STATE_FILE, CONFIG_FILE, MANIFEST_FILE, METADATA_FILE
-from .checkpoint_files import describe, open_file
-from .safe_load import MAX_METADATA_BYTES, UnreadableCheckpointError, load_common_state, read_metadata
+from ..encoding.safe_read.files import describe, open_file
+from ..encoding.safe_read import MAX_METADATA_BYTES, UnreadableCheckpointError, load_common_state, read_metadata
 
 KNOWN_FILES = {METADATA_FILE, CONFIG_FILE, COMMON_STATE_FILE, MANIFEST_FILE}
 # A manifest holds a row of about 100 bytes per item (the index about 160).

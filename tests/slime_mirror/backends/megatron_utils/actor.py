@@ -511,7 +511,7 @@ class MegatronTrainRayActor:
         (safe_ckpt's classification, which asks the CUDA driver and reads nothing)."""
         import torch
 
-        from safe_ckpt import residence
+        from safe_ckpt.residence import classify as residence
 
         counts: dict[str, int] = {}
         keys = []

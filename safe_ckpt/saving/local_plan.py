@@ -1,0 +1,103 @@
+"""This rank's part of the planning exchange, with nothing left to raise.
+
+One job: collect this rank's shards and objects, classify where each source lives, open
+the kvstore and (rank 0) create the staging area, and put it all in the `PlanMessage`
+this rank sends. Any failure on the way, a bug or an interrupt included, becomes a
+`Problem` in that message, so it still reaches the exchange and every rank fails the
+planning together instead of leaving its peers waiting there.
+Must not: talk to other ranks or write any checkpoint data.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from ..targets.directory import publish as commit
+from ..targets.objectstore import publish as kvcommit
+from ..residence import classify as residence
+from ..errors import INTERRUPTS, WriteError, failure_from_exception
+from ..options import SaveOptions
+from ..plan import LocalState, Problem, collect, rank_plan
+from ..plan.message import PlanMessage, layout_options
+from ..sinks.tensorstore import KvTarget, TensorStoreSink, deadlines_for, open_sink
+
+log = logging.getLogger("safe_ckpt")
+
+
+@dataclass(frozen=True)
+class LocalPlan:
+    message: PlanMessage
+    local: LocalState
+    residences: list[str]
+    sources: list  # the tensors to read, by ShardRef.local_index
+    area: commit.StagingArea | None  # rank 0's staging directory, created here
+    kv_sink: TensorStoreSink | None
+    interrupt: BaseException | None  # a KeyboardInterrupt/SystemExit met here, raised after the exchange
+    paths: list[str]  # where each of this rank's shards sits in its state dict (the message leaves them out)
+
+
+def _classify(local: LocalState, options: SaveOptions):
+    allow_backup = options.unmapped_policy == "cpu_backup"
+    residences, sources, problems = [], [], []
+    for d in local.shards:
+        try:
+            c = residence.classify(d.source, allow_cpu_backup=allow_backup)
+        except Exception as exc:
+            c = residence.Classified(residence.Residence.INVALID.value, f"cannot be classified: {exc}")
+        residences.append(c.residence)
+        sources.append(d.source if c.source is None else c.source)
+        if c.residence == residence.Residence.CUDA_UNMAPPED.value:
+            msg = f"{c.detail}; {residence.UNMAPPED_REMEDY}"
+            problems.append(Problem("ResidenceError", d.key, (local.rank,), msg))
+        elif c.residence == residence.Residence.INVALID.value:
+            problems.append(Problem("ValidationError", d.key, (local.rank,), c.detail))
+    return residences, sources, problems
+
+
+def _failed(rank: int, exc: BaseException) -> Problem:
+    if not isinstance(exc, INTERRUPTS):
+        log.error("rank %d failed while planning", rank, exc_info=exc)
+    return Problem("CheckpointError", "<planning>", (rank,), failure_from_exception(rank, "planning", exc).message)
+
+
+def plan_locally(state: dict, rank: int, *, checkpoint_dir: str, options: SaveOptions, content_metadata,
+                 sharded_only: bool, kv: bool) -> LocalPlan:
+    empty = LocalState(rank, [], [], {}, [])
+    local, residences, sources, problems = empty, [], [], []
+    area, kv_sink, save_id, interrupt = None, None, None, None
+    try:
+        local = collect(state, rank, content_metadata, with_common=not sharded_only)
+        residences, sources, problems = _classify(local, options)
+    except BaseException as exc:
+        interrupt = exc if isinstance(exc, INTERRUPTS) else None
+        local, residences, sources, problems = empty, [], [], [_failed(rank, exc)]
+    try:
+        if kv and sharded_only:
+            problems.append(Problem("ValidationError", "<target>", (rank,),
+                                    "the Megatron strategy writes local directories only, not kvstores"))
+        elif kv:
+            try:
+                kv_sink = open_sink(KvTarget(checkpoint_dir, options.kvstore_spec), deadlines_for(options))
+            except Exception as exc:
+                problems.append(Problem("WriteError", "<target>", (rank,), f"{type(exc).__name__}: {exc}"))
+        if rank == 0:
+            save_id = commit.new_save_id()
+            try:
+                replace = "any" if sharded_only else options.replace
+                if kv_sink is not None:
+                    kvcommit.check_target(kv_sink, replace)
+                    kvcommit.claim(kv_sink, save_id, options.kvstore_save_timeout_s)  # gc: a save is running
+                elif not kv:
+                    area = commit.prepare(checkpoint_dir, save_id, replace)
+            except Exception as exc:
+                kind = "WriteError" if isinstance(exc, WriteError) else "CommitError"  # e.g. a store not answering
+                problems.append(Problem(kind, "<target>", (0,), f"{type(exc).__name__}: {exc}"))
+        plan = rank_plan(local, residences, problems)
+    except BaseException as exc:
+        interrupt = interrupt or (exc if isinstance(exc, INTERRUPTS) else None)
+        local, residences, sources = empty, [], []
+        plan = rank_plan(empty, [], [_failed(rank, exc)])
+    message = PlanMessage(plan.without_paths(), area.staging_dir if area else None, save_id,
+                          layout_options(options.chunk_bytes, options.io_threads))
+    return LocalPlan(message, local, residences, sources, area, kv_sink, interrupt, plan.paths())
