@@ -175,6 +175,7 @@ def _rank(rank: int, world: int, init_file: str, target: str, args, out_queue) -
         from safe_ckpt.plan import agreement
         from safe_ckpt.saving import local_plan
         from safe_ckpt import saving
+        from safe_ckpt.saving import job as save_job
         from safe_ckpt.encoding.layout import lay_out
         from safe_ckpt.encoding.metadata import build_metadata, metadata_bytes
 
@@ -187,11 +188,11 @@ def _rank(rank: int, world: int, init_file: str, target: str, args, out_queue) -
         collections = _Collections()
         for name, owner, attr in (("collect", local_plan, "collect"),
                                   ("build_global_plan", agreement, "build_global_plan"),
-                                  ("lay_out_rank", saving, "lay_out_rank"),
+                                  ("lay_out_rank", save_job, "lay_out_rank"),
                                   ("classify", local_plan, "_classify")):
             setattr(owner, attr, timer.wrap(name, getattr(owner, attr)))
         sizes: dict = {}
-        exchange = saving.dist.Coordinator.exchange
+        exchange = save_job.dist.Coordinator.exchange
 
         gather = dist.all_gather_object
         sampler = _Sampler(args.sample_ms / 1e3) if args.sample_ms else None
@@ -218,8 +219,8 @@ def _rank(rank: int, world: int, init_file: str, target: str, args, out_queue) -
                     timer.times["exchange_left_at"] = time.time()
             return exchange(self, stage, obj)
 
-        saving.dist.Coordinator.exchange = timed_exchange
-        saving._Job._start_writes = lambda self, *a: setattr(self, "t_planned", time.perf_counter())
+        save_job.dist.Coordinator.exchange = timed_exchange
+        save_job._Job._start_writes = lambda self, *a: setattr(self, "t_planned", time.perf_counter())
         rows, chunks = [], 0
         for rep in range(args.reps):
             timer.times = {}

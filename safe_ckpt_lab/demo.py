@@ -68,7 +68,7 @@ def _rank_main(rank: int, world_size: int, init_file: str, out_dir: str, size_mb
 
     import safe_ckpt
     from megatron.core import dist_checkpointing
-    from safe_ckpt.targets.directory import publish as commit
+    from safe_ckpt.targets.directory import root as dir_root
     from safe_ckpt_lab.bench import ceilings
     from safe_ckpt_lab.synthetic import StateSpec, bits_equal, build_state, reference_tensors
 
@@ -135,7 +135,7 @@ def _rank_main(rank: int, world_size: int, init_file: str, out_dir: str, size_mb
         result, rank_bytes = box["result"], box["rank_bytes"]
         box.clear()
         if rank == 0:
-            commit.write_tracker(out_dir, ITERATION)
+            dir_root.write_tracker(out_dir, ITERATION)
         del state, plain
 
         # Stock Megatron load, with every TP-split weight split along a different axis

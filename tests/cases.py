@@ -300,11 +300,11 @@ def gridded_roundtrip(rank, world, tp, load_tp, ckpt_dir, spec_kwargs, options_k
     """``as_device``: every source reported as device memory, so the writers wait for the last
     "copy" and the sums are deferred until then (or until the pool runs out)."""
     from safe_ckpt.residence import classify as residence
-    from safe_ckpt import saving
+    from safe_ckpt.saving import job as save_job
     from safe_ckpt.staging import stager
 
     deferred: list = []
-    saving.Stager = _host_grid_stager(deferred)
+    save_job.Stager = _host_grid_stager(deferred)
     stager.GRID_MIN_PAYLOAD_BYTES = 1 << 20  # so a state small enough for CI has device-summed chunks
     if as_device:
         residence.classify = lambda t, **kw: residence.Classified(residence.Residence.CUDA.value)

@@ -12,7 +12,7 @@ so a crash of the interpreter is seen as one too:
 
     python -m tests.pickle_fuzz SEED COUNT MAX_BYTES BUDGET_BASE [SEED_FILE ...]
 
-BUDGET_BASE replaces the fixed part of the budget (`metadata_unpickler.BUDGET_BASE`): smaller, the
+BUDGET_BASE replaces the fixed part of the budget (`safe_read.budget.BUDGET_BASE`): smaller, the
 inputs that spend all of it stay quick, and what is checked (work follows the charge) is the same.
 """
 
@@ -391,16 +391,16 @@ def main(argv: list[str]) -> int:
     from safe_ckpt.encoding import safe_read as safe_load
 
     try:
-        from safe_ckpt.encoding.safe_read import unpickler as metadata_unpickler
+        from safe_ckpt.encoding.safe_read import budget as metadata_budget
     except ImportError:  # a reader without a work budget: outcomes and times only
-        metadata_unpickler = None
+        metadata_budget = None
     else:
-        metadata_unpickler.BUDGET_BASE = budget_base
+        metadata_budget.BUDGET_BASE = budget_base
     import torch.distributed.checkpoint.metadata  # noqa: F401  (imported before the baseline)
     baseline_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     budget_seen = {}
-    if metadata_unpickler is not None:
-        class Recording(metadata_unpickler.WorkBudget):
+    if metadata_budget is not None:
+        class Recording(metadata_budget.WorkBudget):
             def __init__(self, path, size_bytes):
                 super().__init__(path, size_bytes)
                 budget_seen["b"] = self

@@ -119,7 +119,7 @@ class PosixStore:
             return None
 
     def complete(self) -> set[int]:
-        from safe_ckpt.targets.directory.publish import is_complete_checkpoint
+        from safe_ckpt.targets.directory.leftovers import is_complete_checkpoint
 
         return {int(n[5:]) for n in os.listdir(self.root)
                 if n.startswith("iter_") and n[5:].isdigit() and is_complete_checkpoint(os.path.join(self.root, n))}

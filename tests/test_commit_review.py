@@ -10,6 +10,7 @@ import threading
 import pytest
 
 from safe_ckpt.targets.directory import claim, publish as commit, leftovers
+from safe_ckpt.targets.directory import prepare as dir_prepare, root as dir_root, inplace
 from safe_ckpt import names
 from safe_ckpt.errors import CommitError
 from safe_ckpt.targets.directory import gc as gc_tool
@@ -37,7 +38,7 @@ def _stage(area, files: dict[str, bytes]) -> None:
 def test_interrupted_in_place_publish_never_reads_as_complete(tmp_path, monkeypatch):
     target = tmp_path / "iter_0000020"
     _old_checkpoint(target, n_shards=3)
-    area = commit.prepare(str(target), commit.new_save_id())
+    area = dir_prepare.prepare(str(target), dir_prepare.new_save_id())
     new = {".metadata": _data(3), "__0_0.distcp": _data(20), "__1_0.distcp": _data(21)}
     _stage(area, new)
     real_replace, calls = os.replace, []
@@ -50,7 +51,7 @@ def test_interrupted_in_place_publish_never_reads_as_complete(tmp_path, monkeypa
 
     monkeypatch.setattr(commit.os, "replace", crash_on_second)
     with pytest.raises(CommitError, match="simulated crash.*holds no checkpoint now"):
-        commit.publish_into(area, last=".metadata", fsync=False)
+        inplace.publish_into(area, last=".metadata", fsync=False)
     monkeypatch.setattr(commit.os, "replace", real_replace)
     # new __0_0 beside old __1_0 and __2_0: the directory must not read as a checkpoint
     assert (target / "__0_0.distcp").read_bytes() == new["__0_0.distcp"]
@@ -62,10 +63,10 @@ def test_interrupted_in_place_publish_never_reads_as_complete(tmp_path, monkeypa
 def test_in_place_publish_removes_the_earlier_saves_extra_shards(tmp_path):
     target = tmp_path / "iter_0000030"
     old = _old_checkpoint(target, n_shards=3)
-    area = commit.prepare(str(target), commit.new_save_id())
+    area = dir_prepare.prepare(str(target), dir_prepare.new_save_id())
     new = {".metadata": _data(4), "__0_0.distcp": _data(30), "__1_0.distcp": _data(31)}
     _stage(area, new)
-    commit.publish_into(area, last=".metadata", fsync=True)
+    inplace.publish_into(area, last=".metadata", fsync=True)
     names = sorted(os.listdir(target))
     assert names == sorted([".metadata", "metadata.json", "common.pt", "__0_0.distcp", "__1_0.distcp"])
     for name, data in new.items():
@@ -76,7 +77,7 @@ def test_in_place_publish_removes_the_earlier_saves_extra_shards(tmp_path):
 
 def test_two_saves_starting_together_cannot_both_prepare(tmp_path, monkeypatch):
     target = str(tmp_path / "ck")
-    real_check, real_lock = commit.check_target, getattr(commit, "parent_lock", None)
+    real_check, real_lock = dir_prepare.check_target, getattr(dir_prepare, "parent_lock", None)
     first_in, second_arrived = threading.Event(), threading.Event()
     entered = []
 
@@ -95,13 +96,13 @@ def test_two_saves_starting_together_cannot_both_prepare(tmp_path, monkeypatch):
             second_arrived.set()
         return real_lock(parent, *args, **kwargs)
 
-    monkeypatch.setattr(commit, "check_target", gated_check)
-    monkeypatch.setattr(commit, "parent_lock", noted_lock, raising=False)
+    monkeypatch.setattr(dir_prepare, "check_target", gated_check)
+    monkeypatch.setattr(dir_prepare, "parent_lock", noted_lock, raising=False)
     outcome = {}
 
     def save(name):
         try:
-            outcome[name] = commit.prepare(target, commit.new_save_id())
+            outcome[name] = dir_prepare.prepare(target, dir_prepare.new_save_id())
         except CommitError as exc:
             outcome[name] = exc
 
@@ -112,7 +113,7 @@ def test_two_saves_starting_together_cannot_both_prepare(tmp_path, monkeypatch):
     b.start()
     a.join(30)
     b.join(30)
-    assert isinstance(outcome["a"], commit.StagingArea)
+    assert isinstance(outcome["a"], dir_prepare.StagingArea)
     assert isinstance(outcome["b"], CommitError) and "is running" in str(outcome["b"])
     outcome["a"].claim.release()
 
@@ -128,15 +129,15 @@ def test_prepare_proceeds_where_the_filesystem_has_no_locks(tmp_path, monkeypatc
             raise OSError(errno.ENOLCK, "no locks")
         return real_flock(fd, op)
 
-    monkeypatch.setattr(commit.fcntl, "flock", no_locks)
-    area = commit.prepare(str(tmp_path / "ck"), commit.new_save_id())
+    monkeypatch.setattr(dir_prepare.fcntl, "flock", no_locks)
+    area = dir_prepare.prepare(str(tmp_path / "ck"), dir_prepare.new_save_id())
     assert os.path.isdir(area.staging_dir)
     area.claim.release()
 
 
 def test_gc_leaves_a_running_saves_tracker_temporary_alone(tmp_path, monkeypatch):
     root = str(tmp_path)
-    commit.write_tracker(root, 100)
+    dir_root.write_tracker(root, 100)
     stale = os.path.join(root, names.TRACKER_FILE + names.STAGING_MARK + "0123456789abcdef")
     with open(stale, "w") as f:
         f.write("90")
@@ -149,7 +150,7 @@ def test_gc_leaves_a_running_saves_tracker_temporary_alone(tmp_path, monkeypatch
         real_replace(src, dst)
 
     monkeypatch.setattr(commit.os, "replace", gc_first)
-    commit.write_tracker(root, 200)
+    dir_root.write_tracker(root, 200)
     monkeypatch.setattr(commit.os, "replace", real_replace)
     assert open(os.path.join(root, names.TRACKER_FILE)).read() == "200"
     assert removed == [stale] and not os.path.lexists(stale)
@@ -216,7 +217,7 @@ def test_heartbeat_survives_a_failed_refresh(tmp_path, monkeypatch):
 
 def test_gc_waits_for_a_save_between_creating_and_claiming_its_staging_directory(tmp_path, monkeypatch):
     target = str(tmp_path / "ck")
-    real_claim, real_sweep, real_lock = commit.Claim, gc_tool.sweep, getattr(gc_tool, "parent_lock", None)
+    real_claim, real_sweep, real_lock = dir_prepare.Claim, gc_tool.sweep, getattr(gc_tool, "parent_lock", None)
     in_window, gc_started = threading.Event(), threading.Event()
 
     def slow_claim(*args, **kwargs):  # the staging directory exists and has no owner record yet
@@ -234,14 +235,14 @@ def test_gc_waits_for_a_save_between_creating_and_claiming_its_staging_directory
         gc_started.set()
         return real_lock(parent, *args, **kwargs)
 
-    monkeypatch.setattr(commit, "Claim", slow_claim)
+    monkeypatch.setattr(dir_prepare, "Claim", slow_claim)
     monkeypatch.setattr(gc_tool, "sweep", noted_sweep)
     monkeypatch.setattr(gc_tool, "parent_lock", noted_lock, raising=False)
     outcome = {}
 
     def save():
         try:
-            outcome["save"] = commit.prepare(target, commit.new_save_id())
+            outcome["save"] = dir_prepare.prepare(target, dir_prepare.new_save_id())
         except Exception as exc:  # noqa: BLE001 (the test reports it)
             outcome["save"] = exc
 
@@ -253,7 +254,7 @@ def test_gc_waits_for_a_save_between_creating_and_claiming_its_staging_directory
     a.join(30)
     b.join(30)
     area = outcome["save"]
-    assert isinstance(area, commit.StagingArea), area
+    assert isinstance(area, dir_prepare.StagingArea), area
     assert outcome["gc"] == [] and os.path.isdir(area.staging_dir)
     area.claim.release()
 
@@ -267,7 +268,7 @@ def test_gc_force_takes_a_fresh_owner_of_another_host_as_stale_but_never_a_locke
     dead_remote = tmp_path / f".ck{names.STAGING_MARK}{'e' * 16}"
     dead_remote.mkdir()
     (dead_remote / names.OWNER_FILE).write_text(json.dumps(elsewhere.__dict__))  # a heartbeat just now
-    running = commit.prepare(str(tmp_path / "other"), commit.new_save_id())  # holds its lock
+    running = dir_prepare.prepare(str(tmp_path / "other"), dir_prepare.new_save_id())  # holds its lock
     assert main(["gc", str(tmp_path)]) == 0 and dead_remote.is_dir()  # fresh: it may still be running
     assert main(["gc", "--force", str(tmp_path)]) == 0
     out = capsys.readouterr().out

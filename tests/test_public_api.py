@@ -69,10 +69,11 @@ def test_the_load_function_survives_its_package_being_imported_and_patched():
 
 def test_verify_and_inspect_from_python(tmp_path):
     from safe_ckpt.targets.directory import publish as commit
+    from safe_ckpt.targets.directory import root as dir_root
 
     ckpt = tmp_path / "iter_0000042"
     _save(ckpt)
-    commit.write_tracker(str(tmp_path), 42)
+    dir_root.write_tracker(str(tmp_path), 42)
 
     report = safe_ckpt.verify(str(ckpt))
     assert isinstance(report, safe_ckpt.VerifyReport)

@@ -27,7 +27,7 @@ from tests.test_cli_trust import _save
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DCP = b"torch.distributed.checkpoint.metadata"
 _P = 2 ** 61 - 1  # ints this far apart share a hash
-_BUDGET_PER_BYTE = 8  # metadata_unpickler.BUDGET_PER_BYTE: real indexes must stay well inside it
+_BUDGET_PER_BYTE = 8  # safe_read.budget.BUDGET_PER_BYTE: real indexes must stay well inside it
 
 
 def _global(module: bytes, name: bytes) -> bytes:
@@ -241,20 +241,20 @@ def test_fuzzed_pickles_are_read_or_refused_within_the_budget(tmp_path):
 @pytest.mark.timeout(3600)
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_fuzzed_pickles_at_full_budget_and_size(tmp_path, seed):
-    from safe_ckpt.encoding.safe_read import unpickler as metadata_unpickler
+    from safe_ckpt.encoding.safe_read import budget as metadata_budget
 
-    rows = _fuzz(tmp_path, seed=seed, count=20000, max_bytes=1 << 18, budget_base=metadata_unpickler.BUDGET_BASE,
+    rows = _fuzz(tmp_path, seed=seed, count=20000, max_bytes=1 << 18, budget_base=metadata_budget.BUDGET_BASE,
                  timeout_s=3000)
     _check_fuzz(rows, peak_mib=600)
 
 
 def _read_like_pickle(path: str) -> float:
     """Read ``path`` with the restricted reader, compare with plain pickle; units used per byte."""
-    from safe_ckpt.encoding.safe_read import unpickler as metadata_unpickler
+    from safe_ckpt.encoding.safe_read import budget as metadata_budget, unpickler as metadata_unpickler
 
     with open(path, "rb") as f:
         data = f.read()
-    budget = metadata_unpickler.WorkBudget(path, len(data))
+    budget = metadata_budget.WorkBudget(path, len(data))
     meta = metadata_unpickler.MetadataUnpickler(data, path, budget).load()
     safe_load._check_shape(meta, path, budget)
     plain = pickle.loads(data)

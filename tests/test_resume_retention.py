@@ -11,6 +11,7 @@ from argparse import Namespace
 import pytest
 
 from safe_ckpt.targets.directory import publish as commit
+from safe_ckpt.targets.directory import root as dir_root
 from safe_ckpt import names
 from safe_ckpt.megatron import resume
 from tests.test_trust_commit import _fake_checkpoint, _iters, _opts, _state
@@ -87,7 +88,7 @@ def test_save_state_keeps_what_note_loaded_named_not_what_the_tracker_names(tmp_
     root = str(tmp_path)
     for it in (100, 200, 300):
         _fake_checkpoint(root, it)
-    commit.write_tracker(root, 300)
+    dir_root.write_tracker(root, 300)
     resume.note_loaded(os.path.join(root, "iter_0000100"))  # what a load path (slime's, a future one) says
     with caplog.at_level(logging.WARNING, logger="safe_ckpt"):
         for it in (110, 120):

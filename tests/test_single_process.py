@@ -407,7 +407,7 @@ def test_gc_freeze_holds_during_the_save_only(tmp_path, mode):
 def test_gc_freeze_released_when_planning_fails(tmp_path, monkeypatch):
     import gc
 
-    from safe_ckpt import saving
+    from safe_ckpt.saving import job as save_job
 
     gc.unfreeze()
     during = []
@@ -416,7 +416,7 @@ def test_gc_freeze_released_when_planning_fails(tmp_path, monkeypatch):
         during.append(gc.get_freeze_count())
         raise safe_ckpt.CheckpointError("planning failed")
 
-    monkeypatch.setattr(saving._Job, "plan", failing_plan)
+    monkeypatch.setattr(save_job._Job, "plan", failing_plan)
     with pytest.raises(safe_ckpt.CheckpointError, match="planning failed"):
         safe_ckpt.save({"w": _st("w", torch.randn(4, 4))}, str(tmp_path / "ck"), options=_opts())
     assert during and during[0] > 0 and gc.get_freeze_count() == 0
@@ -564,7 +564,7 @@ def test_a_held_oldest_generation_comes_back_whatever_the_process_set_meanwhile(
 def _grid_on_host(monkeypatch, log: list | None = None):
     """Every source reported as device memory, large contiguous chunks staged and summed by
     the host stand-in of the device stager (tests/cases.py); ``log`` records the deferral."""
-    from safe_ckpt import saving
+    from safe_ckpt.saving import job as save_job
     from safe_ckpt.staging import stager
     from tests import cases
 
@@ -599,7 +599,7 @@ def _grid_on_host(monkeypatch, log: list | None = None):
                 inner()
             return logged
 
-    monkeypatch.setattr(saving, "Stager", Logged)
+    monkeypatch.setattr(save_job, "Stager", Logged)
     monkeypatch.setattr(stager, "GRID_MIN_PAYLOAD_BYTES", 1 << 20)
 
 
@@ -668,11 +668,11 @@ def test_a_copy_that_fails_fails_the_save_and_gives_its_lease_back(tmp_path, mon
     """The third chunk's copy fails while earlier chunks' sums are deferred: the save fails
     with that error, nothing is committed, no writer is left waiting for sums, every lease
     is back in the process's pool, and the next save is whole."""
-    from safe_ckpt import saving
+    from safe_ckpt.saving import job as save_job
     from safe_ckpt.staging.pool import shared_pool
 
     _grid_on_host(monkeypatch)
-    base, calls = saving.Stager, []
+    base, calls = save_job.Stager, []
 
     class Failing(base):
         def _enqueue_copy(self, chunk, lease, contiguous, runs):
@@ -681,7 +681,7 @@ def test_a_copy_that_fails_fails_the_save_and_gives_its_lease_back(tmp_path, mon
                 raise RuntimeError("injected copy failure")
             return super()._enqueue_copy(chunk, lease, contiguous, runs)
 
-    monkeypatch.setattr(saving, "Stager", Failing)
+    monkeypatch.setattr(save_job, "Stager", Failing)
     g = torch.Generator().manual_seed(13)
     n = 2 << 20
     tensors = {f"t{i}": torch.randn(n // 4, generator=g) for i in range(6)}
@@ -692,5 +692,5 @@ def test_a_copy_that_fails_fails_the_save_and_gives_its_lease_back(tmp_path, mon
                        options=_opts(chunk_bytes=n, staging_budget_bytes=budget, collective_timeout_s=60))
     assert not os.path.exists(os.path.join(bad, ".metadata"))
     assert shared_pool(budget).stats().leased_bytes == 0
-    monkeypatch.setattr(saving, "Stager", base)
+    monkeypatch.setattr(save_job, "Stager", base)
     _save_and_check(tmp_path, tensors, chunk_bytes=n, staging_budget_bytes=budget)

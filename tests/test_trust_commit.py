@@ -19,6 +19,7 @@ import torch
 
 import safe_ckpt
 from safe_ckpt.targets.directory import claim, publish as commit
+from safe_ckpt.targets.directory import prepare as dir_prepare, root as dir_root, leftovers
 from safe_ckpt import names
 from safe_ckpt.sinks.posix import PosixSink
 from safe_ckpt_lab.synthetic import bits_equal
@@ -124,7 +125,7 @@ def _live_save_body(rank, world, root):
 
     def start_another_save(sink):
         try:
-            area = commit.prepare(target, commit.new_save_id())
+            area = dir_prepare.prepare(target, dir_prepare.new_save_id())
             seen["prepare"] = "allowed"
             commit.abort(area)
         except safe_ckpt.CommitError as exc:
@@ -187,9 +188,9 @@ def test_a_claim_this_process_dropped_unreleased_does_not_block_the_next_save(tm
     import gc
 
     target = tmp_path / "ck"
-    area = commit.prepare(str(target), commit.new_save_id())  # a failed save that never aborted
+    area = dir_prepare.prepare(str(target), dir_prepare.new_save_id())  # a failed save that never aborted
     with pytest.raises(safe_ckpt.CommitError, match="another save of"):
-        commit.prepare(str(target), commit.new_save_id())  # while it is still held
+        dir_prepare.prepare(str(target), dir_prepare.new_save_id())  # while it is still held
     del area
     gc.collect()
     safe_ckpt.save(_state(6), str(target), options=_opts())
@@ -240,7 +241,7 @@ def test_gc_and_prepare_remove_only_stale_staging_directories(tmp_path):
     live_here = _fake_staging(tmp_path, "ck", claim.Owner(**{**here.__dict__, "pid": os.getppid()}))
 
     with pytest.raises(safe_ckpt.CommitError, match="another save of .* is running") as info:
-        commit.prepare(str(tmp_path / "ck"), commit.new_save_id())
+        dir_prepare.prepare(str(tmp_path / "ck"), dir_prepare.new_save_id())
     assert "another-host" in str(info.value) and f"process {os.getppid()}" in str(info.value)
     assert not any(os.path.exists(p) for p in (dead_here, old_elsewhere, no_record))
     assert os.path.isdir(live_elsewhere) and os.path.isdir(live_here)
@@ -294,7 +295,7 @@ def test_a_replace_killed_between_its_renames_gets_the_old_checkpoint_back(kille
         assert [os.path.basename(p) for p in removed] == [n for n in left if names.STAGING_MARK in n]
         assert _matches(target, 1) and _leftovers(root) == []
     else:
-        area = commit.prepare(str(target), commit.new_save_id())
+        area = dir_prepare.prepare(str(target), dir_prepare.new_save_id())
         assert _matches(target, 1) and _leftovers(root) == [os.path.basename(area.staging_dir)]
         commit.abort(area)
         safe_ckpt.save(_state(3), str(target), options=_opts())  # and a save replaces it as usual
@@ -362,8 +363,8 @@ def test_a_target_name_of_240_characters_saves_replaces_and_recovers(tmp_path, m
     assert _matches(target, 2) and _leftovers(tmp_path) == []
     # a replace killed between its renames: the name is empty, the old checkpoint aside and the
     # new one staged, whose owner record (its process gone) is all that names the target
-    aside = commit.hidden_path(str(target), names.REPLACED_MARK, "0" * 16)
-    staged = commit.staging_dir_for(str(target), "0" * 16)
+    aside = leftovers.hidden_path(str(target), names.REPLACED_MARK, "0" * 16)
+    staged = leftovers.staging_dir_for(str(target), "0" * 16)
     assert max(len(os.path.basename(aside)), len(os.path.basename(staged))) <= 255
     os.rename(target, aside)
     exited = subprocess.Popen(["true"])
@@ -418,7 +419,7 @@ def test_save_state_never_removes_the_checkpoint_the_run_resumed_from(tmp_path):
     for it in (100, 200, 300, 400, 500):
         _fake_checkpoint(root, it)
     _fake_checkpoint(root, 150, complete=False)
-    commit.write_tracker(root, 200)  # the run resumes from 200, then saves 250 and 260
+    dir_root.write_tracker(root, 200)  # the run resumes from 200, then saves 250 and 260
     for it in (250, 260):
         save_state(_state(it), root, os.path.join(root, f"iter_{it:07d}"), str(it), options=_opts(),
                    retention=Retention(keep_last=2))

@@ -50,12 +50,12 @@ def patched_save(state, target: str, budget: int, mode: str, piece_bytes: int | 
     from safe_ckpt.host import cpu
     from safe_ckpt.residence import cuda_driver
     from safe_ckpt.write import item_writes, pipeline
-    from safe_ckpt import saving
+    from safe_ckpt.saving import job as save_job
     from safe_ckpt.staging import stager
 
     patches = [(item_writes, "FUSED_PIECE_BYTES", piece_bytes), (stager, "GRID_MIN_PAYLOAD_BYTES", grid_min_bytes),
                (pipeline, "EARLY_WRITERS_MIN_CHUNK_BYTES", early_min_bytes),
-               (saving, "FILES_PER_WRITER", files_per_writer),
+               (save_job, "FILES_PER_WRITER", files_per_writer),
                (torch.cuda, "Event", functools.partial(torch.cuda.Event, blocking=True) if blocking_events else None),
                (cpu, "WRITER_NICE_INCREMENT", nice),
                (cuda_driver, "copies_available", (lambda: False) if torch_copies else None),
@@ -279,7 +279,7 @@ def phased_save(state, target: str, budget: int, mode: str = "sync", **opts) -> 
     from safe_ckpt.host import gcfreeze
     from safe_ckpt.saving import local_plan
     from safe_ckpt.write import pipeline
-    from safe_ckpt import saving
+    from safe_ckpt.saving import job as save_job
     from safe_ckpt.coord import slot
     from safe_ckpt.sinks import posix
     from safe_ckpt.staging import dispatch, stager
@@ -306,21 +306,21 @@ def phased_save(state, target: str, budget: int, mode: str = "sync", **opts) -> 
     for owner, attr, name in [
         (slot, "acquire", "slot.acquire"), (gcfreeze, "Hold", "gc_hold"),
         (local_plan, "collect", "collect"), (local_plan, "_classify", "classify"),
-        (saving.commit, "prepare", "commit.prepare"), (local_plan, "rank_plan", "rank_plan"),
+        (local_plan.dir_prepare, "prepare", "commit.prepare"), (local_plan, "rank_plan", "rank_plan"),
         (dist.Coordinator, "exchange", "exchange"), (agreement, "build_global_plan", "build_global_plan"),
-        (saving, "lay_out_rank", "lay_out_rank"), (saving, "shared_pool", "shared_pool"),
-        (saving, "record_producer_fence", "producer_fence"), (saving, "Stager", "Stager()"),
-        (saving, "RankWriter", "RankWriter()"), (pipeline.RankWriter, "start", "writer.start"),
+        (save_job, "lay_out_rank", "lay_out_rank"), (save_job, "shared_pool", "shared_pool"),
+        (save_job, "record_producer_fence", "producer_fence"), (save_job, "Stager", "Stager()"),
+        (save_job, "RankWriter", "RankWriter()"), (pipeline.RankWriter, "start", "writer.start"),
         (pipeline.RankWriter, "_interleaved", "interleaved"), (stager.Stager, "_stream", "stager._stream"),
         (stager.Stager, "stage", "stager.stage"), (dispatch.Dispatch, "put", "dispatch.put"),
         (pipeline.RankWriter, "_write_item", "write_item"), (pipeline.RankWriter, "join", "writer.join"),
-        (dist.Coordinator, "vote", "vote"), (saving._Job, "_commit", "commit"),
+        (dist.Coordinator, "vote", "vote"), (save_job._Job, "_commit", "commit"),
         (commit_files, "build_metadata", "build_metadata"), (commit_files, "metadata_bytes", "metadata_bytes"),
         (commit_files.compat, "checkpointing_config_dict", "config_dict"),
         (commit_files, "manifest_bytes", "manifest_bytes"),
-        (saving._Job, "_all_layouts", "all_layouts"), (posix.PosixSink, "write_file", "sink.write_file"),
-        (posix.PosixSink, "sync_root", "sink.sync_root"), (saving.commit, "publish", "commit.publish"),
-        (saving, "log_saved", "log_summary"),
+        (save_job._Job, "_all_layouts", "all_layouts"), (posix.PosixSink, "write_file", "sink.write_file"),
+        (posix.PosixSink, "sync_root", "sink.sync_root"), (save_job.commit, "publish", "commit.publish"),
+        (save_job, "log_saved", "log_summary"),
     ]:
         wrap(owner, attr, name)
     try:

@@ -20,7 +20,7 @@ import logging
 import os
 import threading
 
-from ..targets.directory import publish as commit
+from ..targets.directory import root as dir_root
 from .. import compat
 from . import resume
 from ..targets.objectstore import root as kv_save_root
@@ -161,7 +161,7 @@ def save_state(state_dict: dict, save_dir: str, checkpoint_dir: str, tracker_val
                 if kv_root is not None:
                     kv_save_root.write_tracker(kv_root, tracker_value, deadlines_for(options))
                 else:
-                    commit.write_tracker(save_dir, tracker_value, fsync=options.fsync)
+                    dir_root.write_tracker(save_dir, tracker_value, fsync=options.fsync)
             except Exception as exc:
                 failure = failure_from_exception(0, "tracker", exc)
         coord.vote("tracker", failure)

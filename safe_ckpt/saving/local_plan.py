@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from ..targets.directory import publish as commit
+from ..targets.directory import prepare as dir_prepare
 from ..targets.objectstore import publish as kvcommit
 from ..residence import classify as residence
 from ..errors import INTERRUPTS, WriteError, failure_from_exception
@@ -31,7 +31,7 @@ class LocalPlan:
     local: LocalState
     residences: list[str]
     sources: list  # the tensors to read, by ShardRef.local_index
-    area: commit.StagingArea | None  # rank 0's staging directory, created here
+    area: dir_prepare.StagingArea | None  # rank 0's staging directory, created here
     kv_sink: TensorStoreSink | None
     interrupt: BaseException | None  # a KeyboardInterrupt/SystemExit met here, raised after the exchange
     paths: list[str]  # where each of this rank's shards sits in its state dict (the message leaves them out)
@@ -82,14 +82,14 @@ def plan_locally(state: dict, rank: int, *, checkpoint_dir: str, options: SaveOp
             except Exception as exc:
                 problems.append(Problem("WriteError", "<target>", (rank,), f"{type(exc).__name__}: {exc}"))
         if rank == 0:
-            save_id = commit.new_save_id()
+            save_id = dir_prepare.new_save_id()
             try:
                 replace = "any" if sharded_only else options.replace
                 if kv_sink is not None:
                     kvcommit.check_target(kv_sink, replace)
                     kvcommit.claim(kv_sink, save_id, options.kvstore_save_timeout_s)  # gc: a save is running
                 elif not kv:
-                    area = commit.prepare(checkpoint_dir, save_id, replace)
+                    area = dir_prepare.prepare(checkpoint_dir, save_id, replace)
             except Exception as exc:
                 kind = "WriteError" if isinstance(exc, WriteError) else "CommitError"  # e.g. a store not answering
                 problems.append(Problem(kind, "<target>", (0,), f"{type(exc).__name__}: {exc}"))

@@ -21,7 +21,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 
-from .directory.publish import remove_checkpoint
+from .directory.root import remove_checkpoint
 from .directory.leftovers import is_complete_checkpoint
 from ..errors import CommitError
 from ..names import ITERATION_DIR

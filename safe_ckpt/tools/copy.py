@@ -26,7 +26,7 @@ import os
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from ..targets.directory import publish as commit
+from ..targets.directory import prepare as dir_prepare, publish as commit
 from ..targets.objectstore import publish as kvcommit
 from ..errors import CommitError, PathUsageError
 from ..names import CONFIG_FILE, DATA_SUFFIX, METADATA_FILE, OWNER_OBJECT_PREFIX, SHARDED_BACKEND
@@ -141,12 +141,12 @@ class _Moved:
 
 def _to_directory(dst: str, replace: str, moved: _Moved, order: list[str]) -> None:
     """Write into a staging directory beside ``dst``, then publish it as a save is published."""
-    commit.check_target(dst, replace)  # refused before anything is read, naming DST as given
+    dir_prepare.check_target(dst, replace)  # refused before anything is read, naming DST as given
     parent = os.path.dirname(dst.rstrip("/"))
     if parent and os.path.exists(parent) and not os.path.isdir(parent):
         raise PathUsageError(f"{dst}: {parent} is not a directory")
     try:
-        area = commit.prepare(dst, commit.new_save_id(), replace)
+        area = dir_prepare.prepare(dst, dir_prepare.new_save_id(), replace)
     except OSError as exc:  # named by DST, not by the staging directory beside it
         raise PathUsageError(f"{dst}: cannot create a checkpoint there ({exc.strerror or exc})") from None
     try:

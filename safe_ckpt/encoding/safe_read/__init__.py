@@ -26,7 +26,9 @@ from ...compat import megatron_safe_globals
 from ...errors import UnreadableCheckpointError
 from ...names import COMMON_STATE_FILE, COMMON_STATE_KEY, METADATA_FILE
 from .files import open_file, read_file
-from .unpickler import ADMITTED_GLOBALS, MetadataUnpickler, WorkBudget, show, torch_constant
+from .admitted import ADMITTED_GLOBALS, torch_constant
+from .budget import WorkBudget
+from .unpickler import MetadataUnpickler, show
 
 # A `.metadata` larger than this is refused unread: the biggest index a real run writes is far smaller
 # (about 160 bytes per stored item), and reading costs work and memory in proportion to the file.

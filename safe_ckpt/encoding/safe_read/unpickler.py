@@ -2,10 +2,9 @@
 
 One job: turn the bytes of a `.metadata` into objects with Python's own pure-Python
 unpickler (its memo is a dict: a huge memo index costs nothing), resolving only the
-globals a DCP metadata file holds (ADMITTED_GLOBALS, found by disassembling files written
-by stock DCP, stock Megatron and this library in torch 2.6-2.14, and from torch's sources
-for moved classes), letting BUILD set fields only on DCP's records, and charging every
-operation that can cost more than its own opcode bytes to one `WorkBudget` sized from the
+globals a DCP metadata file holds (`admitted.ADMITTED_GLOBALS`), letting BUILD set fields
+only on DCP's records, and charging every
+operation that can cost more than its own opcode bytes to one `budget.WorkBudget` sized from the
 file: a call that copies or hashes its arguments (OBJ, INST, REDUCE, NEWOBJ, NEWOBJ_EX),
 BUILD copying a state, every key hashed into a dict or set (SETITEM(S), DICT, ADDITEMS,
 FROZENSET, and the calls set/frozenset/OrderedDict) at what hashing and comparing it walks,
@@ -19,7 +18,6 @@ memory-format constants), or call anything but what those name.
 
 from __future__ import annotations
 
-import importlib
 import io
 import pathlib
 import pickle
@@ -30,62 +28,22 @@ import types
 import torch
 
 from ...errors import UnreadableCheckpointError
-
-_DCP_METADATA = "torch.distributed.checkpoint.metadata"
-# torch < 2.2 pickled TensorProperties from its old home; torch still defines it there.
-_SHARD_METADATA = "torch.distributed._shard.sharded_tensor.metadata"
-_PATH_CLASSES = ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath")
-
-# The DCP records a legitimate file sets the state of (BUILD); nothing else, and no class, ever is.
-_RECORDS = (
-    (_DCP_METADATA, "Metadata"), (_DCP_METADATA, "TensorStorageMetadata"),
-    (_DCP_METADATA, "BytesStorageMetadata"), (_DCP_METADATA, "ChunkStorageMetadata"),
-    (_DCP_METADATA, "TensorProperties"), (_DCP_METADATA, "MetadataIndex"), (_DCP_METADATA, "StorageMeta"),
-    (_SHARD_METADATA, "TensorProperties"), ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+from .admitted import (
+    _FOREIGN_RECORDS, _HASH_ARGUMENT, _HASH_ELEMENTS, _PATH_CLASSES, _RECORDS, ADMITTED_GLOBALS, _loaded, _resolve,
+    torch_constant,
 )
-# Records of another package, resolved only when a file names them (importing megatron.core costs
-# seconds): megatron-core 0.15 pickles its own Metadata subclass, one more field of plain data.
-_FOREIGN_RECORDS = (("megatron.core.dist_checkpointing.strategies.torch", "MCoreMetadata"),)
-# Callables that hash what their argument holds (a set's elements, a mapping's keys) ...
-_HASH_ELEMENTS = frozenset({("builtins", "set"), ("builtins", "frozenset"), ("collections", "OrderedDict")})
-# ... and that hash the argument itself (a lookup by value or name).
-_HASH_ARGUMENT = frozenset({(_DCP_METADATA, "_MEM_FORMAT_ENCODING"), (_SHARD_METADATA, "MEM_FORMAT_ENCODING"),
-                            ("torch.serialization", "_get_layout")})
-
-# Every (module, name) a legitimate `.metadata` references, besides torch's dtype, layout and
-# memory-format constants (matched by type in `torch_constant`). Each one is data: a dataclass whose
-# state is set by BUILD or a `__setstate__` that only assigns fields, or a callable that maps a plain
-# value to a constant, or a container.
-ADMITTED_GLOBALS = frozenset({
-    *_RECORDS,
-    *_FOREIGN_RECORDS,
-    (_DCP_METADATA, "_MEM_FORMAT_ENCODING"),  # TensorProperties pickles its memory format as this enum
-    (_SHARD_METADATA, "MEM_FORMAT_ENCODING"),
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),  # torch.layout's reducer: a name -> layout lookup
-    ("collections", "OrderedDict"),
-    ("builtins", "set"),  # sets in pickle protocols < 4
-    ("builtins", "frozenset"),
-    # StorageMeta.checkpoint_id is the Path a stock DCP save was given (pathlib._local: Python >= 3.13)
-    *(("pathlib", name) for name in _PATH_CLASSES),
-    *(("pathlib._local", name) for name in _PATH_CLASSES),
-})
+from .budget import WorkBudget
 
 # Hashing a tuple recurses in C without a depth check (deep enough, the interpreter crashes): a key
 # nested deeper than this is refused. DCP's deepest key, a MetadataIndex, is 3 deep.
 MAX_KEY_DEPTH = 64
-# The budget is in units of about one element copied or hashed in C (~50 ns, ~8 bytes of memory);
-# work done element by element in Python costs more units per element:
+# The budget (`budget`) is in units of about one element copied or hashed in C (~50 ns, ~8 bytes of
+# memory); work done element by element in Python costs more units per element:
 _PER_STR_KEY = 2  # a str key checked (its hash is keyed per process: no collisions to track)
 _PER_KEY = 10  # any other key: its weight, its hash, the record of keys with that hash
 _PER_FIELD = 8  # a state entry BUILD sets, by Python code, into a new __dict__
 _PER_PATH_CHAR = 8  # a Path splits its string into part objects
 _PER_EMPTY_SET = 28  # a 1-byte opcode making a 216-byte object
-# For a file of n bytes: BUDGET_PER_BYTE * n + BUDGET_BASE. Files written by stock DCP, stock Megatron
-# and this library use under 1 per byte (`tests/test_reader_budget.py` measures it); what is not
-# charged (pushing values, memo entries) costs at most about 75 bytes of memory per byte of file.
-BUDGET_PER_BYTE = 8
-BUDGET_BASE = 1 << 22
 # Memo indices a pickler writes count up from 0; a text PUT/GET could name any int (and ints
 # 2**61 - 1 apart share a hash: a memo of such indices fills quadratically).
 _MAX_MEMO_INDEX = 1 << 32
@@ -109,61 +67,6 @@ def show(value) -> str:
         except (RecursionError, ValueError):  # ValueError: an int past the digits str() converts
             pass
     return f"<{type(value).__name__}>"
-
-
-def torch_constant(module: str, name: str):
-    """torch.float32 (`torch`, `float32`), torch.strided, torch.contiguous_format (`torch._utils`,
-    `torch.contiguous_format`, as torch's reducer names it), or None."""
-    if module == "torch":
-        attr = name
-    elif module == "torch._utils" and name.startswith("torch."):
-        attr = name[len("torch."):]
-    else:
-        return None
-    value = getattr(torch, attr, None) if attr.isidentifier() else None
-    return value if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)) else None
-
-
-def budget_for(size_bytes: int) -> int:
-    return BUDGET_PER_BYTE * size_bytes + BUDGET_BASE
-
-
-class WorkBudget:
-    """Element operations left for reading one file (its unpickling and the checks after it)."""
-
-    def __init__(self, path: str, size_bytes: int) -> None:
-        self.path, self.size_bytes = path, size_bytes
-        self.total = self.left = budget_for(size_bytes)
-
-    @property
-    def used(self) -> int:
-        return self.total - self.left
-
-    def charge(self, units: int, what) -> None:
-        """Spend ``units``; past the budget, refuse the file. ``what`` (a string, or a callable or class
-        whose call it is) names the operation in the message."""
-        self.left -= units
-        if self.left < 0:
-            if not isinstance(what, str):
-                what = f"a call of {getattr(what, '__qualname__', type(what).__name__)}"
-            raise UnreadableCheckpointError(
-                self.path, f"refused: building it copies or hashes more elements than a DCP metadata file of its "
-                           f"size holds ({self.total} for {self.size_bytes} bytes; exceeded at {what}); not read "
-                           f"further")
-
-
-def _resolve(module: str, name: str):
-    return getattr(importlib.import_module(module), name)
-
-
-def _loaded(pairs) -> tuple:
-    found = []
-    for module, name in pairs:
-        try:
-            found.append(_resolve(module, name))
-        except (ImportError, AttributeError):
-            pass
-    return tuple(found)
 
 
 class MetadataUnpickler(pickle._Unpickler):

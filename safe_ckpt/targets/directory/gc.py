@@ -16,7 +16,7 @@ import os
 import time
 
 from .claim import STALE_AFTER_S, liveness
-from .publish import parent_lock
+from .prepare import parent_lock
 from .leftovers import Sweep, sweep
 from ...names import LEFTOVER_MARKS, OWNER_FILE, STAGING_MARK, TRACKER_FILE
 

@@ -11,12 +11,13 @@ from __future__ import annotations
 import os
 
 from . import publish as commit
+from .prepare import StagingArea
 from ...names import OWNER_FILE, is_data_file
 from ...errors import INTERRUPTS, CommitError
 from ...interrupts import Deferred
 
 
-def publish_into(area: commit.StagingArea, last: str, fsync: bool = True,
+def publish_into(area: StagingArea, last: str, fsync: bool = True,
                  interrupts: Deferred | None = None) -> commit.Published:
     """Move the staged files into the (existing) target directory, ``last`` at the very end.
 
@@ -55,7 +56,7 @@ def publish_into(area: commit.StagingArea, last: str, fsync: bool = True,
     return commit.Published(deferred.first)
 
 
-def _move_in(area: commit.StagingArea, last: str, fsync: bool, deferred: Deferred) -> None:
+def _move_in(area: StagingArea, last: str, fsync: bool, deferred: Deferred) -> None:
     final, staging = area.final_dir, area.staging_dir
     if fsync:
         # Until the new index lands, the directory must not read as a (mixed) checkpoint.
