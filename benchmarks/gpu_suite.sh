@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The whole GPU suite on the GPU machine (see benchmarks/README.md), in parts that each fit a 10-minute run:
 #   tests    gputests, then smoke;
-#   gputests every GPU test (tests/test_gpu*.py: round trips per residence, profiler counts, unmapped
-#            memory, torch_memory_saver, pool reuse, real GPTModel resume, slime actors);
+#   gputests the GPU save tests (tests/gpu/test_device_saves.py and test_slime_offloaded_actors.py: round
+#            trips per residence, profiler counts, unmapped memory, torch_memory_saver, pool reuse, real
+#            GPTModel resume, slime actors);
 #   asleep   the asleep-save GPU tests (GPU_K), then slimeloop;
 #   slimeloop benchmarks/slime_loop_bench.py: stock, awake and asleep saves in slime's loop, tmpfs and disk
 #            (LOOP_TARGETS, REPS rounds, TWEAKS: the asleep save with one setting changed, LOOP_TAG);
@@ -96,7 +97,7 @@ part_cpu() {
 
 part_gputests() {
   # GPU_N: pytest-xdist workers sharing the one GPU (every test spawns its own processes anyway)
-  $PYTEST -m gpu tests/test_gpu.py tests/test_gpu_slime.py -rA --durations=20 --timeout 400 \
+  $PYTEST -m gpu tests/gpu/test_device_saves.py tests/gpu/test_slime_offloaded_actors.py -rA --durations=20 --timeout 400 \
     ${GPU_N:+-n $GPU_N} ${GPU_K:+-k "$GPU_K"} > "$RES/gpu_tests.log" 2>&1
   grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed" "$RES/gpu_tests.log" | tail -30
 }
@@ -118,21 +119,21 @@ part_tests() { part_gputests; part_smoke; }
 # slime's colocated loop: the asleep GPU tests (GPU_K narrows them), then the three ways to save
 # the same 9 GB state side by side (benchmarks/slime_loop_bench.py), on tmpfs and disk.
 part_asleep() {
-  $PYTEST -m gpu tests/test_gpu_slime.py -k "${GPU_K:-asleep}" -rA -s --timeout 400 > "$RES/gpu_asleep_tests.log" 2>&1
+  $PYTEST -m gpu tests/gpu/test_slime_offloaded_actors.py -k "${GPU_K:-asleep}" -rA -s --timeout 400 > "$RES/gpu_asleep_tests.log" 2>&1
   grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed|asleep save" "$RES/gpu_asleep_tests.log" | cut -c1-400 | tail -12
   part_slimeloop
 }
 
 # slime's own save_model (its source exported into .slime/ by scripts/export_slime.sh) on a real GPTModel
 part_slimereal() {
-  SLIME_SRC=$PWD/.slime $PYTEST -m gpu tests/test_slime_real_src.py -rA -s --timeout 400 > "$RES/slime_real_src.log" 2>&1
+  SLIME_SRC=$PWD/.slime $PYTEST -m gpu tests/gpu/test_real_slime_source.py -rA -s --timeout 400 > "$RES/slime_real_src.log" 2>&1
   grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed|evidence" "$RES/slime_real_src.log" | cut -c1-700 | tail -12
 }
 
-# slime as it ships: tests/test_slime_real_src.py's shipped-configuration and release-train tests, then the
+# slime as it ships: tests/gpu/test_real_slime_source.py's shipped-configuration and release-train tests, then the
 # two-mode measurement. SLIME_MEGATRON_PATCH: slime's docker/patch/latest/megatron.patch, tried before the port.
 part_slimeshipped() {
-  SLIME_SRC=$PWD/.slime $PYTEST -m gpu tests/test_slime_real_src.py -k "shipped_configuration or release_train" \
+  SLIME_SRC=$PWD/.slime $PYTEST -m gpu tests/gpu/test_real_slime_source.py -k "shipped_configuration or release_train" \
     -rA -s --timeout 400 > "$RES/slime_shipped.log" 2>&1
   grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed|evidence|slime megatron patch" "$RES/slime_shipped.log" \
     | cut -c1-1200 | tail -12
@@ -170,7 +171,7 @@ part_load() {
 }
 
 part_loadtests() {
-  $PYTEST -m gpu tests/test_gpu_load.py -rA -s --timeout 600 > "$RES/gpu_load_tests.log" 2>&1
+  $PYTEST -m gpu tests/gpu/test_load_into_gpu.py -rA -s --timeout 600 > "$RES/gpu_load_tests.log" 2>&1
   grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed" "$RES/gpu_load_tests.log" | tail -8
 }
 
@@ -315,7 +316,7 @@ part_node() {
 
 part_resume() {
   NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
-  SAFE_CKPT_GPU_WORLD=$NGPU $PYTEST -m gpu tests/test_gpu.py -k "real_gpt or default_group_nccl" -rA --durations=5 --timeout 600 \
+  SAFE_CKPT_GPU_WORLD=$NGPU $PYTEST -m gpu tests/gpu/test_device_saves.py -k "real_gpt or default_group_nccl" -rA --durations=5 --timeout 600 \
     > "$RES/gpu_resume_dp$NGPU.log" 2>&1
   grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed" "$RES/gpu_resume_dp$NGPU.log" | tail -8
 }

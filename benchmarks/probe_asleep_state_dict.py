@@ -1,7 +1,7 @@
 """Probe (GPU machine): which step of Megatron's state-dict construction touches device memory
 while torch_memory_saver has paused the training state.
 
-A real GPTModel with the DistributedOptimizer (tests/gpu_megatron_cases.py's model, `--ckpt-format
+A real GPTModel with the DistributedOptimizer (tests/helpers/bodies/gpu_megatron.py's model, `--ckpt-format
 torch_dist`, dp_reshardable) is built and trained two steps inside a torch_memory_saver region with
 a CPU backup, then paused, as slime's `sleep()` leaves it. Each step below then runs alone in a
 fresh process (a touch of paused memory can kill the process instead of raising), under
@@ -73,8 +73,8 @@ def _step(rank, world, root, variant, step) -> dict:
 
     from safe_ckpt.integrations import slime_asleep, slime_groups
     from safe_ckpt.megatron import training
-    from tests import gpu_megatron_cases as g
-    from tests.gpu_slime_asleep_cases import _memory_saver, profile_counts
+    from tests.helpers.bodies import gpu_megatron as g
+    from tests.helpers.bodies.gpu_slime_asleep import _memory_saver, profile_counts
 
     # megatron.core's inference code sets torch_memory_saver's hook mode when it is first
     # imported, which fails once a region has been used: import it before the first region
@@ -139,7 +139,7 @@ def main() -> None:
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     opts = parser.parse_args()
     sys.path.insert(0, REPO)
-    from tests.mp import run_world
+    from tests.helpers.mp import run_world
 
     report = []
     with tempfile.TemporaryDirectory() as root:

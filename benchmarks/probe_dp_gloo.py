@@ -82,7 +82,7 @@ def main(argv=None) -> int:
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
-    from tests.mp import run_world
+    from tests.helpers.mp import run_world
 
     report = {}
     for n in args.ranks:

@@ -140,7 +140,7 @@ def main(argv=None) -> int:
 
     sys.path.insert(0, ROOT)
     from safe_ckpt_lab.bench.machine import machine
-    from tests.s3server import start_server
+    from tests.helpers.s3server import start_server
 
     load_before = os.getloadavg()
     server = start_server()

@@ -24,7 +24,7 @@ Must not: be imported by the library, or time anything but whole saves and ceili
 diagnostics under `diag/` take saves apart).
 
 Needs CUDA, torch_memory_saver and Megatron's `megatron.training` (megatron-core 0.19 ships it).
-Run from the repository root (it reuses the GPU tests' model setup, tests/gpu_megatron_cases.py):
+Run from the repository root (it reuses the GPU tests' model setup, tests/helpers/bodies/gpu_megatron.py):
   python benchmarks/slime_loop_bench.py --targets /dev/shm/slime_loop,/tmp/slime_loop --out RESULTS_PREFIX
 A run's report again from its log, anywhere: --rebuild-log LOG --out PREFIX --label LABEL
 """
@@ -121,8 +121,8 @@ def body(rank, world, opts) -> dict:
     import megatron.training  # noqa: F401
 
     from safe_ckpt.integrations import slime_groups
-    from tests import gpu_megatron_cases as g
-    from tests.gpu_slime_asleep_cases import _memory_saver
+    from tests.helpers.bodies import gpu_megatron as g
+    from tests.helpers.bodies.gpu_slime_asleep import _memory_saver
 
     g.MODEL_ARGS = g.MODEL_ARGS + ["--num-layers", str(opts["layers"]), "--hidden-size", str(opts["hidden"]),
                                    "--num-attention-heads", str(opts["heads"]), "--train-iters", "1000"]
@@ -162,8 +162,8 @@ def run_rounds(opts, out, args, model, optimizer, scheduler, iteration, tms, gro
     """The profiled save, the one-setting saves, then every target's timed rounds, into ``out``."""
     from safe_ckpt.integrations import slime_asleep
     import safe_ckpt.megatron as safe_megatron
-    from tests import gpu_megatron_cases as g
-    from tests.gpu_slime_asleep_cases import profile_counts
+    from tests.helpers.bodies import gpu_megatron as g
+    from tests.helpers.bodies.gpu_slime_asleep import profile_counts
 
     state_bytes = None
     source = None
@@ -299,7 +299,7 @@ def run_rounds(opts, out, args, model, optimizer, scheduler, iteration, tms, gro
                 row[variant]["ttd_over_ceiling_beside_rollout"] = (row["ceiling_beside_rollout"]["seconds"]
                                                                    / row[variant]["durable_s"])
             if first_compare is None:
-                from tests.megatron_evidence import compare_contents
+                from tests.helpers.megatron_evidence import compare_contents
 
                 it = {v: os.path.join(dirs[v], "iter_%07d" % iteration) for v in VARIANTS}
                 row["compare"] = first_compare = {f"{v}_vs_stock": compare_contents(it[v], it["stock"])
@@ -339,7 +339,7 @@ def main() -> None:
         return
     if not ns.targets:
         parser.error("--targets is required")
-    from tests.mp import run_world
+    from tests.helpers.mp import run_world
 
     opts = {"targets": ns.targets.split(","), "rounds": ns.rounds, "layers": ns.layers, "hidden": ns.hidden,
             "heads": ns.heads, "rollout_s": ns.rollout_s, "threads": [int(t) for t in ns.threads.split(",")],

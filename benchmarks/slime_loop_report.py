@@ -279,7 +279,7 @@ def report(out: dict, label: str) -> str:
 
 def compare_line(name: str, c: dict) -> str:
     """What two variants' checkpoints of the same step hold, item by item (from
-    tests/megatron_evidence.compare_contents, which names ``a_vs_b``'s sides ours and stock):
+    tests/helpers/megatron_evidence.compare_contents, which names ``a_vs_b``'s sides ours and stock):
     which items differ, which only one side holds, and, where Megatron's common state differs,
     which of its entries and `args` fields do, so that a reader can tell a save's own settings
     (where it wrote, its options) from a difference in the training state. Claims no more than

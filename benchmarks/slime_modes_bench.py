@@ -2,13 +2,13 @@
 for the same model (the GPU run).
 
 slime's own actor code (`--slime-src`, an export made by scripts/export_slime.sh) on a real GPTModel
-with Megatron's DistributedOptimizer (tests/gpu_megatron_cases.py's, enlarged: 13 layers of 2048 by
+with Megatron's DistributedOptimizer (tests/helpers/bodies/gpu_megatron.py's, enlarged: 13 layers of 2048 by
 default, 9.2 GB of state), one process per mode, one GPU:
 
 - ``offload`` (`--offload-train --colocate`): the process runs as slime starts a train actor
   (torch_memory_saver preloaded, `TMS_INIT_ENABLE=1`, `TMS_INIT_ENABLE_CPU_BACKUP=1`), its Megatron
   is scripts/slime_megatron_patch.py's copy (the DDP buffers without backup) and its args are slime's
-  (tests/gpu_slime_shipped_cases.py). Each round is one train step as slime's `train()` runs it
+  (tests/helpers/bodies/gpu_slime_shipped.py). Each round is one train step as slime's `train()` runs it
   (wake_up, a step, the weights backed up, sleep), then `save_model`, alternately:
   ``stock``: slime's wake-up path with stock Megatron's save_checkpoint (wake_up, save, sleep);
   ``asleep``: with `--ckpt-backend safe`: save_model returns without waking, the writes go on during a
@@ -95,9 +95,9 @@ def offload_mode(rank, world, opts) -> dict:
     import torch
 
     from slime_loop_bench import pinned_end, pinned_start, safe_pool_bytes
-    from tests import gpu_megatron_cases as g
-    from tests import gpu_slime_shipped_cases as s
-    from tests import test_slime_real_src as t
+    from tests.helpers.bodies import gpu_megatron as g
+    from tests.helpers.bodies import gpu_slime_shipped as s
+    from tests.gpu import test_real_slime_source as t
 
     g.MODEL_ARGS = g.MODEL_ARGS + _model_args(opts)
     slime = t.import_slime(opts["slime_src"])
@@ -178,9 +178,9 @@ def release_mode(rank, world, opts) -> dict:
     import torch
 
     from safe_ckpt.staging import pool
-    from tests import gpu_megatron_cases as g
-    from tests import gpu_slime_shipped_cases as s
-    from tests import test_slime_real_src as t
+    from tests.helpers.bodies import gpu_megatron as g
+    from tests.helpers.bodies import gpu_slime_shipped as s
+    from tests.gpu import test_real_slime_source as t
 
     g.MODEL_ARGS = g.MODEL_ARGS + _model_args(opts)
     slime = t.import_slime(opts["slime_src"])
@@ -190,7 +190,7 @@ def release_mode(rank, world, opts) -> dict:
     from megatron.training.checkpointing import load_checkpoint, save_checkpoint as stock_save_checkpoint
 
     from safe_ckpt.integrations import slime as integration
-    from tests.megatron_evidence import restore_adam_steps
+    from tests.helpers.megatron_evidence import restore_adam_steps
 
     args = get_args()
     t.slime_actor_args(args, save_dir)
@@ -306,8 +306,8 @@ def main(argv=None) -> None:
     if cli.dry_run:
         print("dry run: modes", modes, "opts", json.dumps(opts))
         return
-    from tests import gpu_slime_shipped_cases as s
-    from tests.mp import run_world, values
+    from tests.helpers.bodies import gpu_slime_shipped as s
+    from tests.helpers.mp import run_world, values
 
     results = {}
     for mode in modes:

@@ -5,7 +5,7 @@
 #
 #   scripts/compat.sh                  # every cell below whose Python is on this machine
 #   scripts/compat.sh 3.11:2.13.0:0.15.3 3.12:2.13.0:0.19.2   # chosen cells, PY:TORCH:MCORE
-#   COMPAT_TESTS=tests/test_integrity_manifest.py scripts/compat.sh 3.12:2.13.0:0.19.2   # integrity.json vs stock
+#   COMPAT_TESTS=tests/format/test_megatron_integrity_manifest.py scripts/compat.sh 3.12:2.13.0:0.19.2   # integrity.json vs stock
 #
 # Each (Python, torch) pair gets one venv holding torch (.compat/torch-pyPY-TORCH); each cell's
 # venv sees it through a .pth file and installs only megatron-core and the test tools, so a
@@ -17,9 +17,9 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 DIR=${COMPAT_DIR:-$ROOT/.compat}
 OUT=${COMPAT_OUT:-$DIR/results.md}
-# test_integrity_manifest.py: where megatron-core has --verify-integrity (0.18+), stock
+# tests/format/test_megatron_integrity_manifest.py: where megatron-core has --verify-integrity (0.18+), stock
 # load(..., verify_integrity=True) checks safe_ckpt's integrity.json (CI's 0.16 cell cannot).
-TESTS=${COMPAT_TESTS:-tests/test_roundtrip.py tests/test_megatron_adapter.py tests/test_integrity_manifest.py}
+TESTS=${COMPAT_TESTS:-tests/format/test_stock_loaders_read_every_layout.py tests/integrations/test_megatron_adapters.py tests/format/test_megatron_integrity_manifest.py}
 CELL_TIMEOUT_S=${COMPAT_TIMEOUT_S:-3600}  # a cell took 18-26 minutes on a loaded 2-core machine
 DEFAULT_CELLS=(
   3.11:2.13.0:0.15.3

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Export the part of a slime git directory that tests/test_slime_real_src.py imports (the `slime`
+# Export the part of a slime git directory that tests/gpu/test_real_slime_source.py imports (the `slime`
 # package, nothing else) into a plain folder, with a COMMIT file naming the commit, so the test can
 # say which slime ran when SLIME_SRC points at the export rather than at a checkout.
 # Fetches nothing: give it a slime git directory (a clone or a bare mirror) you already have.

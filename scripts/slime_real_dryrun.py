@@ -1,4 +1,4 @@
-"""CPU dry run of tests/test_slime_real_src.py's path through slime's own code (no GPU).
+"""CPU dry run of tests/gpu/test_real_slime_source.py's path through slime's own code (no GPU).
 
 One job: before GPU time is spent, show that slime's actor and model modules import with the
 test's stubs against this environment's megatron-core, and that slime's real `sleep`,
@@ -99,8 +99,8 @@ def main(src: str, slime_megatron: str | None = None) -> None:
     import torch
     import torch.distributed as dist
 
-    from tests import gpu_megatron_cases as g
-    from tests import test_slime_real_src as t
+    from tests.helpers.bodies import gpu_megatron as g
+    from tests.gpu import test_real_slime_source as t
 
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     slime = t.import_slime(src)
@@ -178,7 +178,7 @@ def main(src: str, slime_megatron: str | None = None) -> None:
     # Megatron's loader would go through slime's wrapped collectives, which want an accelerator)
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-    from tests.megatron_evidence import _read_dcp
+    from tests.helpers.megatron_evidence import _read_dcp
 
     stored = _read_dcp(os.path.join(save_dir, "iter_%07d" % g.FIRST))
     checked = 0

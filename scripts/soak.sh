@@ -9,4 +9,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
-python -m pytest -q -s --soak tests/test_chaos_soak.py "$@"
+python -m pytest -q -s --soak tests/soak/test_chaos_soak.py "$@"

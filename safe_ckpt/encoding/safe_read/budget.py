@@ -10,7 +10,7 @@ from __future__ import annotations
 from ...errors import UnreadableCheckpointError
 
 # For a file of n bytes: BUDGET_PER_BYTE * n + BUDGET_BASE. Files written by stock DCP, stock Megatron
-# and this library use under 1 per byte (`tests/test_reader_budget.py` measures it); what is not
+# and this library use under 1 per byte (`tests/format/test_restricted_reader_is_bounded.py` measures it); what is not
 # charged (pushing values, memo entries) costs at most about 75 bytes of memory per byte of file.
 BUDGET_PER_BYTE = 8
 BUDGET_BASE = 1 << 22

@@ -193,7 +193,7 @@ class MegatronTrainRayActor:
             import torch
 
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        if not dist.is_initialized():  # ranks spawned by tests/mp.py come with their group
+        if not dist.is_initialized():  # ranks spawned by tests/helpers/mp.py come with their group
             dist.init_process_group("gloo", timeout=timedelta(seconds=120))
         mpu.initialize_model_parallel(args.tensor_model_parallel_size, 1)
         register_default_process_group(timedelta(seconds=120), rebuild_subgroups=self._rebuild_model_parallel)
@@ -439,7 +439,7 @@ class MegatronTrainRayActor:
         import threading
 
         import safe_ckpt.megatron.training as training
-        from tests.hooked_sink import HookedSink
+        from tests.helpers.hooked_sinks import HookedSink
 
         self.writes_reached, self.writes_released = threading.Event(), threading.Event()
         reached, released = self.writes_reached, self.writes_released
@@ -564,7 +564,7 @@ class MegatronTrainRayActor:
         from megatron.core import dist_checkpointing
 
         from safe_ckpt_lab.synthetic import build_state
-        from tests.cases import compare_loaded
+        from tests.helpers.bodies.common import compare_loaded
 
         tp = self.args.tensor_model_parallel_size
         path = os.path.join(self.args.save, f"iter_{iteration:07d}")

@@ -1,0 +1,67 @@
+"""GPU tests of the load path (marked gpu; skipped without CUDA): synthetic state resharded into GPU
+templates (pinned-pool pieces, host-to-device copies on side streams) equal to stock load's result;
+and a real GPTModel + DistributedOptimizer resumed through `safe_ckpt.megatron.load_checkpoint`
+training on bit-identical to a stock resume."""
+
+import importlib.util
+
+import pytest
+
+from tests.helpers.bodies import load as load_cases
+from tests.helpers.mp import run_world, values
+from tests.gpu.test_device_saves import _resume_world
+
+pytestmark = pytest.mark.gpu
+
+
+def test_gpu_templates_reshard_like_stock(tmp_path):
+    cases = [("safe_tp2_to_1", "reshard", ("safe", 2, 1, "cuda")), ("stock_tp1_to_2", "reshard", ("stock", 1, 2, "cuda")),
+             ("safe_same", "reshard", ("safe", 2, 2, "cuda"))]
+    out = values(run_world(2, load_cases.suite, (str(tmp_path), cases), timeout_s=400))
+    for name, _, (writer, tp, load_tp, _) in cases:
+        for rank, r in enumerate(out):
+            r = r[name]
+            assert r["mismatches"] == [] and r["same_as_stock"] == [], (name, rank, r["mismatches"][:3],
+                                                                         r["same_as_stock"][:3])
+            assert r["device"] and r["report"]["decoded"] == 0, (name, r["report"])
+            if writer == "safe" and tp == load_tp:
+                assert r["report"]["verified"] == r["report"]["items"], (name, r["report"])
+
+
+def _have_megatron_training():
+    try:
+        return importlib.util.find_spec("megatron.training") is not None
+    except ModuleNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not _have_megatron_training(), reason="needs Megatron-LM's megatron.training on the path")
+@pytest.mark.parametrize("variant", ["gpu", "cpu_offload_pinned"])
+def test_real_gpt_resumed_through_safe_load_trains_like_stock_resume(tmp_path, variant):
+    from tests.helpers.bodies import gpu_load as gpu_load_cases
+    from tests.helpers.bodies import gpu_megatron as g
+    from tests.helpers.megatron_evidence import diff_digests
+
+    world, backend = _resume_world()
+    root = str(tmp_path)
+    full = values(run_world(world, g.run, (root + "/full", variant, "full"), backend=backend, timeout_s=400))
+    saved = values(run_world(world, g.run, (root, variant, "save"), backend=backend, timeout_s=400))
+    stock = values(run_world(world, g.run, (root, variant, "resume"), backend=backend, timeout_s=400))
+    ours = values(run_world(world, gpu_load_cases.resume_through_safe_ckpt, (root, variant, "safe"), backend=backend,
+                            timeout_s=400))
+    ours_of_stock = values(run_world(world, gpu_load_cases.resume_through_safe_ckpt, (root, variant, "stock"),
+                                     backend=backend, timeout_s=400))
+    for r_full, r_saved, r_stock, r_ours, r_other in zip(full, saved, stock, ours, ours_of_stock):  # evidence first
+        print(variant, f"DP={world} over {backend}", "losses full", r_full["losses"], "stock resume", r_stock["losses"],
+              "safe_ckpt resume", r_ours["losses"], "of stock's checkpoint", r_other["losses"],
+              "digest diff", diff_digests(r_stock["opt_digest_as_loaded"], r_ours["opt_digest_as_loaded"])[:5])
+    for r_full, r_saved, r_stock, r_ours, r_other in zip(full, saved, stock, ours, ours_of_stock):
+        assert r_ours["start_iteration"] == r_other["start_iteration"] == r_stock["start_iteration"] == g.FIRST
+        assert r_ours["loaded"][1] == g.FIRST
+        # the load itself leaves exactly what stock's load leaves, before any repair
+        assert diff_digests(r_stock["opt_digest_as_loaded"], r_ours["opt_digest_as_loaded"]) == []
+        assert diff_digests(r_stock["opt_digest_as_loaded"], r_other["opt_digest_as_loaded"]) == []
+        assert diff_digests(r_saved["opt_digest"], r_ours["opt_digest"]) == []
+        # and training goes on bit-identically to a stock resume (and to the uninterrupted run)
+        assert r_ours["losses"] == r_stock["losses"] == r_other["losses"], (r_ours["losses"], r_stock["losses"])
+        assert r_ours["losses"] == r_full["losses"][g.FIRST:]

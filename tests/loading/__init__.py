@@ -1,0 +1,2 @@
+"""Reading a checkpoint back: `safe_ckpt.load` against stock load, damaged checkpoints, object
+stores, Megatron's load_checkpoint."""

@@ -1,0 +1,33 @@
+"""`safe_ckpt.megatron.load_checkpoint` against stock `load_checkpoint` (the megatron.training
+stand-in, core_v0.19.0's torch_dist load path) on two gloo ranks: the latest iteration,
+`--ckpt-step`, `--no-load-optim`, `--no-load-rng` and `--finetune` resume the model, optimizer,
+scheduler, RNGs and counters exactly as stock does; and the load strategy for code that calls
+stock `dist_checkpointing.load` itself."""
+
+import os
+
+from tests.helpers.bodies import load_megatron as cases
+from tests.helpers.mp import run_world, values
+
+
+def test_load_checkpoint_resumes_like_stock_under_every_flag(tmp_path):
+    out = values(run_world(2, cases.save_and_resume, (str(tmp_path),), timeout_s=400))
+    for rank, r in enumerate(out):
+        draws, resumes = r["draws"], r["resumes"]
+        for name, res in resumes.items():
+            assert res["differences"] == [], (name, rank, res["differences"])
+            assert res["module_restored"], name
+            assert res["loaded"] == (os.path.abspath(str(tmp_path)), cases.CASES[name][1]), (name, res["loaded"])
+        latest, step = resumes["latest"], resumes["ckpt_step"]
+        assert latest["iteration"] == 7 and latest["flops"] == 21 and latest["consumed"] == 700
+        assert latest["model"] == [] and latest["optimizer_loaded"] and latest["scheduler"]["num_steps"] == 70
+        assert tuple(latest["draws"]) == tuple(draws[7])  # the RNGs continue where the save left them
+        assert step["iteration"] == 5 and step["model"] == [] and step["scheduler"]["num_steps"] == 50
+        assert tuple(step["draws"]) == tuple(draws[5])
+        assert not resumes["no_load_optim"]["optimizer_loaded"] and resumes["no_load_optim"]["reloaded"] == 1
+        assert resumes["no_load_optim"]["scheduler"] is None and resumes["no_load_optim"]["model"] == []
+        assert tuple(resumes["no_load_rng"]["draws"]) != tuple(draws[7])
+        assert resumes["no_load_rng"]["optimizer_loaded"]
+        fine = resumes["finetune"]
+        assert fine["iteration"] == 0 and not fine["optimizer_loaded"] and fine["model"] == []
+        assert tuple(fine["draws"]) != tuple(draws[7])

@@ -1,0 +1,1 @@
+"""Long randomized runs (marked `soak`; `pytest --soak`, or `bash scripts/soak.sh`)."""

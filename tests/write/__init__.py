@@ -1,0 +1,1 @@
+"""One rank's writers: dispatch, thread priority, the CUDA driver calls, the sink contract."""
