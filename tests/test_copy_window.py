@@ -515,3 +515,37 @@ def test_a_memory_saver_pause_waits_for_the_copies_of_the_memory_it_releases(tmp
     window.settle()
     assert writer.finished.wait(WAIT_S)
     expect_written(writer, "w", pre)
+
+
+class _InlineStreams:
+    """Runs "copy-stream" work at once, as `CudaStreams.call` does minus the stream."""
+
+    def call(self, device, fn):
+        fn()
+
+
+def test_the_device_sums_see_a_one_byte_change_anywhere_whatever_the_size_and_alignment():
+    """`DeviceSums`' arithmetic (row sums of the widest words the address allows, plus the last
+    partial row), run on CPU tensors: every slot changed by one byte is found, no other is."""
+    from safe_ckpt.staging.source_sums import DeviceSums
+
+    g = torch.Generator().manual_seed(15)
+    raw = torch.randint(0, 256, (3 * 4096 + 11,), dtype=torch.uint8, generator=g)
+    tensors = [
+        torch.randn(5003, generator=g),  # fp32: 4 whole rows and a partial one
+        torch.randn(4097, generator=g).to(torch.bfloat16),  # an odd number of 2-byte words
+        raw[1:],  # misaligned: one-byte words
+        torch.randn(2048, generator=g),  # exactly two rows
+        torch.randn(3, generator=g),  # a partial row only
+    ]
+    changes = {0: 5003 * 4 - 1, 1: 100, 2: 3 * 4096 + 5, 4: 0}  # slot -> byte to flip
+    sums = DeviceSums(_InlineStreams())
+    for slot, t in enumerate(tensors):
+        sums.reserve(slot, t)
+    for slot, t in enumerate(tensors):
+        sums.measure(slot, 0, t)
+    for slot, at in changes.items():
+        tensors[slot].view(-1).view(torch.uint8)[at] ^= 0x10
+    for slot, t in enumerate(tensors):
+        sums.measure(slot, 1, t)
+    assert sums.changed() == sorted(changes)

@@ -126,7 +126,7 @@ class DeviceSums:
             torch.sum(words[:whole * per_row].view(whole, per_row), dim=1, dtype=torch.int64,
                       out=out[first:first + whole])
         if whole < rows:
-            torch.sum(words[whole * per_row:], dtype=torch.int64, out=out[first + whole])
+            torch.sum(words[whole * per_row:], dim=0, dtype=torch.int64, out=out[first + whole])
 
     def changed(self) -> list[int]:
         by_device: dict[int, list[tuple[int, int]]] = {}
