@@ -256,7 +256,8 @@ class CopyWindow:
                 return
             if self.error is None:
                 self._gates += 1
-                moved = [s for i, s in self.sources.items() if i not in self._released and s.tensor._version != s.version]
+                moved = [s for i, s in self.sources.items()
+                         if i not in self._released and s.tensor._version != s.version]
                 if moved:
                     self._fail_locked(self._modified_error(moved[0], f"its version counter moved before {what}: an "
                                                            "in-place write came before its bytes were copied"))
@@ -301,7 +302,8 @@ class CopyWindow:
         for mark in marks:
             if not self.streams.wait(mark, self.timeout_s):
                 raise CheckpointError(f"rank {self.rank}: {what} waited {self.timeout_s:.0f} s for the copies of the "
-                                      f"save to {self.name} to land; not going on while they may still read that memory")
+                                      f"save to {self.name} to land; not going on while they may still read that "
+                                      "memory")
 
     # ------------------------------------------------------------------ state
     def small(self, index: int) -> bool:
