@@ -549,3 +549,34 @@ def test_the_device_sums_see_a_one_byte_change_anywhere_whatever_the_size_and_al
     for slot, t in enumerate(tensors):
         sums.measure(slot, 1, t)
     assert sums.changed() == sorted(changes)
+
+
+def test_a_deferred_window_opens_at_its_trigger_or_at_the_latest_at_the_next_gate(tmp_path):
+    """The copies of a save may start at the next step (Megatron synchronizes the device right after
+    the save call): the step's trigger opens the window in the training thread; without a trigger,
+    the next optimizer step's gate opens it first, so no write can come before the copies."""
+    for trigger in (True, False):
+        w, opt = adamw_state(4 * CHUNK, seed=16)
+        pre = w.detach().clone()
+        window, jobs = make_window({"w": w}, device_keys=("w",), name=str(tmp_path / f"ck{trigger}"))
+        writer = Writer(window, gated=False)
+        copier = WindowCopier(window, PinnedPool(1 << 20, pinned=False))
+        opened_in = []
+
+        def opener():
+            opened_in.append(threading.current_thread().name)
+            rest = copier.open(jobs, writer.put)
+            gates.track(window)
+            copier.run(rest, writer.put)
+            writer.close()
+
+        gates.defer(opener)
+        assert not window.is_open
+        if trigger:
+            gates.open_deferred()
+            assert window.is_open
+        opt.step()  # without the trigger, the gate opens the window first
+        window.settle()
+        assert opened_in == [threading.current_thread().name]  # the training thread, once
+        assert writer.finished.wait(WAIT_S)
+        expect_written(writer, "w", pre)

@@ -12,6 +12,9 @@ One job: send each guarded write to the open windows' `CopyWindow.before_update`
   landed before the saver unmaps the memory they read.
 A window is tracked from its opening until it settles (`CopyWindow.on_settled`), failed or not:
 a failed window's gates return at once, but a pause still waits for copies already issued.
+A save whose copies start later (Megatron's loop synchronizes the device right after the save
+call, so its copies wait for the next step) leaves an opener (`defer`): whoever comes first runs
+it, in its own thread: `open_deferred()` (the next step's trigger) or any gate.
 
 Must not: know what is copied, block while no window is open, or remove the hook.
 """
@@ -33,6 +36,7 @@ class _Registry:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.windows: tuple[CopyWindow, ...] = ()
+        self.deferred: tuple = ()  # openers of windows whose copies start at the next trigger
         self.hook = None  # the optimizer pre-hook's handle, kept and never removed
         self.hook_calls = 0  # pre-hook calls that found a window open
 
@@ -52,6 +56,8 @@ def install_optimizer_hook() -> bool:
 
 
 def _optimizer_step_pre_hook(optimizer, args, kwargs):
+    if _registry.deferred:
+        open_deferred()
     windows = _registry.windows
     if windows:
         _registry.hook_calls += 1
@@ -75,6 +81,25 @@ def _untrack(window: CopyWindow) -> None:
         _registry.windows = tuple(w for w in _registry.windows if w is not window)
 
 
+def defer(opener) -> None:
+    """Run ``opener()`` (it opens a window, in the calling thread, and tracks it) at the next
+    `open_deferred()`, or before the next gate, whichever comes first; once."""
+    install_optimizer_hook()
+    with _registry.lock:
+        _registry.deferred = _registry.deferred + (opener,)
+
+
+def open_deferred() -> None:
+    """Open every deferred window now, in this thread (a training step's trigger)."""
+    with _registry.lock:
+        openers, _registry.deferred = _registry.deferred, ()
+    for opener in openers:
+        try:
+            opener()
+        except Exception as exc:  # the opener fails its own save; the training step goes on
+            log.warning("opening a deferred copy window failed: %s", exc)
+
+
 def open_windows() -> tuple[CopyWindow, ...]:
     return _registry.windows
 
@@ -86,12 +111,17 @@ def hook_calls() -> int:
 
 def before_update(what: str = "before_update()") -> None:
     """Wait, as an optimizer step would, until changing any saved tensor of an open window is safe."""
+    if _registry.deferred:
+        open_deferred()
     for window in _registry.windows:
         window.before_update(what=what)
 
 
 def before_unmap(what: str = "an unmap") -> None:
-    """Block the host until no copy of an open window still reads device memory."""
+    """Block the host until no copy of an open window still reads device memory (a deferred
+    window is opened first: its sources must be copied before they go)."""
+    if _registry.deferred:
+        open_deferred()
     for window in _registry.windows:
         window.before_update(what=what, unmap=True)
 
