@@ -131,11 +131,14 @@ def body(rank, world, opts) -> dict:
     import torch
 
     trainer = make_trainer(opts, world)
+    microbatches = trainer.calibrate(opts["window_s"])
+    trainer.measure_state()
     out = {"variant": opts["variant"], "torch": torch.__version__, "target": opts["target"], "modes": {},
-           "notes": [], **trainer.describe()}
-    out["microbatches"] = trainer.calibrate(opts["window_s"])
-    print("calibrated:", out["microbatches"], "micro-batches;", trainer.describe(), flush=True)
+           "notes": [], "microbatches": microbatches, **trainer.describe()}
+    print("calibrated:", microbatches, "micro-batches;", trainer.describe(), flush=True)
+    t0 = time.perf_counter()
     trainer.prepare_pool()
+    out["pool_prepare_s"] = time.perf_counter() - t0
     sampler = PcieSampler.maybe()
     try:
         out["baseline"] = run_steps(trainer, opts["baseline_steps"], sampler=sampler)

@@ -83,7 +83,7 @@ def write_report(out: dict, prefix: str, label: str) -> None:
     lines += ["", "Modes:"] + [f"- `{m}`: {d}" for m, d in MODES.items()]
     lines += ["", "Columns: stall = host time the training thread was held by the save (the call, plus gate waits, "
               "plus DCP's staging wait before the optimizer step, plus stock Megatron's finalize waits at the loop "
-              "top); step with save = the call plus the next iteration (loop top to loop top, each ending in the "
+              "top; for window_core also its opening at the next step's zero_grad); step with save = the call plus the next iteration (loop top to loop top, each ending in the "
               "loss's `.item()`), x step = that over the step without a save; fwd+bwd x = the next step's "
               "forward+backward GPU time (CUDA events) over the baseline's; to durable = from the call until the "
               "checkpoint (or, for window_core, every copy) landed; PCIe TX = NVML's device-to-host throughput "

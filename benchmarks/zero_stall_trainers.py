@@ -96,6 +96,11 @@ class MegatronTrainer:
         self.k = 1
         self.losses: list[float] = []
         self._torch = torch
+        self.state_bytes = self.device_bytes = 0
+        self.budget_gib = 0.0
+
+    def measure_state(self) -> None:
+        """The saved bytes and the pool to hold them (after a step: Adam's state exists then)."""
         sources = self.window_sources()
         self.state_bytes = sum(t.numel() * t.element_size() for _, t in sources)
         self.device_bytes = sum(t.numel() * t.element_size() for _, t in sources if t.device.type == "cuda")
@@ -267,6 +272,8 @@ class TinyTrainer:
         self.losses: list[float] = []
         self._handles: list = []
         self.step()  # Adam's state exists
+
+    def measure_state(self) -> None:
         self.state_bytes = sum(t.numel() * t.element_size() for _, t in self.window_sources())
         self.device_bytes = 0
         self.budget_gib = self.state_bytes * 1.05 / GiB + 0.01
