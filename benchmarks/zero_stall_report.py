@@ -14,7 +14,8 @@ MODES = {
     "overlap": "this mode: async save that returns after planning (Megatron drop-in, overlap copy)",
     "safe_async": "today's safe_ckpt async save (returns once the device bytes are in the pool)",
     "dcp_async": "DCP async_save with its pinned DefaultStager, staging waited for before optimizer.step",
-    "megatron_async": "stock Megatron --async-save (torch_dist, its async queue finalized at the loop top)",
+    "megatron_async": "stock Megatron --async-save (torch_dist, persistent worker as slime sets it, its async "
+                      "queue finalized at the loop top; its first save also starts the worker)",
 }
 
 

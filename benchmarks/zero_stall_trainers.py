@@ -238,6 +238,9 @@ class MegatronTrainer:
 
         os.makedirs(directory, exist_ok=True)
         self._save_args(directory, False)
+        # megatron-core 0.19 accepts --async-save only with the persistent worker (slime sets it too);
+        # the worker starts with the first save
+        self.args.use_persistent_ckpt_worker = True
         try:
             save_checkpoint(self.iteration, self.model, self.optimizer, self.scheduler,
                             num_floating_point_operations_so_far=0)
