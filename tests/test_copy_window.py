@@ -5,7 +5,8 @@ Device sources are simulated by `HostStreams` (a worker thread per "device" runs
 order; `hold()` keeps them from landing, as a spin kernel first on a CUDA copy stream would).
 A writer thread stands for the pipeline's writers: it takes each staged chunk, reads its bytes
 and releases its lease, one item at a time when the test says so. Every wait is on an event and
-bounded; nothing sleeps.
+bounded; the only timed waits are the gate timeout under test (0.2 s) and one 50 ms probe that a
+pause has not gone ahead (the bytes written then prove it).
 """
 
 from __future__ import annotations
