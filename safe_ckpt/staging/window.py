@@ -78,7 +78,8 @@ class WindowStats:
 
 class CopyWindow:
     def __init__(self, sources: list[WindowSource], streams: CopyStreams, sums: SourceSums | None = None, *,
-                 name: str, rank: int, timeout_s: float = 600.0, small_source_bytes: int = SMALL_SOURCE_BYTES) -> None:
+                 name: str, rank: int, timeout_s: float = 600.0,
+                 small_source_bytes: int = SMALL_SOURCE_BYTES) -> None:
         """``name``: the save's checkpoint directory (errors name it); ``timeout_s``: the longest a
         gate blocks the host, and a bound on waits for copies to land; ``small_source_bytes``:
         sources below it are copied at the opening."""
@@ -218,6 +219,9 @@ class CopyWindow:
         compare the content sums, close. Raises the window's failure, if any."""
         with self._cond:
             marks = list(self._device_last.values())
+            if self._opened_at is None:
+                self._fail_locked(CheckpointError(f"internal error: the copy window of the save to {self.name} "
+                                                  "was settled without being opened; nothing was copied"))
         try:
             for mark in marks:
                 if not self.streams.wait(mark, self.timeout_s):
