@@ -133,7 +133,7 @@ class WindowCore:
                 pieces = [t]
             device = t.device.index if t.device.type == "cuda" else None
             sources.append(WindowSource(index=index, key=key, tensor=t, device=device, chunks=len(pieces),
-                                        nbytes=t.numel() * t.element_size(), version=self.versions[index]))
+                                        size_bytes=t.numel() * t.element_size(), version=self.versions[index]))
             jobs += [ChunkJob(index, piece, (key, k)) for k, piece in enumerate(pieces)]
         return sources, jobs
 

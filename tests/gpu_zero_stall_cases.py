@@ -77,7 +77,7 @@ def _window(tensors: dict, pool, *, name: str, timeout_s: float = 120.0):
         flat = t.view(-1)
         pieces = [flat[a:a + CHUNK_NUMEL] for a in range(0, flat.numel(), CHUNK_NUMEL)]
         sources.append(WindowSource(index=index, key=key, tensor=t, device=t.device.index, chunks=len(pieces),
-                                    nbytes=t.numel() * t.element_size(), version=t._version))
+                                    size_bytes=t.numel() * t.element_size(), version=t._version))
         jobs += [ChunkJob(index, piece, (key, k)) for k, piece in enumerate(pieces)]
     window = CopyWindow(sources, streams, DeviceSums(streams), name=name, rank=torch.distributed.get_rank(),
                         timeout_s=timeout_s)

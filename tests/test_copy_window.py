@@ -87,7 +87,7 @@ def make_window(tensors: dict, *, device_keys=(), chunk=CHUNK, streams=None, ran
         flat = t.detach().view(-1)
         pieces = [flat[a:a + chunk] for a in range(0, flat.numel(), chunk)]
         sources.append(WindowSource(index=index, key=key, tensor=t.detach(), device=0 if key in device_keys else None,
-                                    chunks=len(pieces), nbytes=t.numel() * t.element_size(), version=t._version))
+                                    chunks=len(pieces), size_bytes=t.numel() * t.element_size(), version=t._version))
         jobs += [ChunkJob(index, piece, (key, index, k)) for k, piece in enumerate(pieces)]
     streams = streams or HostStreams()
     window = CopyWindow(sources, streams, HostSums(), name=name, rank=rank, timeout_s=timeout_s,

@@ -61,7 +61,7 @@ class WindowSource:
     tensor: torch.Tensor
     device: Optional[int]  # the copy stream's device; None: host-resident (captured by the host)
     chunks: int  # chunks to copy or capture
-    nbytes: int
+    size_bytes: int
     version: int  # the tensor's version counter when the save planned it
 
 
@@ -92,7 +92,7 @@ class CopyWindow:
         self.sources = {s.index: s for s in sources}
         self._left = {s.index: s.chunks for s in sources}
         self._incomplete = sum(1 for s in sources if s.chunks > 0)
-        self._pending_bytes = sum(s.nbytes for s in sources)
+        self._pending_bytes = sum(s.size_bytes for s in sources)
         self._devices = sorted({s.device for s in sources if s.device is not None})
         self._device_last: dict[int, Mark] = {}
         self._released: set[int] = set()
@@ -156,7 +156,7 @@ class CopyWindow:
             self._kept.add(index)
             self.streams.keep(source.device, source.tensor)
 
-    def issued(self, index: int, nbytes: int) -> Mark:
+    def issued(self, index: int, chunk_bytes: int) -> Mark:
         """One more copy of device source ``index`` is enqueued; the mark after it (after the
         source's closing sums, for its last copy)."""
         source = self.sources[index]
@@ -167,20 +167,20 @@ class CopyWindow:
         with self._cond:
             self._left[index] = left
             self._device_last[source.device] = mark
-            self._copied += nbytes
-            self._pending_bytes -= nbytes
+            self._copied += chunk_bytes
+            self._pending_bytes -= chunk_bytes
             if left == 0:
                 self._incomplete -= 1
                 self._cond.notify_all()
         return mark
 
-    def captured(self, index: int, nbytes: int) -> None:
+    def captured(self, index: int, chunk_bytes: int) -> None:
         """One more chunk of host source ``index`` is in the pool or written."""
         source = self.sources[index]
         with self._cond:
             self._left[index] -= 1
-            self._captured += nbytes
-            self._pending_bytes -= nbytes
+            self._captured += chunk_bytes
+            self._pending_bytes -= chunk_bytes
             if self._left[index] == 0:
                 self._incomplete -= 1
                 self._cond.notify_all()
@@ -312,7 +312,7 @@ class CopyWindow:
     # ------------------------------------------------------------------ state
     def small(self, index: int) -> bool:
         """Source ``index`` is copied at the opening (see `SMALL_SOURCE_BYTES`)."""
-        return self.sources[index].nbytes < self.small_source_bytes
+        return self.sources[index].size_bytes < self.small_source_bytes
 
     @property
     def is_open(self) -> bool:

@@ -141,7 +141,8 @@ class WindowCopier:
                     dst.view(view.dtype).view(view.shape).copy_(view)
                     window.captured(job.source, nbytes)
                     return StagedChunk(nbytes, keep=view, lease=lease)
-                return StagedChunk(nbytes, keep=view, lease=lease, event=self._snapshot(job.source, dst, view, nbytes))
+                return StagedChunk(nbytes, keep=view, lease=lease,
+                                   event=self._snapshot(job.source, dst, view, nbytes))
             self._copy(source.device, dst, view)
             return StagedChunk(nbytes, keep=view, lease=lease, event=window.issued(job.source, nbytes))
         except BaseException:
