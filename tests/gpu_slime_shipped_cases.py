@@ -23,6 +23,26 @@ PRELOAD_NAMES = ("torch_memory_saver_hook_mode_preload_cu13.abi3.so",
                  "torch_memory_saver_hook_mode_preload.abi3.so")
 
 
+def patched_megatron_first() -> str | None:
+    """Put the patched Megatron (SLIME_MEGATRON) first on this process's path, before anything
+    imports megatron, and return where megatron.core now comes from. A spawned rank starts with its
+    parent's `sys.path` (multiprocessing restores it), not PYTHONPATH's order, so setting
+    PYTHONPATH in the parent is not enough; a rank that would run the unpatched Megatron stops."""
+    dest = os.environ.get("SLIME_MEGATRON")
+    if not dest:
+        return None
+    early = sorted(m for m in sys.modules if m == "megatron" or m.startswith("megatron."))
+    if early:
+        raise RuntimeError(f"megatron was imported before the patched copy {dest} could go first: {early[:5]}")
+    sys.path.insert(0, dest)
+    import megatron.core
+
+    where = os.path.abspath(megatron.core.__file__)
+    if not where.startswith(os.path.abspath(dest) + os.sep):
+        raise RuntimeError(f"megatron.core comes from {where}, not from the patched copy {dest}")
+    return where
+
+
 def preload_env() -> dict:
     """The environment slime's `RayTrainGroup._allocate_gpus_for_actor` gives a train actor with
     --offload-train (the hook library found the same way: next to the torch_memory_saver package)."""
@@ -129,6 +149,7 @@ def layout(model, optimizer) -> dict:
 def shipped_save(rank, world, root, src) -> dict:
     """slime's sleep, save_model (asleep) and, for comparison, save_model on slime's wake-up path
     with stock Megatron's save_checkpoint, then wake_up, on a real actor in slime's layout."""
+    patched_megatron_first()
     import torch
 
     from tests import gpu_megatron_cases as g
@@ -217,6 +238,7 @@ def release_cycle(rank, world, root, src, load_dir, steps) -> dict:
     safe_ckpt by the hook), trains ``steps`` iterations, calls slime's `save_model(force_sync=True)`
     (with --async-save: the forced finalize must make it durable) and is then killed (SIGKILL, as
     `ray.kill`): the caller reads the result file written just before."""
+    patched_megatron_first()
     import signal
 
     import torch
