@@ -8,7 +8,8 @@
 #            (LOOP_TARGETS, REPS rounds, TWEAKS: the asleep save with one setting changed, LOOP_TAG);
 #   slimereal slime's own save_model (SLIME_SRC=.slime, from scripts/export_slime.sh) on a real GPTModel;
 #   slimeshipped slime as it ships (.slime; its Megatron patch's DDP buffers on a patched copy of megatron-core,
-#            its args, torch_memory_saver preloaded): the asleep save and one --release-train cycle, then slimemodes;
+#            its args, torch_memory_saver preloaded): the asleep save and one --release-train cycle, then slimemodes
+#            (MODES=0 skips it);
 #   load     benchmarks/load_bench.py: safe_ckpt.load beside stock Megatron, DCP and the read ceiling into GPU
 #            templates (LOAD_TARGETS, LOAD_PRESETS, LOAD_N ranks sharing the GPU); loadtests: the GPU load tests;
 #   slimemodes benchmarks/slime_modes_bench.py: per-step checkpoint cost in --offload-train and --release-train,
@@ -139,7 +140,7 @@ part_slimeshipped() {
   grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed|evidence|slime megatron patch" "$RES/slime_shipped.log" \
     | cut -c1-1200 | tail -12
   tar -czf "$OUT/results.tgz" -C "$RES" .
-  part_slimemodes
+  [ "${MODES:-1}" = 1 ] && part_slimemodes
 }
 
 part_slimemodes() {
