@@ -125,10 +125,34 @@ def setup(save_dir: str, world: int, slime_settings):
     return model, optimizer, scheduler
 
 
+def backup_probe(tensor) -> str:
+    """Whether torch_memory_saver keeps a CPU backup of a paused ``tensor``, asked in a forked child:
+    for a paused allocation made without backup its `get_cpu_backup` calls exit(1), which must not
+    end this process. "backup", "none" (it returned None) or what ended the child."""
+    from torch_memory_saver import torch_memory_saver as tms
+
+    pid = os.fork()
+    if pid == 0:  # only torch_memory_saver's host-side bookkeeping is read here: no CUDA call
+        try:
+            os._exit(3 if tms.get_cpu_backup(tensor, zero_copy=True) is not None else 4)
+        except BaseException:
+            os._exit(5)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            code = os.waitstatus_to_exitcode(status)
+            return {3: "backup", 4: "none", 1: "exit 1: paused without backup"}.get(code, f"exit {code}")
+        time.sleep(0.05)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    return "hung"
+
+
 def layout(model, optimizer) -> dict:
-    """Where the state lives (asked of torch_memory_saver and the DDP buffers, nothing read):
-    the parameters in the DDP's param_data, whether the saver keeps a backup of them and of the
-    fp32 main parameters."""
+    """Where the state lives while paused (asked of torch_memory_saver in a forked child and of the
+    DDP buffers, nothing read): the parameters in the DDP's param_data, whether the saver keeps a
+    backup of them, of the grad buffer and of the fp32 main parameters."""
     from torch_memory_saver import torch_memory_saver as tms
 
     buffers = [b for m in model for b in getattr(m, "buffers", [])]
@@ -139,11 +163,24 @@ def layout(model, optimizer) -> dict:
                         < b.param_data.data_ptr() + b.param_data.numel() * b.param_data.element_size()
                         for b in buffers)
     return {"param_in_param_data": in_param_data,
-            "param_backup": tms.get_cpu_backup(param.detach(), zero_copy=True) is not None,
-            "grad_backup": tms.get_cpu_backup(buffers[0].grad_data, zero_copy=True) is not None,
-            "main_param_backup": tms.get_cpu_backup(mains[0], zero_copy=True) is not None,
+            "param_backup": backup_probe(param.detach()),
+            "grad_backup": backup_probe(buffers[0].grad_data),
+            "main_param_backup": backup_probe(mains[0]),
             "hook_mode": getattr(getattr(tms, "_impl", None), "_hook_mode", None),
             "ld_preload": os.environ.get("LD_PRELOAD", ""), "tms_init_enable": os.environ.get("TMS_INIT_ENABLE")}
+
+
+def unasked_regions(model, args) -> dict:
+    """safe_ckpt's classification of a paused grad_data slice (a region kept without backup) inside
+    the slime seam: unmapped, named, and torch_memory_saver never asked (this process lives on)."""
+    from safe_ckpt import residence
+    from safe_ckpt.integrations import slime_sources
+
+    regions = slime_sources.regions_without_backup(model, args)
+    grad = next(b.grad_data for m in model for b in getattr(m, "buffers", []))
+    with slime_sources.guarded(regions):
+        c = residence.classify(grad[:16], allow_cpu_backup=True)
+    return {"what": regions.what if regions else None, "residence": c.residence, "detail": c.detail}
 
 
 def shipped_save(rank, world, root, src) -> dict:
@@ -189,6 +226,7 @@ def shipped_save(rank, world, root, src) -> dict:
 
     actor.sleep()  # slime's: clear memory, destroy the groups, pause every region
     out["layout"] = layout(model, optimizer)
+    out["unasked"] = unasked_regions(model, args)
     free_asleep = torch.cuda.mem_get_info()[0]
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                             torch.profiler.ProfilerActivity.CUDA]) as prof:
