@@ -9,7 +9,8 @@
 #            (LOOP_TARGETS, REPS rounds, TWEAKS: the asleep save with one setting changed, LOOP_TAG);
 #   slimereal slime's own save_model (SLIME_SRC=.slime, from scripts/export_slime.sh) on a real GPTModel;
 #   slimeshipped slime as it ships (.slime; its Megatron patch's DDP buffers on a patched copy of megatron-core,
-#            its args, torch_memory_saver preloaded): the asleep save and one --release-train cycle, then slimemodes;
+#            its args, torch_memory_saver preloaded): the asleep save and one --release-train cycle, then slimemodes
+#            (MODES=0 skips it);
 #   load     benchmarks/load_bench.py: safe_ckpt.load beside stock Megatron, DCP and the read ceiling into GPU
 #            templates (LOAD_TARGETS, LOAD_PRESETS, LOAD_N ranks sharing the GPU); loadtests: the GPU load tests;
 #   slimemodes benchmarks/slime_modes_bench.py: per-step checkpoint cost in --offload-train and --release-train,
@@ -70,6 +71,8 @@ SHM=${SHM:-/dev/shm/safe_ckpt_bench}
 # shell to pack what it recorded (a `timeout` around this whole script kills the packing too;
 # a bench cut short is reported from its rows with `python -m safe_ckpt_lab.bench --rebuild PREFIX`).
 PY=python3
+# the labels name the GPU the run found (H100 and H200 machines both serve these runs)
+GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -oE "H[0-9]+" || echo GPU)
 [ -n "${PART_LIMIT_S:-}" ] && PY="timeout $PART_LIMIT_S python3"
 PYTEST="$PY -m pytest -q -p no:cacheprovider -W ignore::UserWarning -W ignore::FutureWarning"
 GIB_ARG=""
@@ -105,11 +108,11 @@ part_gputests() {
 part_smoke() {
   $PY -m safe_ckpt_lab.bench --gib 1 --reps 3 --peer-reps 1 --targets "$SHM" --cache cold --count-h2d --ceiling-beside-d2h \
     --peers safe_sync,safe_async,safe_sync_nosum,safe_sync_tensorstore,megatron_sync,megatron_async,dcp_sync,dcp_async_pinned \
-    --label "H200 1 GiB, memcpy counts" --out "$RES/bench_smoke" > "$RES/bench_smoke.log" 2>&1
+    --label "$GPU 1 GiB, memcpy counts" --out "$RES/bench_smoke" > "$RES/bench_smoke.log" 2>&1
   grep '^|' "$RES/bench_smoke.md" | head -12
   # slime's launch shape: the harness as a Ray actor holding the GPU
   $PY -m safe_ckpt_lab.bench --ray-actors 1 --gib 1 --reps 3 --peer-reps 1 --targets "$SHM" \
-    --peers safe_sync,safe_async,dcp_sync --label "H200 1 GiB, one Ray actor" --out "$RES/bench_ray" \
+    --peers safe_sync,safe_async,dcp_sync --label "$GPU 1 GiB, one Ray actor" --out "$RES/bench_ray" \
     > "$RES/bench_ray.log" 2>&1
   tail -2 "$RES/bench_ray.log"; grep '^|' "$RES/bench_ray.md" | head -6
 }
@@ -138,7 +141,7 @@ part_slimeshipped() {
   grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed|evidence|slime megatron patch" "$RES/slime_shipped.log" \
     | cut -c1-1200 | tail -12
   tar -czf "$OUT/results.tgz" -C "$RES" .
-  part_slimemodes
+  [ "${MODES:-1}" = 1 ] && part_slimemodes
 }
 
 part_slimemodes() {
@@ -232,19 +235,19 @@ part_bench() {
   $BENCH --reps ${REPS:-5} --peer-reps ${PEER_REPS:-3} --targets "${TARGETS:-$SHM,$DISK}" --cache ${CACHE:-cold,warm} \
     --peer-cache cold --residences gpu --ceiling-each-rep --ceiling-beside-d2h --threads ${THREADS:-8} \
     --peers ${PEERS:-safe_sync,safe_async,safe_sync_nosum,megatron_sync,megatron_async,dcp_sync,dcp_async_pinned} \
-    --label "H200 ${PRESET:-anchor} one rank" --out "$RES/bench_h200" > "$RES/bench.log" 2>&1
+    --label "$GPU ${PRESET:-anchor} one rank" --out "$RES/bench_h200" > "$RES/bench.log" 2>&1
   tail -3 "$RES/bench.log"; grep '^|\|^Write ceiling\|^write_beside' "$RES/bench_h200.md"
 }
 
 part_mixes() {
   $BENCH --reps ${REPS:-3} --peer-reps ${PEER_REPS:-3} --targets "$SHM" --cache cold,warm --peer-cache cold \
     --threads ${THREADS:-8} --residences opt-pinned,opt-pageable --peers ${PEERS:-safe_sync,safe_async,safe_sync_nosum,megatron_sync,dcp_sync,dcp_async_pinned} \
-    --label "H200 ${PRESET:-anchor} one rank, host-resident optimizer state" --out "$RES/bench_mixes" \
+    --label "$GPU ${PRESET:-anchor} one rank, host-resident optimizer state" --out "$RES/bench_mixes" \
     > "$RES/bench_mixes.log" 2>&1
   tail -2 "$RES/bench_mixes.log"; grep '^|' "$RES/bench_mixes.md"
   $PY -m safe_ckpt_lab.bench --preset qwen3-4b-dp8 --reps 3 --peer-reps 2 --targets "$SHM" --cache cold \
     --threads ${THREADS:-8} --residences gpu --peers safe_sync,safe_async,megatron_sync,dcp_sync \
-    --label "H200 qwen3-4b-dp8 one rank" --out "$RES/bench_qwen" > "$RES/bench_qwen.log" 2>&1
+    --label "$GPU qwen3-4b-dp8 one rank" --out "$RES/bench_qwen" > "$RES/bench_qwen.log" 2>&1
   tail -2 "$RES/bench_qwen.log"; grep '^|' "$RES/bench_qwen.md"
 }
 
@@ -294,7 +297,7 @@ part_node() {
         --reps ${REPS:-3} --peer-reps ${PEER_REPS:-1} --targets "$tgt" --cache cold --peer-cache cold \
         --residences gpu --threads ${THREADS:-0} $budget --ceiling-each-rep --ceiling-reps "$creps" $beside \
         --peers ${PEERS:-safe_sync,safe_async,dcp_sync,dcp_async_pinned,megatron_sync,megatron_async} \
-        --label "H200, $n rank(s) on one GPU, $preset, $per GiB per rank, $fs" --out "$prefix" \
+        --label "$GPU, $n rank(s) on one GPU, $preset, $per GiB per rank, $fs" --out "$prefix" \
         > "$prefix.log" 2>&1
       rc=$?
       echo "node N=$n $fs: rc $rc, $(( $(date +%s) - t0 )) s"

@@ -92,6 +92,9 @@ def _state_bytes(model, optimizer) -> int:
 
 
 def offload_mode(rank, world, opts) -> dict:
+    from tests.helpers.bodies.gpu_slime_shipped import patched_megatron_first
+
+    patched_megatron_first()  # a spawned rank keeps its parent's sys.path: the patched copy goes first here
     import torch
 
     from slime_loop_bench import pinned_end, pinned_start, safe_pool_bytes
@@ -175,6 +178,9 @@ def offload_mode(rank, world, opts) -> dict:
 
 
 def release_mode(rank, world, opts) -> dict:
+    from tests.helpers.bodies.gpu_slime_shipped import patched_megatron_first
+
+    patched_megatron_first()  # a spawned rank keeps its parent's sys.path: the patched copy goes first here
     import torch
 
     from safe_ckpt.staging import pool

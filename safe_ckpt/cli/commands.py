@@ -14,7 +14,7 @@ import logging
 import sys
 import warnings
 
-from ..write.progress import human_bytes
+from ..units import human_bytes
 from .output import ProgressLine
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130

@@ -12,7 +12,7 @@ import re
 import sys
 import time
 
-from ..write.progress import human_bytes
+from ..units import human_bytes
 
 # The library's remedies name its Python options; on the command line each is a flag.
 _CLI_WORDS = (

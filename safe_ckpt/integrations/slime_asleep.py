@@ -111,12 +111,13 @@ def capture_rng_state(args, snapshot):
 
 
 def start_asleep_save(args, model, optimizer, opt_param_scheduler, iteration, group, snapshot, rng_state=None,
-                      copies: slime_sources.WeightCopies | None = None):
+                      copies: slime_sources.WeightCopies | None = None,
+                      without_backup: slime_sources.RegionsWithoutBackup | None = None):
     """Build Megatron's state dict for ``iteration`` with the ranks pinned to ``snapshot``, plan it
     over ``group`` and return the `SaveHandle` writing it in the background (tracker, retention).
     ``rng_state``: from `capture_rng_state` when the call runs later than the save was asked for.
     ``copies``: slime's host copies of the weights (`slime_sources.check_sources`), read in place
-    of the parameters.
+    of the parameters. ``without_backup``: the regions torch_memory_saver must not be asked about.
 
     Collective from the start: every rank votes on its build before planning, so a build that
     fails on one rank fails every rank at once with the same error (naming that rank, the
@@ -157,7 +158,7 @@ def start_asleep_save(args, model, optimizer, opt_param_scheduler, iteration, gr
              iteration, checkpoint_name, "weights from slime's TensorBackuper, " if copies is not None else "")
     reading = residence.host_copies(copies.lookup, slime_sources.COPIES_WHAT) if copies is not None \
         else contextlib.nullcontext()
-    with slime_groups.pinned_ranks(snapshot), reading:  # the residences are classified while planning
+    with slime_groups.pinned_ranks(snapshot), reading, slime_sources.guarded(without_backup):  # classified while planning
         return training.save_state(
             state_dict, args.save, checkpoint_name, str(iteration),
             content_metadata=compat.clean_content_metadata(metadata), options=options, async_save=True,
@@ -171,6 +172,7 @@ class Bracket:
     iteration_started_s: float
     force_sync: bool
     copies: slime_sources.WeightCopies | None = None  # slime's host copies of the weights, if it keeps them
+    without_backup: slime_sources.RegionsWithoutBackup | None = None
 
 
 def _is_save_model_body(frame, module_file: str | None) -> bool:
@@ -254,7 +256,8 @@ class AsleepSaves:
                 self.finish_inflight("save_model")  # one save at a time
                 check, reason = self.check_sources(actor)
                 if reason is None:
-                    self.bracket = Bracket(called, bool(caller.f_locals.get("force_sync", False)), check.copies)
+                    self.bracket = Bracket(called, bool(caller.f_locals.get("force_sync", False)), check.copies,
+                                           check.without_backup)
                     return None
                 log.warning("save_model wakes the actor up, as slime does: %s", reason)
             elif self.asleep:
@@ -310,11 +313,11 @@ class AsleepSaves:
                 return awake_save_checkpoint(iteration, model, optimizer, opt_param_scheduler, *args, **kwargs)
             from megatron.training.global_vars import get_args
 
-            args, snapshot, group, copies = get_args(), self.snapshot, self.group, self.bracket.copies
+            args, snapshot, group, bracket = get_args(), self.snapshot, self.group, self.bracket
             rng_state = capture_rng_state(args, snapshot)
             self.inflight = StartingSave(lambda: start_asleep_save(
                 args, model, optimizer, opt_param_scheduler, iteration, group, snapshot, rng_state=rng_state,
-                copies=copies), iteration, checkpoint_dir(args, iteration))
+                copies=bracket.copies, without_backup=bracket.without_backup), iteration, checkpoint_dir(args, iteration))
             self.inflight_iteration = iteration
             return self.inflight
 

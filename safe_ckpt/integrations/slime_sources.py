@@ -25,12 +25,16 @@ host copies, such as slime's `_TensorBackuperNoop`, whose `get` reads the live p
 under names or of shapes the parameters do not have), and every weight without a matched copy
 while slime's layout keeps the parameters without backup.
 
+Never asked: torch_memory_saver, about a tensor touching a DDP buffer the patch allocates without
+backup (`regions_without_backup`): for a paused allocation without backup it terminates the process.
+
 Must not: read any tensor's bytes, touch the device, or change the backuper.
 """
 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import logging
 from dataclasses import dataclass
 
@@ -147,6 +151,49 @@ def _mismatch(param: torch.Tensor, copy) -> str:
     return ""
 
 
+@dataclass(frozen=True)
+class Region:
+    start: int
+    end: int  # one past the last byte
+    device: torch.device
+
+
+@dataclass(frozen=True)
+class RegionsWithoutBackup:
+    """The DDP buffers slime's patched Megatron allocates in torch_memory_saver regions without
+    CPU backup. Asked about a paused allocation of one of them, torch_memory_saver terminates the
+    process, so a tensor touching one is never asked about (`residence.regions_without_backup`)."""
+
+    regions: tuple
+    what: str
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        if tensor.numel() == 0:
+            return False
+        start = tensor.data_ptr()
+        end = start + residence._span_bytes(tensor)
+        return any(r.device == tensor.device and start < r.end and r.start < end for r in self.regions)
+
+
+def regions_without_backup(model, args) -> RegionsWithoutBackup | None:
+    """The param_data (`disable_param_buffers_cpu_backup` with the distributed optimizer) and
+    grad_data (`disable_grad_buffers_cpu_backup`) of every DDP buffer of ``model``, or None."""
+    params = params_without_backup(args)
+    grads = bool(getattr(args, "disable_grad_buffers_cpu_backup", False))
+    if not (params or grads):
+        return None
+    regions = []
+    for chunk in model if isinstance(model, (list, tuple)) else [model]:
+        for buffer in [*(getattr(chunk, "buffers", None) or []), *(getattr(chunk, "expert_parallel_buffers", None) or [])]:
+            for wanted, name in ((params, "param_data"), (grads, "grad_data")):
+                data = getattr(buffer, name, None) if wanted else None
+                if isinstance(data, torch.Tensor) and data.numel():
+                    regions.append(Region(data.data_ptr(), data.data_ptr() + data.numel() * data.element_size(),
+                                          data.device))
+    what = " and ".join(n for wanted, n in ((params, "the DDP param_data"), (grads, "the DDP grad_data")) if wanted)
+    return RegionsWithoutBackup(tuple(regions), what) if regions else None
+
+
 def params_without_backup(args) -> bool:
     """slime's layout: the parameters live in a torch_memory_saver region without CPU backup
     (what the patched DDP does with `disable_param_buffers_cpu_backup` and the distributed optimizer)."""
@@ -161,6 +208,7 @@ class SourceCheck:
     copies: WeightCopies | None
     unreadable: tuple  # names of tensors with no readable source while asleep
     notes: tuple
+    without_backup: RegionsWithoutBackup | None = None  # never asked of torch_memory_saver
 
     def reason(self) -> str:
         shown = ", ".join(self.unreadable[:NAMES_SHOWN])
@@ -201,14 +249,23 @@ def check_sources(actor, args) -> SourceCheck:
     no_backup = params_without_backup(args)
     if no_backup and copies is None:
         notes.insert(0, "the parameters are in a region without CPU backup")
-    for name, tensor in training_tensors(getattr(actor, "model", None) or [], getattr(actor, "optimizer", None)):
-        if copies is not None and copies.lookup(tensor) is not None:
-            continue
-        is_param = isinstance(tensor, torch.nn.Parameter)
-        if no_backup and is_param and name.startswith("model["):
-            unreadable.append(name)  # its region keeps no backup, and no copy answers for it
-            continue
-        kind = residence.classify(tensor, allow_cpu_backup=True).residence
-        if kind == residence.Residence.CUDA_UNMAPPED.value:
-            unreadable.append(name)
-    return SourceCheck(copies, tuple(dict.fromkeys(unreadable)), tuple(notes))
+    model = getattr(actor, "model", None) or []
+    regions = regions_without_backup(model, args)
+    with guarded(regions):
+        for name, tensor in training_tensors(model, getattr(actor, "optimizer", None)):
+            if copies is not None and copies.lookup(tensor) is not None:
+                continue
+            is_param = isinstance(tensor, torch.nn.Parameter)
+            if no_backup and is_param and name.startswith("model["):
+                unreadable.append(name)  # its region keeps no backup, and no copy answers for it
+                continue
+            kind = residence.classify(tensor, allow_cpu_backup=True).residence
+            if kind == residence.Residence.CUDA_UNMAPPED.value:
+                unreadable.append(name)
+    return SourceCheck(copies, tuple(dict.fromkeys(unreadable)), tuple(notes), regions)
+
+
+def guarded(regions: RegionsWithoutBackup | None):
+    """The residence seam that keeps torch_memory_saver from being asked about ``regions``."""
+    return residence.regions_without_backup(regions.holds, regions.what) if regions is not None \
+        else contextlib.nullcontext()

@@ -43,6 +43,7 @@ HOST_RESIDENCES = (Residence.PINNED.value, Residence.PAGEABLE.value, Residence.O
                    Residence.HOST_COPY.value)
 
 _host_copy_lookups: list = []  # registered by `host_copies`, newest last
+_without_backup: list = []  # registered by `regions_without_backup`, newest last
 
 
 @contextlib.contextmanager
@@ -57,6 +58,27 @@ def host_copies(lookup, what: str = "its owner's host copy"):
         yield
     finally:
         _host_copy_lookups.remove(entry)
+
+
+@contextlib.contextmanager
+def regions_without_backup(holds, what: str):
+    """While inside: a paused tensor for which ``holds(t)`` is true is classified as unmapped
+    without asking torch_memory_saver for a backup: asked about a paused allocation made without
+    one, torch_memory_saver terminates the process (`exit(1)` in its `get_cpu_backup_pointer`).
+    ``what`` names the region in the classification's detail."""
+    entry = (holds, what)
+    _without_backup.append(entry)
+    try:
+        yield
+    finally:
+        _without_backup.remove(entry)
+
+
+def _known_without_backup(tensor: torch.Tensor) -> str | None:
+    for holds, what in tuple(_without_backup):
+        if holds(tensor):
+            return what
+    return None
 
 
 @dataclass(frozen=True)
@@ -136,6 +158,9 @@ def classify(tensor: torch.Tensor, *, allow_cpu_backup: bool = False) -> Classif
         f"(paused by a memory saver, or freed)"
     )
     if allow_cpu_backup:
+        region = _known_without_backup(tensor)
+        if region is not None:
+            return Classified(Residence.CUDA_UNMAPPED.value, f"{detail}; it lies in {region}, kept without CPU backup")
         backup = _cpu_backup(tensor)
         if backup is not None:
             return Classified(Residence.OFFLOAD_BACKUP.value, detail, backup)

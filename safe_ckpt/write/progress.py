@@ -14,15 +14,9 @@ import sys
 import time
 from typing import Callable, Optional, TextIO
 
+from ..units import human_bytes
+
 log = logging.getLogger("safe_ckpt")
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 class Progress:

@@ -399,7 +399,7 @@ def test_real_slime_in_its_shipped_configuration_saves_asleep_equal_to_its_wake_
         monkeypatch.delenv(name, raising=False)  # the resuming process: stock Megatron, no saver
     (resumed,) = values(run_world(1, s.resume, (root, os.path.join(root, "safe"), g.FIRST + g.SECOND),
                                   backend="nccl", timeout_s=400))
-    evidence = {k: out.get(k) for k in ("slime_commit", "megatron", "megatron_patch", "stubbed", "layout", "hold_s",
+    evidence = {k: out.get(k) for k in ("slime_commit", "megatron", "megatron_patch", "stubbed", "layout", "unasked", "hold_s",
                                         "save_model_returned_s", "durable_s", "bytes_by_residence",
                                         "resumed_during_save", "resumed_by_wake_up_path", "save_profile",
                                         "freed_bytes_kept", "tracker", "weights_equal_after_wake")}
@@ -408,8 +408,11 @@ def test_real_slime_in_its_shipped_configuration_saves_asleep_equal_to_its_wake_
     evidence["losses_resumed"], evidence["losses_uninterrupted"] = resumed["losses"], uninterrupted["losses"][g.FIRST:]
     print("real slime shipped-configuration evidence:", json.dumps(evidence, default=str, sort_keys=True))
     lay = out["layout"]  # slime's layout, as torch_memory_saver sees it
-    assert lay["param_in_param_data"] and not lay["param_backup"] and not lay["grad_backup"], evidence
-    assert lay["main_param_backup"] and lay["hook_mode"] == "preload", evidence
+    assert lay["param_in_param_data"] and lay["param_backup"].startswith("exit 1"), evidence
+    assert lay["grad_backup"].startswith("exit 1") and lay["main_param_backup"] == "backup", evidence
+    assert lay["hook_mode"] == "preload", evidence
+    unasked = out["unasked"]  # a region without backup is classified without asking the saver
+    assert unasked["residence"] == "cuda_unmapped" and "kept without CPU backup" in unasked["detail"], evidence
     assert out["installed"] and out["tracker"] == str(g.FIRST), evidence
     assert out["resumed_during_save"] == 0, evidence  # save_model returned without waking
     prof = out["save_profile"]

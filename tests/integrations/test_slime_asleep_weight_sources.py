@@ -105,6 +105,40 @@ def test_without_copies_the_weights_of_a_region_without_backup_have_no_source():
     assert slime_sources.check_sources(Actor(), Args()).unreadable == ()
 
 
+def test_the_ddp_buffers_kept_without_backup_are_never_asked_of_the_memory_saver():
+    """slime's patched DDP allocates param_data and grad_data without CPU backup; asked about such a
+    paused allocation, torch_memory_saver 0.0.10 calls exit(1), so every tensor touching one is
+    classified without asking it."""
+    flat, params = _params()
+    grads = torch.zeros(flat.numel(), dtype=torch.float32)
+
+    class Buffer:
+        param_data, grad_data = flat, grads
+
+    class Chunk:
+        buffers, expert_parallel_buffers = [Buffer()], []
+
+    class Args:
+        disable_param_buffers_cpu_backup = True
+        disable_grad_buffers_cpu_backup = True
+        use_distributed_optimizer = True
+
+    regions = slime_sources.regions_without_backup([Chunk()], Args())
+    assert regions is not None and regions.what == "the DDP param_data and the DDP grad_data"
+    fc1 = params[1][1]
+    assert regions.holds(fc1) and regions.holds(torch.chunk(fc1, 2)[1]) and regions.holds(grads[5:9])
+    assert not regions.holds(torch.zeros(4, dtype=torch.bfloat16)) and not regions.holds(flat[:0])
+    other = Args()
+    other.disable_grad_buffers_cpu_backup = False
+    only_params = slime_sources.regions_without_backup([Chunk()], other)
+    assert only_params.what == "the DDP param_data" and not only_params.holds(grads)
+    other.disable_param_buffers_cpu_backup = False
+    assert slime_sources.regions_without_backup([Chunk()], other) is None
+    with slime_sources.guarded(regions):
+        assert residence._known_without_backup(grads[3:]) == regions.what
+    assert residence._known_without_backup(grads[3:]) is None
+
+
 BREAK = {
     "build": """
         from megatron.training import checkpointing as mck

@@ -23,6 +23,26 @@ PRELOAD_NAMES = ("torch_memory_saver_hook_mode_preload_cu13.abi3.so",
                  "torch_memory_saver_hook_mode_preload.abi3.so")
 
 
+def patched_megatron_first() -> str | None:
+    """Put the patched Megatron (SLIME_MEGATRON) first on this process's path, before anything
+    imports megatron, and return where megatron.core now comes from. A spawned rank starts with its
+    parent's `sys.path` (multiprocessing restores it), not PYTHONPATH's order, so setting
+    PYTHONPATH in the parent is not enough; a rank that would run the unpatched Megatron stops."""
+    dest = os.environ.get("SLIME_MEGATRON")
+    if not dest:
+        return None
+    early = sorted(m for m in sys.modules if m == "megatron" or m.startswith("megatron."))
+    if early:
+        raise RuntimeError(f"megatron was imported before the patched copy {dest} could go first: {early[:5]}")
+    sys.path.insert(0, dest)
+    import megatron.core
+
+    where = os.path.abspath(megatron.core.__file__)
+    if not where.startswith(os.path.abspath(dest) + os.sep):
+        raise RuntimeError(f"megatron.core comes from {where}, not from the patched copy {dest}")
+    return where
+
+
 def preload_env() -> dict:
     """The environment slime's `RayTrainGroup._allocate_gpus_for_actor` gives a train actor with
     --offload-train (the hook library found the same way: next to the torch_memory_saver package)."""
@@ -105,10 +125,34 @@ def setup(save_dir: str, world: int, slime_settings):
     return model, optimizer, scheduler
 
 
+def backup_probe(tensor) -> str:
+    """Whether torch_memory_saver keeps a CPU backup of a paused ``tensor``, asked in a forked child:
+    for a paused allocation made without backup its `get_cpu_backup` calls exit(1), which must not
+    end this process. "backup", "none" (it returned None) or what ended the child."""
+    from torch_memory_saver import torch_memory_saver as tms
+
+    pid = os.fork()
+    if pid == 0:  # only torch_memory_saver's host-side bookkeeping is read here: no CUDA call
+        try:
+            os._exit(3 if tms.get_cpu_backup(tensor, zero_copy=True) is not None else 4)
+        except BaseException:
+            os._exit(5)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            code = os.waitstatus_to_exitcode(status)
+            return {3: "backup", 4: "none", 1: "exit 1: paused without backup"}.get(code, f"exit {code}")
+        time.sleep(0.05)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    return "hung"
+
+
 def layout(model, optimizer) -> dict:
-    """Where the state lives (asked of torch_memory_saver and the DDP buffers, nothing read):
-    the parameters in the DDP's param_data, whether the saver keeps a backup of them and of the
-    fp32 main parameters."""
+    """Where the state lives while paused (asked of torch_memory_saver in a forked child and of the
+    DDP buffers, nothing read): the parameters in the DDP's param_data, whether the saver keeps a
+    backup of them, of the grad buffer and of the fp32 main parameters."""
     from torch_memory_saver import torch_memory_saver as tms
 
     buffers = [b for m in model for b in getattr(m, "buffers", [])]
@@ -119,16 +163,30 @@ def layout(model, optimizer) -> dict:
                         < b.param_data.data_ptr() + b.param_data.numel() * b.param_data.element_size()
                         for b in buffers)
     return {"param_in_param_data": in_param_data,
-            "param_backup": tms.get_cpu_backup(param.detach(), zero_copy=True) is not None,
-            "grad_backup": tms.get_cpu_backup(buffers[0].grad_data, zero_copy=True) is not None,
-            "main_param_backup": tms.get_cpu_backup(mains[0], zero_copy=True) is not None,
+            "param_backup": backup_probe(param.detach()),
+            "grad_backup": backup_probe(buffers[0].grad_data),
+            "main_param_backup": backup_probe(mains[0]),
             "hook_mode": getattr(getattr(tms, "_impl", None), "_hook_mode", None),
             "ld_preload": os.environ.get("LD_PRELOAD", ""), "tms_init_enable": os.environ.get("TMS_INIT_ENABLE")}
+
+
+def unasked_regions(model, args) -> dict:
+    """safe_ckpt's classification of a paused grad_data slice (a region kept without backup) inside
+    the slime seam: unmapped, named, and torch_memory_saver never asked (this process lives on)."""
+    from safe_ckpt.residence import classify as residence
+    from safe_ckpt.integrations import slime_sources
+
+    regions = slime_sources.regions_without_backup(model, args)
+    grad = next(b.grad_data for m in model for b in getattr(m, "buffers", []))
+    with slime_sources.guarded(regions):
+        c = residence.classify(grad[:16], allow_cpu_backup=True)
+    return {"what": regions.what if regions else None, "residence": c.residence, "detail": c.detail}
 
 
 def shipped_save(rank, world, root, src) -> dict:
     """slime's sleep, save_model (asleep) and, for comparison, save_model on slime's wake-up path
     with stock Megatron's save_checkpoint, then wake_up, on a real actor in slime's layout."""
+    patched_megatron_first()
     import torch
 
     from tests.helpers.bodies import gpu_megatron as g
@@ -168,6 +226,7 @@ def shipped_save(rank, world, root, src) -> dict:
 
     actor.sleep()  # slime's: clear memory, destroy the groups, pause every region
     out["layout"] = layout(model, optimizer)
+    out["unasked"] = unasked_regions(model, args)
     free_asleep = torch.cuda.mem_get_info()[0]
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                             torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -217,6 +276,7 @@ def release_cycle(rank, world, root, src, load_dir, steps) -> dict:
     safe_ckpt by the hook), trains ``steps`` iterations, calls slime's `save_model(force_sync=True)`
     (with --async-save: the forced finalize must make it durable) and is then killed (SIGKILL, as
     `ray.kill`): the caller reads the result file written just before."""
+    patched_megatron_first()
     import signal
 
     import torch

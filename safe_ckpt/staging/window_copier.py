@@ -1,0 +1,203 @@
+"""Bring one copy window's chunks into the staging pool, small sources first.
+
+One job: for each chunk, in window order, take a pool lease and bring the chunk's bytes into it
+(a device chunk by a copy enqueued on its device's copy stream, a host chunk by a copy on one of a
+few snapshot threads), report the chunk to the window, and hand the staged chunk (the stager's
+`StagedChunk`, which the writers already consume) to the caller's ``put``. With a pool smaller
+than the state, a lease waits for the writers to free space, as the stager's leases do, and the
+window's gates wait only for what is not yet issued. Without snapshots (an async save that
+writes host sources from their own memory), a host chunk is staged by the stager as today and
+the writer reports it to the window once it is written (`CopyWindow.captured`).
+
+Order: the chunks of sources below the window's small-source size first, staged in the caller's
+thread by `open` (their copies are what the caller's stream waits for at the opening); then the
+rest, in the order given (the write pipeline's interleaved file order), by `run` on the staging
+thread.
+
+Must not: write files, lay out items, allocate host memory outside the pool, or synchronize a
+device (it waits only on the marks of copies it enqueued, and only when a staging fails).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from ..errors import CheckpointError
+from .pool import Lease, PinnedPool
+from .stager import StagedChunk, Stager
+from .views import run_split, run_views
+from .window import CopyWindow
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ChunkJob:
+    source: int  # the `WindowSource.index` the chunk belongs to
+    view: torch.Tensor  # the chunk's view of its source
+    item: Any  # what the writer needs with the bytes (the pipeline's placed item)
+
+
+def window_order(jobs: list[ChunkJob], window: CopyWindow) -> tuple[list[ChunkJob], list[ChunkJob]]:
+    """(the small sources' chunks, the rest), each in the order given."""
+    small = [job for job in jobs if window.small(job.source)]
+    rest = [job for job in jobs if not window.small(job.source)]
+    return small, rest
+
+
+class _Snapshot:
+    """A host chunk's copy into its lease, done by a snapshot thread; `synchronize` as a mark's."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self.error: BaseException | None = None
+
+    def synchronize(self) -> None:
+        self._done.wait()
+        if self.error is not None:
+            raise self.error
+
+
+class WindowCopier:
+    def __init__(self, window: CopyWindow, pool: PinnedPool, *, snapshot_host: bool = True,
+                 lease_timeout_s: float | None = None, on_wait: Callable[[], None] | None = None,
+                 snapshot_threads: int = 4) -> None:
+        """``snapshot_host``: host chunks are copied into the pool (else written from their own
+        memory, and reported by the writer); ``on_wait``: called once when a lease must wait
+        for space (the pipeline lets its writers start there); ``snapshot_threads``: threads that
+        copy host chunks during `run` (a memcpy releases the GIL; one thread copies ~5-10 GB/s)."""
+        self.window = window
+        self.pool = pool
+        self.snapshot_host = snapshot_host
+        self.lease_timeout_s = lease_timeout_s
+        self.on_wait = on_wait
+        self.snapshot_threads = max(1, snapshot_threads)
+        self._snapshots: ThreadPoolExecutor | None = None
+        self._host_stager = Stager(pool, lease_timeout_s=lease_timeout_s, driver_copies=False)
+
+    def open(self, jobs: list[ChunkJob], put: Callable[[Any, StagedChunk], None]) -> list[ChunkJob]:
+        """In the caller's thread: open the window, stage the small sources' chunks (one whose
+        lease is not free at once is left for `run`), order the caller's streams after them.
+        Returns the jobs left for `run`, in window order."""
+        try:
+            self.window.open()
+            small, rest = window_order(jobs, self.window)
+            later = []
+            for job in small:
+                staged = self._stage(job, wait=False)
+                if staged is None:
+                    later.append(job)
+                else:
+                    put(job.item, staged)
+            self.window.order_opening()
+            return later + rest
+        except BaseException as exc:
+            self.window.fail(exc)
+            raise
+
+    def run(self, jobs: list[ChunkJob], put: Callable[[Any, StagedChunk], None]) -> None:
+        """On the staging thread: stage every job in order. A failure fails the window and is raised."""
+        try:
+            for job in jobs:
+                if self.window.cancelled.is_set():
+                    raise self.window.error or CheckpointError("staging cancelled")
+                put(job.item, self._stage(job, wait=True))
+        except BaseException as exc:
+            self.window.fail(exc)
+            raise
+        finally:
+            if self._snapshots is not None:
+                self._snapshots.shutdown(wait=True)  # every snapshot is reported before `run` returns
+                self._snapshots = None
+
+    def _stage(self, job: ChunkJob, wait: bool) -> StagedChunk | None:
+        window = self.window
+        source = window.sources[job.source]
+        view = job.view
+        if source.device is None and not self.snapshot_host:
+            window.before_copy(job.source)
+            return self._host_stager.stage(view, window.cancelled)
+        nbytes = view.numel() * view.element_size()
+        if nbytes == 0:
+            window.before_copy(job.source)
+            if source.device is None:
+                window.captured(job.source, 0)
+                return StagedChunk(0, keep=view)
+            return StagedChunk(0, keep=view, event=window.issued(job.source, 0))
+        window.before_copy(job.source)
+        lease = self._lease(nbytes, wait)
+        if lease is None:
+            return None
+        try:
+            dst = lease.tensor[:nbytes]
+            if source.device is None:
+                if not wait:  # the caller's thread, at the opening: small, copied at once
+                    dst.view(view.dtype).view(view.shape).copy_(view)
+                    window.captured(job.source, nbytes)
+                    return StagedChunk(nbytes, keep=view, lease=lease)
+                return StagedChunk(nbytes, keep=view, lease=lease,
+                                   event=self._snapshot(job.source, dst, view, nbytes))
+            self._copy(source.device, dst, view)
+            return StagedChunk(nbytes, keep=view, lease=lease, event=window.issued(job.source, nbytes))
+        except BaseException:
+            self._release_after_copies(lease, source.device)
+            raise
+
+    def _snapshot(self, index: int, dst: torch.Tensor, view: torch.Tensor, nbytes: int) -> _Snapshot:
+        """Copy a host chunk into its lease on a snapshot thread; the window hears of it once copied."""
+        done = _Snapshot()
+
+        def copy() -> None:
+            try:
+                dst.view(view.dtype).view(view.shape).copy_(view)
+                self.window.captured(index, nbytes)
+            except BaseException as exc:
+                done.error = exc
+                self.window.fail(exc)
+            finally:
+                done._done.set()
+
+        if self._snapshots is None:
+            self._snapshots = ThreadPoolExecutor(self.snapshot_threads, thread_name_prefix="safe_ckpt-snapshot")
+        self._snapshots.submit(copy)
+        return done
+
+    def _lease(self, nbytes: int, wait: bool) -> Lease | None:
+        if not wait:
+            try:
+                return self.pool.lease(nbytes, 0.0, self.window.cancelled)
+            except CheckpointError:
+                return None
+        return self.pool.lease(nbytes, self.lease_timeout_s, self.window.cancelled, self.on_wait)
+
+    def _copy(self, device: int, dst: torch.Tensor, view: torch.Tensor) -> None:
+        streams = self.window.streams
+        split = None if view.is_contiguous() else run_split(view)
+        if split is None:
+            streams.copy(device, dst, view)
+            return
+        offset = 0
+        for run in run_views(view, split):  # each run contiguous: no device temporary
+            n = run.numel() * run.element_size()
+            streams.copy(device, dst[offset:offset + n], run)
+            offset += n
+
+    def _release_after_copies(self, lease: Lease, device: int | None) -> None:
+        """Give back the lease of a chunk whose staging failed once no copy into it can still land."""
+        if device is None:  # snapshots are synchronous
+            lease.release()
+            return
+        streams = self.window.streams
+        try:
+            if not streams.wait(streams.mark(device), self.window.timeout_s):
+                raise TimeoutError(f"copies still running after {self.window.timeout_s:.0f} s")
+        except BaseException as exc:  # better a smaller pool than a reused range a copy may still fill
+            log.warning("keeping a %d-byte staging lease whose copies cannot be waited for: %s", lease.nbytes, exc)
+            return
+        lease.release()

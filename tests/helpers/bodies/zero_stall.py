@@ -1,0 +1,99 @@
+"""Rank bodies of the copy-window tests that save through the public API (run in spawned ranks, see mp.py)."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+WAIT_S = 60.0
+
+
+def fused_cpu_adam_step_between_item_writes(rank, world, root) -> dict:
+    """`safe_ckpt.async_save` of host-resident AdamW state (param and exp_avg, as
+    `--optimizer-cpu-offload` keeps them), then the next training step's fused CPU AdamW (what
+    Megatron's HybridDeviceOptimizer runs: `torch.optim.AdamW(fused=True)`) while the save is
+    between two items' writes: the first item written, the next not yet read. Returns what stock
+    `megatron.core.dist_checkpointing.load` reads back, chunk by chunk, against the values before
+    and after the step."""
+    import os
+
+    import safe_ckpt
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import ShardedTensor
+    from safe_ckpt.staging import gates
+    from tests.helpers.hooked_sinks import HookedSink
+
+    n, chunks = 1 << 18, 4  # 1 MiB per tensor, saved in 256 KiB chunks
+    g = torch.Generator().manual_seed(4242 + rank)
+    w = torch.nn.Parameter(torch.randn(n, generator=g))
+    w.grad = torch.randn(n, generator=g)
+    opt = torch.optim.AdamW([w], lr=0.1, fused=True)
+    opt.step()  # the state exists, as after any earlier step
+    m = opt.state[w]["exp_avg"]
+    w.grad = torch.randn(n, generator=g)
+    before = {"w": w.detach().clone(), "m": m.clone()}
+
+    between, go = threading.Event(), threading.Event()
+
+    class BetweenItems(HookedSink):
+        opened = 0
+
+        def open(self, relative_path, size_bytes):
+            BetweenItems.opened += 1
+            if BetweenItems.opened == 2:  # the first item is written; the next is not yet read
+                between.set()
+                go.wait(WAIT_S)
+            return super().open(relative_path, size_bytes)
+
+    def sharded():
+        return {"w": ShardedTensor.from_rank_offsets("w", w.detach(), replica_id=0),
+                "m": ShardedTensor.from_rank_offsets("m", m, replica_id=0)}
+
+    path = os.path.join(root, "ck")
+    opts = safe_ckpt.SaveOptions(chunk_bytes=n * 4 // chunks, io_threads=1, progress_interval_s=0,
+                                 sink_factory=lambda d: BetweenItems(d))
+    handle = safe_ckpt.async_save(sharded(), path, options=opts)
+    assert between.wait(WAIT_S), "the save never reached its second item"
+
+    stepped = threading.Event()
+    step_errors: list = []
+
+    def step():
+        try:
+            opt.step()  # the next training step's optimizer, while the save is still writing
+        except BaseException as exc:
+            step_errors.append(repr(exc))
+        finally:
+            stepped.set()
+
+    threading.Thread(target=step, daemon=True).start()
+    # Today the step runs at once. With the host gate, it waits in its pre-hook until w and m are
+    # written, which needs the held write to go on: wait for whichever comes first.
+    held = False
+    for _ in range(int(WAIT_S * 100)):
+        if stepped.wait(0.01):
+            break
+        if any(window.gate_blocked.is_set() for window in gates.open_windows()):
+            held = True
+            break
+    go.set()
+    assert stepped.wait(WAIT_S), "the optimizer step never ran"
+    out = {"step_errors": step_errors, "step_waited_for_the_save": held, "versions": [w._version, m._version]}
+    try:
+        out["result_files"] = len(handle.wait(timeout=WAIT_S).files)
+    except safe_ckpt.CheckpointError as exc:
+        out["save_error"] = f"{type(exc).__name__}: {exc}"
+        return out
+    target = {"w": ShardedTensor.from_rank_offsets("w", torch.empty(n), replica_id=0),
+              "m": ShardedTensor.from_rank_offsets("m", torch.empty(n), replica_id=0)}
+    loaded = dist_checkpointing.load(target, path)
+    after = {"w": w.detach(), "m": m}
+    size = n // chunks
+    out["chunks"] = {
+        key: ["pre-step" if torch.equal(loaded[key][k * size:(k + 1) * size], before[key][k * size:(k + 1) * size])
+              else "post-step" if torch.equal(loaded[key][k * size:(k + 1) * size], after[key][k * size:(k + 1) * size])
+              else "neither" for k in range(chunks)]
+        for key in ("w", "m")}
+    out["live_changed"] = not torch.equal(after["w"], before["w"])
+    return out
