@@ -23,6 +23,7 @@ from safe_ckpt.encoding import safe_read as safe_load
 from tests.helpers import large_metadata
 from tests.helpers.mp import run_world, values
 from tests.tools.test_tools_never_run_checkpoint_code import _save
+from tests.helpers.paths import REPO as ROOT
 
 DCP = b"torch.distributed.checkpoint.metadata"
 _P = 2 ** 61 - 1  # ints this far apart share a hash
@@ -65,8 +66,6 @@ import resource, sys, time
 from safe_ckpt import cli
 from safe_ckpt.tools import verify, inspect  # noqa: F401  (their imports before the baseline)
 import torch.distributed.checkpoint.metadata  # noqa: F401
-
-from tests.helpers.paths import REPO as ROOT
 before_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 t0 = time.process_time()
 rc = cli.main(sys.argv[1:])
