@@ -220,7 +220,8 @@ def _rank(rank: int, world: int, init_file: str, target: str, args, out_queue) -
             return exchange(self, stage, obj)
 
         save_job.dist.Coordinator.exchange = timed_exchange
-        save_job._Job._start_writes = lambda self, *a: setattr(self, "t_planned", time.perf_counter())
+        planned_at = {}
+        save_job.SaveJob._start_writes = lambda self, *a: planned_at.__setitem__("t", time.perf_counter())
         rows, chunks = [], 0
         for rep in range(args.reps):
             timer.times = {}
@@ -230,14 +231,14 @@ def _rank(rank: int, world: int, init_file: str, target: str, args, out_queue) -
             job = saving.start(state, target, options=options)  # the entry a save takes, collector hold included
             plan_cpu_s = time.thread_time() - c0
             timer.times.update(collections.stop())  # (which walks the frozen heap: after the timing)
-            row = {"plan_s": job.t_planned - job.t0, "plan_cpu_s": plan_cpu_s, **timer.times}
-            chunks = len(job.global_plan.chunks_of(rank))
+            row = {"plan_s": planned_at["t"] - job.t0, "plan_cpu_s": plan_cpu_s, **timer.times}
+            chunks = len(job.planned.global_plan.chunks_of(rank))
             t0, c0 = time.perf_counter(), time.thread_time()
-            layouts = lay_out(job.global_plan)  # every rank, for total_file_bytes; built while the writers write
+            layouts = lay_out(job.planned.global_plan)  # every rank, for total_file_bytes; built while the writers write
             row["all_layouts_s"], row["all_layouts_cpu_s"] = time.perf_counter() - t0, time.thread_time() - c0
             if rank == 0:  # and rank 0's index
                 t0, c0 = time.perf_counter(), time.thread_time()
-                metadata_bytes(build_metadata(job.global_plan, layouts, target, job.save_id))
+                metadata_bytes(build_metadata(job.planned.global_plan, layouts, target, job.planned.save_id))
                 row["index_s"], row["index_cpu_s"] = time.perf_counter() - t0, time.thread_time() - c0
             job._abort()
             job.release()  # the gc hold and the process's save slot, as a finished save would

@@ -279,7 +279,8 @@ def phased_save(state, target: str, budget: int, mode: str = "sync", **opts) -> 
     from safe_ckpt.host import gcfreeze
     from safe_ckpt.saving import local_plan
     from safe_ckpt.write import pipeline
-    from safe_ckpt.saving import job as save_job
+    from safe_ckpt.saving import committing, job as save_job
+    from safe_ckpt.targets.directory import prepare as dir_prepare, publish as dir_publish
     from safe_ckpt.coord import slot
     from safe_ckpt.sinks import posix
     from safe_ckpt.staging import dispatch, stager
@@ -306,7 +307,7 @@ def phased_save(state, target: str, budget: int, mode: str = "sync", **opts) -> 
     for owner, attr, name in [
         (slot, "acquire", "slot.acquire"), (gcfreeze, "Hold", "gc_hold"),
         (local_plan, "collect", "collect"), (local_plan, "_classify", "classify"),
-        (local_plan.dir_prepare, "prepare", "commit.prepare"), (local_plan, "rank_plan", "rank_plan"),
+        (dir_prepare, "prepare", "commit.prepare"), (local_plan, "rank_plan", "rank_plan"),
         (dist.Coordinator, "exchange", "exchange"), (agreement, "build_global_plan", "build_global_plan"),
         (save_job, "lay_out_rank", "lay_out_rank"), (save_job, "shared_pool", "shared_pool"),
         (save_job, "record_producer_fence", "producer_fence"), (save_job, "Stager", "Stager()"),
@@ -314,12 +315,12 @@ def phased_save(state, target: str, budget: int, mode: str = "sync", **opts) -> 
         (pipeline.RankWriter, "_interleaved", "interleaved"), (stager.Stager, "_stream", "stager._stream"),
         (stager.Stager, "stage", "stager.stage"), (dispatch.Dispatch, "put", "dispatch.put"),
         (pipeline.RankWriter, "_write_item", "write_item"), (pipeline.RankWriter, "join", "writer.join"),
-        (dist.Coordinator, "vote", "vote"), (save_job._Job, "_commit", "commit"),
+        (dist.Coordinator, "vote", "vote"), (committing, "commit", "commit"),
         (commit_files, "build_metadata", "build_metadata"), (commit_files, "metadata_bytes", "metadata_bytes"),
         (commit_files.compat, "checkpointing_config_dict", "config_dict"),
         (commit_files, "manifest_bytes", "manifest_bytes"),
-        (save_job._Job, "_all_layouts", "all_layouts"), (posix.PosixSink, "write_file", "sink.write_file"),
-        (posix.PosixSink, "sync_root", "sink.sync_root"), (save_job.commit, "publish", "commit.publish"),
+        (committing.IndexBuilder, "layouts", "all_layouts"), (posix.PosixSink, "write_file", "sink.write_file"),
+        (posix.PosixSink, "sync_root", "sink.sync_root"), (dir_publish, "publish", "commit.publish"),
         (save_job, "log_saved", "log_summary"),
     ]:
         wrap(owner, attr, name)

@@ -41,7 +41,7 @@ class SafeTorchDistSaveStrategy(compat.torch_dist_save_strategy_base()):
 
         job = save_mod.start(sharded_state_dict, checkpoint_dir, process_group=self.process_group,
                              options=self.options, sharded_only=True, asynchronous=True)
-        handle = save_mod.SaveHandle(job, job.wait_staged())
+        handle = job.in_background()
         # Nothing for Megatron's async worker to run: safe_ckpt writes in its own threads;
         # finalisation waits for it (and raises its error).
         return AsyncRequest(None, (), [handle.wait])

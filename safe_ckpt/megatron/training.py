@@ -20,17 +20,16 @@ import logging
 import os
 import threading
 
-from ..targets.directory import root as dir_root
 from .. import compat
 from . import resume
-from ..targets.objectstore import root as kv_save_root
+from .. import targets
 from .. import saving as save_mod
 from ..errors import MissingDependencyError, ValidationError, failure_from_exception
 from ..names import RELEASE_DIR, SHARDED_BACKEND
 from ..options import GiB, SaveOptions
 from ..results import SaveResult
 from ..targets.retention import Retention, prune
-from ..sinks.tensorstore import KvTarget, deadlines_for, is_kvstore_url, resolve_target
+from ..sinks.tensorstore import KvTarget, is_kvstore_url, resolve_target
 
 log = logging.getLogger("safe_ckpt")
 
@@ -153,30 +152,24 @@ def save_state(state_dict: dict, save_dir: str, checkpoint_dir: str, tracker_val
     kv_root = KvTarget(save_dir, options.kvstore_spec) \
         if options.kvstore_spec is not None or is_kvstore_url(save_dir) else None
     resumed = resume.protected(save_dir, kv_root, options)  # before this save moves the tracker
+    root = targets.resolve(save_dir, spec=options.kvstore_spec, settings=targets.TargetSettings.of(options))
 
     def write_tracker(coord) -> None:
         failure = None
         if coord.rank == 0:
             try:
-                if kv_root is not None:
-                    kv_save_root.write_tracker(kv_root, tracker_value, deadlines_for(options))
-                else:
-                    dir_root.write_tracker(save_dir, tracker_value, fsync=options.fsync)
+                root.write_tracker(tracker_value)
             except Exception as exc:
                 failure = failure_from_exception(0, "tracker", exc)
         coord.vote("tracker", failure)
         if coord.rank == 0 and retention is not None and tracker_value.isdigit():
-            if kv_root is not None:
-                kv_save_root.prune(kv_root, int(tracker_value), retention, deadlines_for(options),
-                                   resumed_from=resumed)
-            else:
-                prune(save_dir, int(tracker_value), retention, resumed_from=resumed)  # once the new one is current
+            prune(root, int(tracker_value), retention, resumed_from=resumed)  # once the new one is current
 
     job = save_mod.start(state_dict, checkpoint_dir, process_group=process_group, options=options,
                          content_metadata=content_metadata, post_commit=write_tracker, asynchronous=async_save)
     if not async_save:
         return job.finish()
-    handle = save_mod.SaveHandle(job, job.wait_staged())
+    handle = job.in_background()
     with _pending_lock:
         _pending.append(handle)
     return handle

@@ -31,8 +31,10 @@ ranks that start saves in different orders (each process taking them one at a ti
 fail those saves on every rank with a `CoordinationError` naming both saves, and
 publish nothing of them; saves started in the same order on every rank all succeed.
 
-The state of one save on one rank is `job._Job`; this rank's planning message is built in
-`local_plan`; `handle` finishes an asynchronous save. Must not: contain stage logic (that
+The state of one save on one rank is `job.SaveJob` (its phases: `job.Planned`, `job.Writing`,
+then the `SaveResult`); this rank's planning message is built in `local_plan`; rank 0's commit
+in `committing`; `handle` finishes an asynchronous save. The destination is a
+`targets.Target` (`targets.for_save`): nothing here knows which kind. Must not: contain stage logic (that
 lives in plan/, residence/, staging/, encoding/, write/, sinks/, targets/).
 """
 
@@ -42,21 +44,27 @@ from ..coord import slot
 from ..host import gcfreeze
 from ..options import SaveOptions
 from ..results import SaveResult
-from ..targets import endpoints
+from .. import targets
+from ..targets import PublishMode, endpoints
 from .handle import SaveHandle
-from .job import _Job
+from .job import SaveJob
+
+__all__ = ["SaveHandle", "SaveJob", "async_save", "save", "start"]
 
 
 def start(sharded_state_dict: dict, checkpoint_dir, *, process_group=None, options: SaveOptions | None = None,
           content_metadata: dict | None = None, sharded_only: bool = False, post_commit=None,
-          asynchronous: bool = False) -> "_Job":
+          asynchronous: bool = False) -> SaveJob:
     """Plan and start writing (collective); for the adapters at the edges. The returned job
-    is finished with `.finish()`, or (``asynchronous``) handed to `SaveHandle` after
-    `.wait_staged()`. Waits for this process's previous save to end first (see above)."""
+    is finished with `.finish()`, or (``asynchronous``) with `.in_background()`, which returns
+    the `SaveHandle`. ``sharded_only``: Megatron's own save owns the directory, its common
+    state and metadata.json; this save adds the sharded items and `.metadata` into it. Waits
+    for this process's previous save to end first (see above)."""
     # An `s3://` URL goes where the environment's AWS_ENDPOINT_URL_S3 says, as on the command line.
     checkpoint_dir, options = endpoints.save_target(checkpoint_dir, options or SaveOptions())
-    job = _Job(sharded_state_dict, checkpoint_dir, process_group, options, content_metadata,
-               sharded_only=sharded_only, post_commit=post_commit, asynchronous=asynchronous)
+    mode = PublishMode.INTO_EXISTING if sharded_only else PublishMode.WHOLE
+    job = SaveJob(sharded_state_dict, targets.for_save(checkpoint_dir, options), process_group, options,
+                  content_metadata, mode=mode, post_commit=post_commit, asynchronous=asynchronous)
     job.slot = slot.acquire(job.checkpoint_dir, options.collective_timeout_s)
     try:
         job.gc_hold = gcfreeze.Hold(options.gc_freeze)
@@ -105,6 +113,5 @@ def async_save(sharded_state_dict: dict, checkpoint_dir, *, process_group=None, 
     before their write. Device-resident tensors are copied before `async_save` returns
     and may change freely afterwards.
     """
-    job = start(sharded_state_dict, checkpoint_dir, process_group=process_group, options=options,
-                content_metadata=content_metadata, asynchronous=True)
-    return SaveHandle(job, job.wait_staged())
+    return start(sharded_state_dict, checkpoint_dir, process_group=process_group, options=options,
+                 content_metadata=content_metadata, asynchronous=True).in_background()

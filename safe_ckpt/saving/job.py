@@ -1,41 +1,38 @@
-"""One save on one rank, from plan to published checkpoint: the orchestrator's state.
+"""One save on one rank, from plan to published checkpoint, in explicit phases.
 
-One job: carry a save through its phases on this rank: plan (this rank's message and the
-global plan everyone agrees on, `local_plan` and `plan.agreement`), write (the stager and the
-writers, `write.pipeline`), the write vote, commit (rank 0 builds the small files while its
-writers write, then publishes through the target), the commit vote, and ``post_commit``; every
-failure noted between two collectives goes to the next vote (`coord.ballot`). The call order
-and failure rules are in `saving`'s docstring. Must not: contain stage logic.
+One job: carry a save through its phases on this rank: planning (this rank's message and the
+global plan everyone agrees on, `local_plan` and `plan.agreement`) gives `Planned`; writing
+(the stager and the writers, `write.pipeline`) is `Writing`; then the write vote, the commit
+(`committing`: rank 0 builds the small files while its writers write, then publishes through
+the `Target`), the commit vote, and ``post_commit``, which give the `SaveResult`. Every failure
+noted between two collectives goes to the next vote (`coord.ballot`). The call order and
+failure rules are in `saving`'s docstring. Must not: contain stage logic, or branch on the
+kind of target.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
+from dataclasses import dataclass
+from typing import Mapping
 
-from ..targets.directory import inplace, prepare as dir_prepare, publish as commit
-from ..encoding import small_files as commit_files
-from ..host import cpu
-from ..coord import dist
-from ..host import gcfreeze
-from ..coord import slot
-from ..encoding.layout import lay_out, lay_out_rank
-from ..names import METADATA_FILE
-from ..errors import CheckpointError, problems_error
-from ..options import SaveOptions
-from ..write.pipeline import ItemWriteFailed, RankWork, RankWriter
+from ..coord import dist, slot
 from ..coord.ballot import Ballot
-from .local_plan import plan_locally
+from ..encoding.layout import RankLayout, lay_out_rank
+from ..errors import CheckpointError, problems_error
+from ..host import cpu, gcfreeze
+from ..options import SaveOptions
 from ..plan.agreement import agree
-from ..write.progress import Progress, log_saved
+from ..plan.records import GlobalPlan
 from ..results import SaveResult, SaveTimings
-from ..targets.objectstore import publish as kvcommit
-from ..sinks.posix import PosixSink
-from ..sinks.tensorstore import is_kvstore_url
-from ..staging.pool import shared_pool
-from ..interrupts import Deferred
+from ..staging.pool import PinnedPool, shared_pool
 from ..staging.stager import Stager, record_producer_fence
+from ..targets import LayoutRules, Prepared, PublishMode, Target, WriterSink
+from ..write.pipeline import ItemWriteFailed, RankWork, RankWriter
+from ..write.progress import Progress, log_saved
+from . import committing
+from .local_plan import plan_locally
 
 log = logging.getLogger("safe_ckpt")
 # Files of equal bytes per writer thread: with two, a writer whose file another writer holds
@@ -43,37 +40,59 @@ log = logging.getLogger("safe_ckpt")
 FILES_PER_WRITER = 2
 
 
-class _Job:
-    """One save on one rank, from plan to published checkpoint."""
+@dataclass(frozen=True)
+class Planned:
+    """The planning phase's result on this rank: everything writing needs."""
 
-    def __init__(self, sharded_state_dict, checkpoint_dir, process_group, options, content_metadata,
-                 sharded_only: bool = False, post_commit=None, asynchronous: bool = False):
-        self.options = options or SaveOptions()
-        target = os.fspath(checkpoint_dir)
-        # A URL ("file://", "gs://", "memory://", ...) or a kvstore spec selects the TensorStore sink.
-        self.kv = is_kvstore_url(target) or self.options.kvstore_spec is not None
-        self.checkpoint_dir = target if self.kv else os.path.abspath(target)
-        self.kv_sink = None
-        self.whole_files: dict = {}
-        self.state = sharded_state_dict
+    save_id: str
+    prepared: Prepared  # rank 0's, as the planning exchange brought it
+    global_plan: GlobalPlan
+    rules: LayoutRules
+    layout: RankLayout  # this rank's files
+
+
+@dataclass
+class Writing:
+    """The writing phase on this rank (its writers are threads: not frozen)."""
+
+    writer: RankWriter
+    sink: WriterSink
+    pool: PinnedPool
+    pool_allocations_before: int
+    planned_bytes: Mapping[str, int]  # every file this rank writes, for the target's `check_staged`
+    to_publish: Mapping[str, bytes]  # rank 0's whole files the target publishes itself
+    t_started: float  # the planning time ends here
+    started: bool = False  # the writers were started (an interrupt inside `start` must still join them)
+
+
+class SaveJob:
+    """A save on this rank whose writers are running (returned by `saving.start`). Every rank
+    must finish it: `finish()`, or `in_background()` for an asynchronous save."""
+
+    def __init__(self, sharded_state_dict, target: Target, process_group, options: SaveOptions, content_metadata,
+                 mode: PublishMode = PublishMode.WHOLE, post_commit=None, asynchronous: bool = False):
+        self.options = options
+        self.target = target
+        self.state = sharded_state_dict  # dropped once planned: the job keeps only the sources it needs
         self.process_group = process_group
         self.content_metadata = content_metadata
-        # sharded_only: another writer (Megatron's own save) owns the directory, the common
-        # state and metadata.json; we add the sharded items and `.metadata` into it.
-        self.sharded_only = sharded_only
+        self.mode = mode
         self.post_commit = post_commit  # collective step after a successful commit (tracker file)
         # The caller runs on while host sources are written: each is checked again after its write.
         self.asynchronous = asynchronous
-        self.area: dir_prepare.StagingArea | None = None
         self.gc_hold = gcfreeze.Hold(False)  # start() puts the save's hold here
         self.slot: slot.Held | None = None  # start() puts the process's save slot here
-        self._prebuilt: dict | None = None  # rank 0's small files, built while the writers write
         self.coord: dist.Coordinator | None = None
-        self.writer: RankWriter | None = None
-        self._writers_started = False
-        self.awaits_vote = False  # the planning exchange passed: the peers' next collective is a vote
         self.ballot: Ballot | None = None  # this rank's failures, for the next vote
+        self.awaits_vote = False  # the planning exchange passed: the peers' next collective is a vote
+        self.planned: Planned | None = None
+        self.writing: Writing | None = None
+        self.index = committing.IndexBuilder(self)
         self.t0 = time.perf_counter()
+
+    @property
+    def checkpoint_dir(self) -> str:
+        return self.target.name
 
     def note(self, stage: str, exc: BaseException, key: str | None = None) -> None:
         self.ballot.note(stage, exc, key)
@@ -85,11 +104,9 @@ class _Job:
         self.options = cpu.settle(self.options, self.coord)
         rank = self.coord.rank
         self.ballot = Ballot(self.coord, self._abort)
-        mine = plan_locally(self.state, rank, checkpoint_dir=self.checkpoint_dir, options=self.options,
-                            content_metadata=self.content_metadata, sharded_only=self.sharded_only, kv=self.kv)
-        self.state = None  # the job keeps only the sources it needs
-        self.area, self.kv_sink = mine.area, mine.kv_sink
-        self.save_id = mine.message.save_id  # rank 0's: a failed plan's abort removes its kvstore owner object
+        mine = plan_locally(self.state, rank, target=self.target, options=self.options,
+                            content_metadata=self.content_metadata, mode=self.mode)
+        self.state = None
         self.ballot.keep_interrupt(mine.interrupt)
         try:
             messages = self.coord.exchange("planning", mine.message)
@@ -107,73 +124,68 @@ class _Job:
             if agreement.cause is None:
                 raise error  # not `from None`: that would hide an exception the caller is handling
             raise error from agreement.cause
-        global_plan = agreement.plan
         self.awaits_vote = True
-        self.global_plan = global_plan
-        self.staging_dir = messages[0].staging_dir
-        self.save_id = messages[0].save_id
-        self.coord.save_id = self.save_id
+        save_id = messages[0].save_id
+        self.coord.save_id = save_id
         if self.ballot.interrupt is not None:
             self.note("planning", self.ballot.interrupt)
             return
         try:
-            self.layout = lay_out_rank(global_plan, rank, **self._layout_kwargs())
+            rules = self.target.layout_rules(save_id)
+            layout = lay_out_rank(agreement.plan, rank, one_item_per_file=rules.one_item_per_file, tag=rules.file_tag)
+            self.planned = Planned(save_id, Prepared(save_id, messages[0].staging_dir), agreement.plan, rules, layout)
             self._start_writes(mine.local, mine.residences, mine.sources)
         except BaseException as exc:
             self.note("writing", exc)
 
     def _start_writes(self, local, residences, sources) -> None:
-        opts = self.options
-        self.pool = shared_pool(opts.staging_budget_bytes)
-        self.pool_allocations_before = self.pool.stats().allocations
+        opts, planned = self.options, self.planned
+        pool = shared_pool(opts.staging_budget_bytes)
+        allocations_before = pool.stats().allocations
         devices = {s.device.index for s in sources if s.device.type == "cuda"}
         fence = record_producer_fence(devices) if devices else None
-        root = self.staging_dir if not self.kv else None
-        if opts.sink_factory:
-            sink = opts.sink_factory(root if root is not None else self.kv_sink)
-        else:
-            sink = self.kv_sink if self.kv else PosixSink(self.staging_dir, opts.fsync)
-        self.sink = sink
-        if self.kv and self.coord.rank == 0:
-            self.whole_files = dict(local.whole_files)  # kvstore: written at commit, in commit order
-        work = RankWork(
-            layout=self.layout,
-            sources=sources,
-            residences=residences,
-            versions=[s._version for s in sources],
-            object_payloads=local.object_payloads,
-            whole_files={} if self.kv else local.whole_files,
-        )
-        self.planned_bytes = {**{f.relative_path: f.size_bytes for f in self.layout.files},  # for check_staged
-                              **{name: len(data) for name, data in work.whole_files.items()}}
-        payload = sum(i.length_bytes for i in self.layout.items)
-        progress = Progress(payload, self.coord.rank, opts.progress_interval_s)
+        routed = self.target.route_whole_files(local.whole_files)
+        sink = self.target.writer_sink(planned.prepared, opts.sink_factory)
+        work = RankWork(layout=planned.layout, sources=sources, residences=residences,
+                        versions=[s._version for s in sources], object_payloads=local.object_payloads,
+                        whole_files=dict(routed.to_writers))
+        planned_bytes = {**{f.relative_path: f.size_bytes for f in planned.layout.files},
+                         **{name: len(data) for name, data in work.whole_files.items()}}
+        progress = Progress(sum(i.length_bytes for i in planned.layout.items), self.coord.rank,
+                            opts.progress_interval_s)
         writer = RankWriter(
-            work, sink, Stager(self.pool, fence, grid=opts.checksums and opts.device_checksums), crc32=opts.zip_crc32,
+            work, sink.sink, Stager(pool, fence, grid=opts.checksums and opts.device_checksums), crc32=opts.zip_crc32,
             progress=progress, checksums=opts.checksums, lanes=opts.io_threads, checksum_threads=opts.checksum_threads,
-            whole_writes=self.kv, nice=opts.writer_nice, recheck_host_sources=self.asynchronous,
+            whole_writes=sink.whole_writes, nice=opts.writer_nice, recheck_host_sources=self.asynchronous,
             file_digests=opts.integrity_manifest,
         )
-        self.t_planned = time.perf_counter()  # plan_s ends where write_s begins
-        if not self.kv and not os.path.isdir(self.staging_dir):
-            raise CheckpointError(f"staging directory {self.staging_dir} is not visible here: "
-                                  "all ranks must share the filesystem")
-        self.writer = writer
+        self.writing = Writing(writer, sink, pool, allocations_before, planned_bytes, routed.to_publish,
+                               t_started=time.perf_counter())
         self.ballot.on_note(writer.cancel)
-        self._writers_started = True  # before start(): an interrupt inside it must still join
+        self.writing.started = True  # before start(): an interrupt inside it must still join
         writer.start()
 
+    def _writers_started(self) -> bool:
+        return self.writing is not None and self.writing.started
+
     def wait_staged(self) -> float:
-        """For `async_save`: wait until every device byte is in host memory. On a failure here
-        (an interrupt) nobody else will finish this job: vote it now, and raise."""
+        """For an asynchronous save: wait until every device byte is in host memory; the seconds
+        since the save began. On a failure here (an interrupt) nobody else will finish this job:
+        vote it now, and raise."""
         try:
-            if self.ballot.failure is None and self._writers_started:
-                self.writer.wait_staged()
+            if self.ballot.failure is None and self._writers_started():
+                self.writing.writer.wait_staged()
         except BaseException as exc:
             self.note("writing", exc)
             self.finish()
             raise
         return time.perf_counter() - self.t0
+
+    def in_background(self):
+        """This save's handle once its device bytes are staged (`async_save`'s return)."""
+        from .handle import SaveHandle
+
+        return SaveHandle(self, self.wait_staged())
 
     def release(self) -> None:
         self.gc_hold.release()
@@ -189,25 +201,26 @@ class _Job:
 
     def _join_writers(self):
         """The write stats, or None after a failure (noted); the writers have all ended."""
-        if not self._writers_started:
+        if not self._writers_started():
             return None
         if self.ballot.failure is None:
             try:
-                self._prepare_commit()
+                self.writing.writer.wait_staged()  # the index is built after the device copies are issued
+                self.index.build_early(self.coord.rank)
             except BaseException as exc:
                 self.note("writing", exc)
         while True:
             try:
-                stats = self.writer.join()
+                stats = self.writing.writer.join()
             except ItemWriteFailed as exc:
                 self.note("writing", exc.cause, exc.key)
                 return None
             except BaseException as exc:  # an interrupt while waiting: the writers stop, then join again
                 self.note("writing", exc)
                 continue
-            if self.ballot.failure is None and not self.kv:
+            if self.ballot.failure is None:
                 try:  # the staging area is still this save's, with every planned file whole
-                    dir_prepare.check_staged(self.staging_dir, self.save_id, self.planned_bytes)
+                    self.target.check_staged(self.planned.prepared, self.writing.planned_bytes)
                 except Exception as exc:
                     self.note("writing", exc)
             return stats if self.ballot.failure is None else None
@@ -219,7 +232,7 @@ class _Job:
         t_commit = time.perf_counter()
         if rank == 0 and self.ballot.failure is None:
             try:
-                self._commit([r for r in reports if r is not None])
+                committing.commit(self, [r for r in reports if r is not None])
             except BaseException as exc:
                 self.note("commit", exc)
                 self._abort()
@@ -239,26 +252,30 @@ class _Job:
                         self.checkpoint_dir, " and the tracker written" if self.post_commit is not None else "",
                         type(self.ballot.interrupt).__name__)
         self.ballot.raise_interrupt()
+        return self._result(stats, t_commit, stall_s)
+
+    def _result(self, stats, t_commit: float, stall_s: float | None) -> SaveResult:
         t_end = time.perf_counter()
         total = t_end - self.t0
+        writing = self.writing
         result = SaveResult(
             checkpoint_dir=self.checkpoint_dir,
-            rank=rank,
+            rank=self.coord.rank,
             world_size=self.coord.world_size,
             payload_bytes=stats.payload_bytes,
             file_bytes=stats.file_bytes,
-            total_file_bytes=self._total_file_bytes(),
+            total_file_bytes=self.index.total_file_bytes(),
             bytes_by_residence=stats.bytes_by_residence,
             files=stats.files,
-            items=len(self.layout.items),
+            items=len(self.planned.layout.items),
             timings=SaveTimings(
-                plan_s=self.t_planned - self.t0,
+                plan_s=writing.t_started - self.t0,
                 stall_s=total if stall_s is None else stall_s,
                 write_s=stats.written_s,
                 commit_s=t_end - t_commit,
                 total_s=total,
             ),
-            staging_pool_allocations=self.pool.stats().allocations - self.pool_allocations_before,
+            staging_pool_allocations=writing.pool.stats().allocations - writing.pool_allocations_before,
             # what this rank used where the options left them to the defaults (`cpu.settle`)
             extra={"io_threads": self.options.io_threads, "staging_budget_bytes": self.options.staging_budget_bytes,
                    "checksum_threads": self.options.checksum_threads},
@@ -266,74 +283,5 @@ class _Job:
         log_saved(result)
         return result
 
-    def _layout_kwargs(self) -> dict:
-        if not self.kv:
-            return {}
-        return {"one_item_per_file": True, "tag": kvcommit.new_file_tag(self.save_id)}
-
-    def _all_layouts(self):
-        """Every rank's layout (a pure function of the plan), computed at most once."""
-        if getattr(self, "_layouts", None) is None:
-            self._layouts = lay_out(self.global_plan, **self._layout_kwargs())
-        return self._layouts
-
-    def _total_file_bytes(self) -> int:
-        return sum(layout.file_bytes for layout in self._all_layouts())
-
-    def _small_files(self) -> dict:
-        """The index and config (and, for a kvstore, the common state): they depend on the plan only."""
-        return commit_files.small_files(self.global_plan, self._all_layouts(), self.checkpoint_dir, self.save_id,
-                                        sharded_only=self.sharded_only, whole_files=self.whole_files)
-
-    def _prepare_commit(self) -> None:
-        """Rank 0 builds the small files (the others every rank's layout, for `total_file_bytes`)
-        while its writers write, so the commit after the vote only adds the manifest and
-        publishes (the caller's thread would only wait in `join`). It waits for the device
-        copies to be issued and landed first, so that it does not hold the GIL while the stager
-        issues them. A failure here is left for `_commit` to meet again, in the commit stage."""
-        self.writer.wait_staged()
-        if self.coord.rank != 0:
-            self._all_layouts()  # for total_file_bytes: every rank's chunks, cut now rather than after the commit
-            return
-        try:
-            self._prebuilt = self._small_files()
-        except Exception as exc:
-            log.debug("building the index early failed (%s); the commit builds it again", exc)
-
-    def _commit(self, reports: list) -> None:
-        """Rank 0, after every rank's files are durable: index, config, manifest, publish."""
-        layouts = self._all_layouts()
-        small = self._prebuilt or self._small_files()
-        if self.options.checksums:
-            small = commit_files.with_manifest(small, [c for r in reports for c in r.checksums],
-                                               save_id=self.save_id, world_size=self.coord.world_size)
-        if self.options.integrity_manifest:
-            small = commit_files.with_integrity(small, {k: v for r in reports for k, v in r.file_digests.items()},
-                                                into=self.area.final_dir if self.sharded_only and self.area else None)
-        # An interrupt that arrives once the publish is under way is raised when the save is over
-        # (or, should the publish fail, with its failure).
-        deferred = Deferred()
-        try:
-            if self.kv:
-                with deferred.holding_sigint():  # its last write decides: a SIGINT waits for the outcome
-                    kvcommit.publish(self.sink, small, {f.relative_path for lay in layouts for f in lay.files},
-                                     owner=kvcommit.owner_key(self.save_id))
-                return
-            for name in commit_files.write_order(small):
-                self.sink.write_file(name, small[name])
-            self.sink.sync_root()
-            if self.sharded_only:
-                inplace.publish_into(self.area, last=METADATA_FILE, fsync=self.options.fsync, interrupts=deferred)
-            else:
-                commit.publish(self.area, fsync=self.options.fsync, interrupts=deferred)
-            self.area = None
-        finally:
-            self.ballot.keep_interrupt(deferred.first)
-
     def _abort(self) -> None:
-        if self.area is not None:
-            commit.abort(self.area)
-            self.area = None
-        if self.kv_sink is not None and getattr(self, "save_id", None) and self.coord.rank == 0:
-            kv_sink, self.kv_sink = self.kv_sink, None  # once: a failed commit and its vote both abort
-            kvcommit.abort(kv_sink, kvcommit.new_file_tag(self.save_id))
+        self.target.abort()

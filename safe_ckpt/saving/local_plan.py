@@ -1,7 +1,7 @@
 """This rank's part of the planning exchange, with nothing left to raise.
 
 One job: collect this rank's shards and objects, classify where each source lives, open
-the kvstore and (rank 0) create the staging area, and put it all in the `PlanMessage`
+the target and (rank 0) prepare it (`Target.prepare`: claim, staging area), and put it all in the `PlanMessage`
 this rank sends. Any failure on the way, a bug or an interrupt included, becomes a
 `Problem` in that message, so it still reaches the exchange and every rank fails the
 planning together instead of leaving its peers waiting there.
@@ -13,14 +13,13 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from ..targets.directory import prepare as dir_prepare
-from ..targets.objectstore import publish as kvcommit
-from ..residence import classify as residence
-from ..errors import INTERRUPTS, WriteError, failure_from_exception
+from ..errors import INTERRUPTS, ValidationError, WriteError, failure_from_exception
 from ..options import SaveOptions
 from ..plan import LocalState, Problem, collect, rank_plan
 from ..plan.message import PlanMessage, layout_options
-from ..sinks.tensorstore import KvTarget, TensorStoreSink, deadlines_for, open_sink
+from ..residence import classify as residence
+from ..targets import PublishMode, Target
+from ..targets.base import new_save_id
 
 log = logging.getLogger("safe_ckpt")
 
@@ -31,8 +30,6 @@ class LocalPlan:
     local: LocalState
     residences: list[str]
     sources: list  # the tensors to read, by ShardRef.local_index
-    area: dir_prepare.StagingArea | None  # rank 0's staging directory, created here
-    kv_sink: TensorStoreSink | None
     interrupt: BaseException | None  # a KeyboardInterrupt/SystemExit met here, raised after the exchange
     paths: list[str]  # where each of this rank's shards sits in its state dict (the message leaves them out)
 
@@ -61,35 +58,31 @@ def _failed(rank: int, exc: BaseException) -> Problem:
     return Problem("CheckpointError", "<planning>", (rank,), failure_from_exception(rank, "planning", exc).message)
 
 
-def plan_locally(state: dict, rank: int, *, checkpoint_dir: str, options: SaveOptions, content_metadata,
-                 sharded_only: bool, kv: bool) -> LocalPlan:
+def plan_locally(state: dict, rank: int, *, target: Target, options: SaveOptions, content_metadata,
+                 mode: PublishMode) -> LocalPlan:
     empty = LocalState(rank, [], [], {}, [])
     local, residences, sources, problems = empty, [], [], []
-    area, kv_sink, save_id, interrupt = None, None, None, None
+    prepared, save_id, interrupt = None, None, None
     try:
-        local = collect(state, rank, content_metadata, with_common=not sharded_only)
+        local = collect(state, rank, content_metadata, with_common=mode is PublishMode.WHOLE)
         residences, sources, problems = _classify(local, options)
     except BaseException as exc:
         interrupt = exc if isinstance(exc, INTERRUPTS) else None
         local, residences, sources, problems = empty, [], [], [_failed(rank, exc)]
     try:
-        if kv and sharded_only:
-            problems.append(Problem("ValidationError", "<target>", (rank,),
-                                    "the Megatron strategy writes local directories only, not kvstores"))
-        elif kv:
-            try:
-                kv_sink = open_sink(KvTarget(checkpoint_dir, options.kvstore_spec), deadlines_for(options))
-            except Exception as exc:
-                problems.append(Problem("WriteError", "<target>", (rank,), f"{type(exc).__name__}: {exc}"))
+        opened = False
+        try:
+            target.open(mode)
+            opened = True
+        except ValidationError as exc:
+            problems.append(Problem("ValidationError", "<target>", (rank,), str(exc)))
+        except Exception as exc:
+            problems.append(Problem("WriteError", "<target>", (rank,), f"{type(exc).__name__}: {exc}"))
         if rank == 0:
-            save_id = dir_prepare.new_save_id()
+            save_id = new_save_id()
             try:
-                replace = "any" if sharded_only else options.replace
-                if kv_sink is not None:
-                    kvcommit.check_target(kv_sink, replace)
-                    kvcommit.claim(kv_sink, save_id, options.kvstore_save_timeout_s)  # gc: a save is running
-                elif not kv:
-                    area = dir_prepare.prepare(checkpoint_dir, save_id, replace)
+                if opened:
+                    prepared = target.prepare(save_id, "any" if mode is PublishMode.INTO_EXISTING else options.replace)
             except Exception as exc:
                 kind = "WriteError" if isinstance(exc, WriteError) else "CommitError"  # e.g. a store not answering
                 problems.append(Problem(kind, "<target>", (0,), f"{type(exc).__name__}: {exc}"))
@@ -98,6 +91,6 @@ def plan_locally(state: dict, rank: int, *, checkpoint_dir: str, options: SaveOp
         interrupt = interrupt or (exc if isinstance(exc, INTERRUPTS) else None)
         local, residences, sources = empty, [], []
         plan = rank_plan(empty, [], [_failed(rank, exc)])
-    message = PlanMessage(plan.without_paths(), area.staging_dir if area else None, save_id,
+    message = PlanMessage(plan.without_paths(), prepared.staging if prepared else None, save_id,
                           layout_options(options.chunk_bytes, options.io_threads))
-    return LocalPlan(message, local, residences, sources, area, kv_sink, interrupt, plan.paths())
+    return LocalPlan(message, local, residences, sources, interrupt, plan.paths())

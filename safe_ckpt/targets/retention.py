@@ -1,9 +1,9 @@
-"""Retention of iteration directories for the Megatron entry point.
+"""Retention of iteration checkpoints for the Megatron entry point, on any target.
 
 One job: after a new checkpoint is committed (and the tracker points at it), decide
-which older `iter_XXXXXXX` directories to keep and remove the rest, each through a
-hidden rename so that a crash never leaves a half-deleted directory under an
-iteration's name. Runs on one rank only, so it is safe on a filesystem the ranks share.
+which older `iter_XXXXXXX` checkpoints to keep and remove the rest through the save root's
+`Target` (`survey`, `remove_checkpoint`: never a half-deleted checkpoint under an
+iteration's name). Runs on one rank only, so it is safe on a filesystem the ranks share.
 
 The rules: only complete checkpoints (`.metadata` and `metadata.json`) are candidates
 for removal, anything else is somebody's data. Iterations newer than the current one
@@ -18,13 +18,11 @@ Must not: touch anything before the commit, or anything that is not a complete i
 from __future__ import annotations
 
 import logging
-import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from .directory.root import remove_checkpoint
-from .directory.leftovers import is_complete_checkpoint
-from ..errors import CommitError
-from ..names import ITERATION_DIR
+from ..errors import CheckpointError
+from .base import Target
+from .registry import resolve
 
 log = logging.getLogger("safe_ckpt")
 
@@ -38,34 +36,6 @@ class Retention:
     @property
     def active(self) -> bool:
         return bool(self.keep_last) or bool(self.keep_every)
-
-
-@dataclass(frozen=True)
-class Found:
-    """The iteration directories of a save directory, by kind."""
-
-    complete: dict[int, str] = field(default_factory=dict)
-    incomplete: dict[int, str] = field(default_factory=dict)
-    links: dict[int, str] = field(default_factory=dict)
-
-
-def survey(save_dir: str) -> Found:
-    found = Found()
-    for name in os.listdir(save_dir):
-        m = ITERATION_DIR.match(name)
-        path = os.path.join(save_dir, name)
-        if not m:
-            continue
-        if os.path.islink(path):
-            found.links[int(m.group(1))] = path
-        elif os.path.isdir(path):
-            (found.complete if is_complete_checkpoint(path) else found.incomplete)[int(m.group(1))] = path
-    return found
-
-
-def iterations(save_dir: str) -> dict[int, str]:
-    """The complete checkpoints of ``save_dir`` (real directories) by iteration."""
-    return survey(save_dir).complete
 
 
 def _kept_for_resume(resumed_from) -> frozenset:
@@ -112,23 +82,26 @@ def report_newer(newer: list[int], current: int, policy: Retention, resumed_from
                     newer, current, what)
 
 
-def prune(save_dir: str, current: int, policy: Retention, resumed_from=None) -> list[int]:
+def prune(save_root, current: int, policy: Retention, resumed_from=None) -> list[int]:
     """Remove what `policy` does not keep; returns the removed iterations (failures are logged).
-    ``resumed_from``: the iteration(s) the run loaded from this save root."""
-    found = survey(save_dir)
-    report_newer(sorted(i for i in found.complete if i > current), current, policy, resumed_from)
-    if found.links and policy.active:
-        log.info("retention leaves symbolic links alone: %s", sorted(found.links.values()))
-    if found.incomplete and policy.active:
-        log.info("retention leaves directories that hold no complete checkpoint alone: %s",
-                 sorted(found.incomplete.values()))
-    removed = []
-    for it in to_remove(list(found.complete), current, policy, resumed_from):
-        try:
-            remove_checkpoint(found.complete[it])
-            removed.append(it)
-        except (OSError, CommitError) as exc:
-            log.warning("could not remove old checkpoint %s: %s", found.complete[it], exc)
+    ``save_root``: a `Target` or a local path; ``resumed_from``: the iteration(s) the run loaded
+    from this save root."""
+    root = save_root if isinstance(save_root, Target) else resolve(save_root)
+    with root.bounded() as r:  # one deadline for the survey and every removal
+        found = r.survey()
+        report_newer(sorted(i for i in found.complete if i > current), current, policy, resumed_from)
+        if found.links and policy.active:
+            log.info("retention leaves symbolic links alone: %s", sorted(found.links.values()))
+        if found.incomplete and policy.active:
+            log.info("retention leaves directories that hold no complete checkpoint alone: %s",
+                     sorted(found.incomplete.values()))
+        removed = []
+        for it in to_remove(list(found.complete), current, policy, resumed_from):
+            try:
+                r.remove_checkpoint(found.complete[it])
+                removed.append(it)
+            except (OSError, CheckpointError) as exc:
+                log.warning("could not remove old checkpoint %s: %s", r.shown(found.complete[it]), exc)
     if removed:
         log.info("retention removed iterations %s", removed)
     return removed

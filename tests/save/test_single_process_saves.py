@@ -416,7 +416,7 @@ def test_gc_freeze_released_when_planning_fails(tmp_path, monkeypatch):
         during.append(gc.get_freeze_count())
         raise safe_ckpt.CheckpointError("planning failed")
 
-    monkeypatch.setattr(save_job._Job, "plan", failing_plan)
+    monkeypatch.setattr(save_job.SaveJob, "plan", failing_plan)
     with pytest.raises(safe_ckpt.CheckpointError, match="planning failed"):
         safe_ckpt.save({"w": _st("w", torch.randn(4, 4))}, str(tmp_path / "ck"), options=_opts())
     assert during and during[0] > 0 and gc.get_freeze_count() == 0

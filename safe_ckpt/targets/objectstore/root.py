@@ -1,4 +1,4 @@
-"""A save root on an object store: the Megatron tracker, its complete iterations, and retention.
+"""A save root on an object store: the Megatron tracker, its complete iterations, their removal.
 
 One job: give the Megatron entry point's tracker file and retention the same meaning under a
 kvstore prefix (a bucket path, a TensorStore spec) as in a directory. Retention counts only
@@ -14,7 +14,6 @@ import logging
 
 from ...names import CONFIG_FILE, ITERATION_DIR, TRACKER_FILE
 from ...sinks.tensorstore import KvDeadlines, KvTarget, TensorStoreSink, open_sink
-from ..retention import Retention, to_remove
 from . import publish as kvcommit
 
 log = logging.getLogger("safe_ckpt")
@@ -52,25 +51,3 @@ def remove_checkpoint(root: TensorStoreSink, directory: str) -> None:
     sink = root.child(directory)
     sink.delete(CONFIG_FILE)
     root.delete_tree(directory)
-
-
-def prune(save_root: KvTarget, current: int, policy: Retention, deadlines: KvDeadlines = KvDeadlines(),
-          resumed_from: int | None = None) -> list[int]:
-    """`retention.prune` for a kvstore save root (``resumed_from``, the checkpoint the run
-    resumed from, is never removed); failures are logged, not raised."""
-    try:
-        root = open_sink(save_root, deadlines)
-        found = iterations(save_root, deadlines)
-    except Exception as exc:
-        log.warning("retention could not list %s: %s", save_root.path, exc)
-        return []
-    removed = []
-    for it in to_remove(list(found), current, policy, resumed_from=resumed_from):
-        try:
-            remove_checkpoint(root, found[it])
-            removed.append(it)
-        except Exception as exc:
-            log.warning("could not remove old checkpoint %s%s: %s", root.root, found[it], exc)
-    if removed:
-        log.info("retention removed iterations %s", removed)
-    return removed
