@@ -4,10 +4,23 @@ Saves model weights and distributed-optimizer shards straight from wherever each
 tensor lives (GPU memory, pinned or pageable host memory) through a reusable pinned
 staging pool, into the layout that stock Megatron and stock PyTorch DCP load.
 
-Data flow: plan → residence → staging → encoding → sinks → commit, coordinated by
-`dist` over a CPU (gloo) group; `save` wires the stages together. `load` reads any
-torch_dist checkpoint back with the contract of megatron-core's `dist_checkpointing.load`
-(`safe_ckpt/loading/`: source → index → plan → execute, in parallel and safely).
+A save, and the folder each stage lives in (`saving/` wires them together, in phases:
+planned → writing → result, with a vote of every rank between them over a gloo group, `coord/`):
+
+    state dict ──► plan/        shards and objects → one global plan every rank agrees on
+               ──► residence/   where each source lives (GPU, paused GPU, pinned, pageable)
+               ──► staging/     device bytes → pinned host pool (the copy window, its gates)
+               ──► encoding/    torch_dist bytes: chunk containers, .metadata, manifests
+               ──► write/       one rank's writers: stage → encode → sink, with progress
+               ──► sinks/       bytes at offsets, durably (a POSIX file, a TensorStore key)
+               ──► targets/     the destination: claim, stage, publish atomically, abort;
+                                a directory or an object store (one `Target` each,
+                                docs/extending.md), and the save root's tracker and retention
+    host/ sizes the threads and the pool from this process's share of its host; tools/ holds
+    verify, inspect and copy; megatron/ and integrations/ are the edges (Megatron, slime).
+
+`load` reads any torch_dist checkpoint back with the contract of megatron-core's
+`dist_checkpointing.load` (`loading/`: source → index → plan → execute, in parallel and safely).
 
 The public API is what `__all__` names (saving, loading, checking a checkpoint, the errors,
 progress on a terminal), plus the `safe_ckpt.megatron` and `safe_ckpt.integrations.slime`
