@@ -1,13 +1,16 @@
 """The exceptions safe_ckpt raises, and the failure record that travels between ranks.
 
 One job: a single `CheckpointError` hierarchy whose instances carry every failing
-rank's reason, rebuilt identically on every rank from exchanged `RankFailure`s.
+rank's reason, rebuilt identically on every rank from exchanged `RankFailure`s. Errors travel
+as types: a failure records the `lineage` of its class (class names, most specific first, as
+plain strings on the wire), and every rank raises the most specific of those classes it knows
+(`error_class`); ``kind`` is the nearest public family, shown as ``[Kind]`` in messages.
 Must not: import torch or talk to other ranks.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # What stops a save from outside rather than failing it: every handler that must not swallow one
 # (a vote, a deferred publish) tests this tuple.
@@ -24,6 +27,12 @@ class RankFailure:
     message: str
     key: str | None = None
     ranks: tuple[int, ...] = ()  # every rank involved, where more than one is
+    lineage: tuple[str, ...] = field(default=(), compare=False)  # the error's classes, most specific first
+
+    @classmethod
+    def of(cls, error: type, rank: int, stage: str, message: str, key: str | None = None,
+           ranks: tuple[int, ...] = ()) -> "RankFailure":
+        return cls(rank, stage, shown_kind(error), message, key, ranks, lineage(error))
 
     @property
     def involved_ranks(self) -> tuple[int, ...]:
@@ -36,12 +45,19 @@ class RankFailure:
         return f"{who} [{self.kind}]{where} {self.message}"
 
 
+_REGISTRY: dict[str, type] = {}  # class name -> class, every CheckpointError subclass imported on this rank
+
+
 class CheckpointError(Exception):
     """Base of every error raised for bad input or a failed save.
 
     ``failures`` lists each failing rank's reason; ``failing_ranks`` the ranks named.
     Every rank of a collective save raises an error with the same message.
     """
+
+    def __init_subclass__(cls, **kw) -> None:
+        super().__init_subclass__(**kw)
+        _REGISTRY.setdefault(cls.__name__, cls)
 
     def __init__(self, message: str, failures: list[RankFailure] | None = None) -> None:
         super().__init__(message)
@@ -118,14 +134,44 @@ _KINDS = {
 }
 
 
+_REGISTRY[CheckpointError.__name__] = CheckpointError
+
+
+def lineage(error) -> tuple[str, ...]:
+    """The CheckpointError classes of an exception or class, most specific first (names)."""
+    cls = error if isinstance(error, type) else type(error)
+    return tuple(c.__name__ for c in cls.__mro__ if isinstance(c, type) and issubclass(c, CheckpointError))
+
+
+def shown_kind(error) -> str:
+    """The nearest public family of an error (what messages show as ``[Kind]``)."""
+    return next(name for name in lineage(error) if name in _KINDS)
+
+
+def error_class(names: tuple[str, ...], default: type = CheckpointError) -> type:
+    """The most specific class of ``names`` this rank knows that takes `CheckpointError`'s
+    arguments (a class with its own constructor is replaced by its nearest such base)."""
+    for name in names:
+        cls = _REGISTRY.get(name)
+        if cls is not None and cls.__init__ is CheckpointError.__init__:
+            return cls
+    return default
+
+
 def kind_of(exc: BaseException) -> str:
     """The failure kind recorded for an exception raised on this rank."""
     if isinstance(exc, CheckpointError):
-        # the nearest kind the other ranks can rebuild (a module's own subclass keeps its family)
-        return next(c.__name__ for c in type(exc).__mro__ if c.__name__ in _KINDS)
+        return shown_kind(exc)  # the nearest kind the other ranks can rebuild (a subclass keeps its family)
     if isinstance(exc, OSError):
-        return "WriteError"
-    return "CheckpointError"
+        return WriteError.__name__
+    return CheckpointError.__name__
+
+
+def error_of(exc: BaseException) -> type:
+    """The CheckpointError class an exception raised on this rank is reported as."""
+    if isinstance(exc, CheckpointError):
+        return type(exc)
+    return WriteError if isinstance(exc, OSError) else CheckpointError
 
 
 def failure_from_exception(rank: int, stage: str, exc: BaseException, key: str | None = None) -> RankFailure:
@@ -133,7 +179,7 @@ def failure_from_exception(rank: int, stage: str, exc: BaseException, key: str |
         message = f"interrupted ({type(exc).__name__}{': ' + str(exc) if str(exc) else ''}); its writers were stopped"
     else:
         message = str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
-    return RankFailure(rank=rank, stage=stage, kind=kind_of(exc), message=message, key=key)
+    return RankFailure.of(error_of(exc), rank, stage, message, key)
 
 
 def combine(stage: str, failures: list[RankFailure]) -> CheckpointError:
@@ -141,7 +187,11 @@ def combine(stage: str, failures: list[RankFailure]) -> CheckpointError:
     ordered = sorted(failures, key=lambda f: (f.rank, f.kind, f.key or "", f.message))
     ranks = sorted({r for f in ordered for r in f.involved_ranks})
     kinds = {f.kind for f in ordered}
-    cls = _KINDS[ordered[0].kind] if len(kinds) == 1 else _KINDS.get(ordered[0].kind, CheckpointError)
+    family = _KINDS[ordered[0].kind] if len(kinds) == 1 else _KINDS.get(ordered[0].kind, CheckpointError)
+    # the most specific class every failure shares, where one is known here (else the family)
+    shared = [n for n in ordered[0].lineage if all(n in f.lineage for f in ordered)] if len(kinds) == 1 else []
+    cls = error_class(tuple(shared), family)
+    cls = cls if issubclass(cls, family) else family
     shown = ordered[:20]
     lines = [f"safe_ckpt: save failed during {stage} on rank(s) {', '.join(map(str, ranks))}:"]
     lines += [f"  {f.describe()}" for f in shown]
@@ -153,6 +203,7 @@ def combine(stage: str, failures: list[RankFailure]) -> CheckpointError:
 def problems_error(stage: str, problems) -> CheckpointError:
     """`combine` for the planning stage's `Problem` records (each names its key and ranks)."""
     return combine(stage, [
-        RankFailure(rank=p.ranks[0], stage=stage, kind=p.kind, message=p.message, key=p.key, ranks=tuple(p.ranks))
+        RankFailure(rank=p.ranks[0], stage=stage, kind=p.kind, message=p.message, key=p.key, ranks=tuple(p.ranks),
+                    lineage=p.lineage or (p.kind,))
         for p in problems
     ])

@@ -185,11 +185,11 @@ class Coordinator:
             absent = self._absent(store, seq) if store is not None else []
             who = (f"rank(s) {', '.join(map(str, absent))} never reached this step (dead, or stuck before it)"
                    if absent else "a rank died, stopped responding, or timed out")
-            failures = [RankFailure(r, stage, "CoordinationError", "did not reach the collective") for r in absent]
+            failures = [RankFailure.of(CoordinationError, r, stage, "did not reach the collective") for r in absent]
             raise CoordinationError(
                 f"safe_ckpt: rank {self.rank} lost contact with its peers during {stage}: {who}: "
                 f"{type(exc).__name__}: {exc}",
-                failures or [RankFailure(self.rank, stage, "CoordinationError", str(exc))],
+                failures or [RankFailure.of(CoordinationError, self.rank, stage, str(exc))],
             ) from exc
         self._forget_arrival(store, key)
         _check_same_step(out, stage)
@@ -270,7 +270,7 @@ def _check_same_step(envelopes: list[Envelope], stage: str) -> None:
         "  every rank must start the same saves in the same order: two saves at once on one group pair up "
         "their collectives wrongly",
     ])
-    raise CoordinationError(message, [RankFailure(r, stage, "CoordinationError", "in another save or step")
+    raise CoordinationError(message, [RankFailure.of(CoordinationError, r, stage, "in another save or step")
                                       for r in range(len(envelopes))])
 
 

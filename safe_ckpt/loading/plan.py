@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import compat
-from ..errors import RankFailure
+from ..errors import RankFailure, ReadError, ValidationError
 from . import boxes, container
 from .boxes import Box
 from .index import CheckpointIndex, StoredItem
@@ -151,8 +151,8 @@ def build(requests: list, index: CheckpointIndex, source, *, rank: int, batch_by
     """``requests``: the rank's ShardedTensors. Returns the plan, or the problems that stop it."""
     problems: list[RankFailure] = []
 
-    def problem(kind: str, key: str, message: str) -> None:
-        problems.append(RankFailure(rank, "plan", kind, message, key=key))
+    def problem(kind: type, key: str, message: str) -> None:
+        problems.append(RankFailure.of(kind, rank, "plan", message, key=key))
 
     destinations: list[Destination] = []
     by_item: dict = {}
@@ -160,15 +160,15 @@ def build(requests: list, index: CheckpointIndex, source, *, rank: int, batch_by
     for sh_ten in requests:
         stored = index.tensors.get(sh_ten.key)
         if stored is None:
-            problem("ValidationError", sh_ten.key, f"not in the checkpoint {index.where} (it holds "
+            problem(ValidationError, sh_ten.key, f"not in the checkpoint {index.where} (it holds "
                                                    f"{len(index.tensors)} tensors; a renamed or new parameter?)")
             continue
         if not sh_ten.allow_shape_mismatch and tuple(sh_ten.global_shape) != stored.size:
-            problem("ValidationError", sh_ten.key, f"global shape mismatch: the checkpoint holds {stored.size}, "
+            problem(ValidationError, sh_ten.key, f"global shape mismatch: the checkpoint holds {stored.size}, "
                                                    f"the state dict expects {tuple(sh_ten.global_shape)}")
             continue
         if len(sh_ten.global_shape) != len(stored.size):
-            problem("ValidationError", sh_ten.key, f"the checkpoint holds {len(stored.size)} dimensions, the state "
+            problem(ValidationError, sh_ten.key, f"the checkpoint holds {len(stored.size)} dimensions, the state "
                                                    f"dict expects {len(sh_ten.global_shape)}")
             continue
         dest_index = len(destinations)
@@ -190,7 +190,7 @@ def build(requests: list, index: CheckpointIndex, source, *, rank: int, batch_by
             entry[2].append(_piece(dest_index, dest, chunk_box, ov, stored.dtype))
         wanted = dest.box.numel
         if covered > wanted or (covered < wanted and not sh_ten.allow_shape_mismatch):
-            problem("ReadError", sh_ten.key, f"the checkpoint's chunks cover {covered} of the {wanted} elements "
+            problem(ReadError, sh_ten.key, f"the checkpoint's chunks cover {covered} of the {wanted} elements "
                                              f"requested at {dest.box.offsets} of {dest.box.sizes} "
                                              f"({'overlapping' if covered > wanted else 'with gaps'}): its index "
                                              f"{index.where}/.metadata is inconsistent")
@@ -203,11 +203,11 @@ def build(requests: list, index: CheckpointIndex, source, *, rank: int, batch_by
             try:
                 sizes[path] = source.size_bytes(path)
             except Exception as exc:
-                problem("ReadError", stored.fqn, str(exc))
+                problem(ReadError, stored.fqn, str(exc))
                 sizes[path] = -1
         size = sizes[path]
         if size is not None and 0 <= size < item.offset_bytes + item.length_bytes:
-            problem("ReadError", stored.fqn, f"{source.describe(path)} is {size} bytes, but the item of this key lies "
+            problem(ReadError, stored.fqn, f"{source.describe(path)} is {size} bytes, but the item of this key lies "
                                              f"at [{item.offset_bytes}, {item.offset_bytes + item.length_bytes}) "
                                              f"(truncated file?)")
             continue

@@ -155,7 +155,7 @@ def _first(problems: list) -> RankFailure:
         return head
     more = f" (and {len(problems) - 1} more problem(s) on this rank, e.g. " + \
         "; ".join(f"key {p.key!r}: {p.message}" for p in problems[1:4]) + ")"
-    return RankFailure(head.rank, head.stage, head.kind, head.message + more, key=head.key)
+    return RankFailure(head.rank, head.stage, head.kind, head.message + more, key=head.key, lineage=head.lineage)
 
 
 def _log(report: ReadReport, where: str, rank: int) -> None:

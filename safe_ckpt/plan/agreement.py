@@ -49,7 +49,7 @@ def agree(messages: list[PlanMessage], own_paths: list[str], chunk_bytes: int, f
         plans = [m.plan for m in messages]
         result = build_global_plan(plans, chunk_bytes, files_per_rank)
     except Exception as exc:
-        failed = [Problem("CheckpointError", "<planning>", tuple(range(len(messages))),
+        failed = [Problem(CheckpointError, "<planning>", tuple(range(len(messages))),
                           f"internal error: {type(exc).__name__}: {exc}")]
         # Alike on every rank, the peers are here too; on this rank alone, they are in the second
         # exchange (which then fails to word their errors) or in the writing vote (which then

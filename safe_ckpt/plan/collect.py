@@ -20,9 +20,10 @@ import torch
 
 from .. import compat
 from ..names import COMMON_STATE_FILE, COMMON_STATE_KEY
+from ..errors import CheckpointError, ValidationError
 from .records import Box, ObjectRef, Problem
 
-_V = "ValidationError"
+_V = ValidationError
 log = logging.getLogger("safe_ckpt")
 # Plain tensors above this go into the common state with a warning: Megatron pickles them
 # whole on rank 0, so a model or optimizer tensor passed outside ShardedTensor is a mistake.
@@ -68,7 +69,7 @@ def _walk(tree: Any, path: str = ROOT, into_tuples: bool = False) -> Iterator[tu
         yield path, tree
 
 
-def _problem(key: str, rank: int, message: str, kind: str = _V) -> Problem:
+def _problem(key: str, rank: int, message: str, kind: type = _V) -> Problem:
     return Problem(kind=kind, key=key, ranks=(rank,), message=message)
 
 
@@ -190,7 +191,7 @@ def collect(sharded_state_dict: dict, rank: int, content_metadata: dict | None =
     try:
         mapping = compat.mcore_mapping()
     except ImportError as exc:  # megatron-core missing or older than the supported floor
-        problems.append(_problem("<megatron-core>", rank, str(exc), kind="CheckpointError"))
+        problems.append(_problem("<megatron-core>", rank, str(exc), kind=CheckpointError))
         return LocalState(rank, [], [], {}, problems)
     if not isinstance(sharded_state_dict, dict):
         problems.append(_problem("<root>", rank, f"state dict is a {type(sharded_state_dict).__name__}, not a dict"))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..errors import ValidationError
 from .records import Problem, RankPlan
 
 
@@ -34,7 +35,7 @@ def option_mismatches(messages: list[PlanMessage]) -> list[Problem]:
         odd = tuple(r for r, m in enumerate(messages) if m.layout_options.get(name) != value)
         if odd:
             seen = sorted({messages[r].layout_options.get(name) for r in odd})
-            problems.append(Problem("ValidationError", f"<SaveOptions.{name}>", odd,
+            problems.append(Problem(ValidationError, f"<SaveOptions.{name}>", odd,
                                     f"SaveOptions.{name} must be equal on every rank: rank 0 has {value}, "
                                     f"rank(s) {', '.join(map(str, odd))} have {', '.join(map(str, seen))}"))
     return problems

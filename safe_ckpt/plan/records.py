@@ -12,6 +12,8 @@ from typing import Callable
 
 import torch
 
+from .. import errors
+
 
 def volume(sizes: tuple[int, ...]) -> int:
     n = 1
@@ -72,10 +74,21 @@ class ObjectRef:
 class Problem:
     """Something that makes the state unsaveable; turned into an error on every rank."""
 
-    kind: str  # "ValidationError" or "ResidenceError"
+    kind: type | str  # the error's class (a CheckpointError subclass); stored as its shown family's name
     key: str
     ranks: tuple[int, ...]
     message: str
+    lineage: tuple[str, ...] = field(default=(), compare=False)  # the class's CheckpointError names, most specific first
+
+    def __post_init__(self) -> None:
+        if isinstance(self.kind, type):  # kept as plain strings: the wire carries no class objects
+            object.__setattr__(self, "lineage", errors.lineage(self.kind))
+            object.__setattr__(self, "kind", errors.shown_kind(self.kind))
+
+    @property
+    def error(self) -> type:
+        """The class every rank raises for this problem (the most specific one it knows)."""
+        return errors.error_class(self.lineage or (self.kind,))
 
 
 @dataclass(frozen=True)

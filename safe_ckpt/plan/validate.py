@@ -13,9 +13,10 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from ..errors import ValidationError
 from .records import Box, ObjectRef, Problem, RankPlan, ShardRef, volume
 
-_V = "ValidationError"
+_V = ValidationError
 
 
 def _ranks(items) -> tuple[int, ...]:

@@ -13,7 +13,9 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from ..errors import INTERRUPTS, ValidationError, WriteError, failure_from_exception
+from ..errors import (
+    INTERRUPTS, CheckpointError, CommitError, ResidenceError, ValidationError, WriteError, failure_from_exception,
+)
 from ..options import SaveOptions
 from ..plan import LocalState, Problem, collect, rank_plan
 from ..plan.message import PlanMessage, layout_options
@@ -46,16 +48,16 @@ def _classify(local: LocalState, options: SaveOptions):
         sources.append(d.source if c.source is None else c.source)
         if c.residence == residence.Residence.CUDA_UNMAPPED.value:
             msg = f"{c.detail}; {residence.UNMAPPED_REMEDY}"
-            problems.append(Problem("ResidenceError", d.key, (local.rank,), msg))
+            problems.append(Problem(ResidenceError, d.key, (local.rank,), msg))
         elif c.residence == residence.Residence.INVALID.value:
-            problems.append(Problem("ValidationError", d.key, (local.rank,), c.detail))
+            problems.append(Problem(ValidationError, d.key, (local.rank,), c.detail))
     return residences, sources, problems
 
 
 def _failed(rank: int, exc: BaseException) -> Problem:
     if not isinstance(exc, INTERRUPTS):
         log.error("rank %d failed while planning", rank, exc_info=exc)
-    return Problem("CheckpointError", "<planning>", (rank,), failure_from_exception(rank, "planning", exc).message)
+    return Problem(CheckpointError, "<planning>", (rank,), failure_from_exception(rank, "planning", exc).message)
 
 
 def plan_locally(state: dict, rank: int, *, target: Target, options: SaveOptions, content_metadata,
@@ -75,16 +77,16 @@ def plan_locally(state: dict, rank: int, *, target: Target, options: SaveOptions
             target.open(mode)
             opened = True
         except ValidationError as exc:
-            problems.append(Problem("ValidationError", "<target>", (rank,), str(exc)))
+            problems.append(Problem(type(exc), "<target>", (rank,), str(exc)))
         except Exception as exc:
-            problems.append(Problem("WriteError", "<target>", (rank,), f"{type(exc).__name__}: {exc}"))
+            problems.append(Problem(WriteError, "<target>", (rank,), f"{type(exc).__name__}: {exc}"))
         if rank == 0:
             save_id = new_save_id()
             try:
                 if opened:
                     prepared = target.prepare(save_id, "any" if mode is PublishMode.INTO_EXISTING else options.replace)
             except Exception as exc:
-                kind = "WriteError" if isinstance(exc, WriteError) else "CommitError"  # e.g. a store not answering
+                kind = type(exc) if isinstance(exc, (WriteError, CommitError)) else CommitError  # e.g. a store not answering
                 problems.append(Problem(kind, "<target>", (0,), f"{type(exc).__name__}: {exc}"))
         plan = rank_plan(local, residences, problems)
     except BaseException as exc:
