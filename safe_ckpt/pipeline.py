@@ -132,6 +132,7 @@ class RankWriter:
         self._t0 = 0.0
         self._staged_at = 0.0
         self._residence_bytes: dict[str, int] = {}
+        self.window = None  # an async save's host gate (`staging.host_gate`): told of each host chunk written
 
     # ----------------------------------------------------------------- control
     def start(self) -> None:
@@ -162,6 +163,8 @@ class RankWriter:
 
     def cancel(self) -> None:
         self._abort.set()
+        if self.window is not None:
+            self.window.fail(CheckpointError("the save was cancelled"))
 
     def join(self) -> WriteStats:
         for t in self._threads:
@@ -177,6 +180,12 @@ class RankWriter:
                     log.debug("closing an abandoned file failed: %s", exc)
         if self._writes.hasher is not None:
             self._writes.hasher.shutdown(wait=True)
+        if self.window is not None:  # closes the gate (untracked); raises the window's failure, if any
+            try:
+                self.window.settle()
+            except BaseException as exc:
+                if not self._errors:
+                    self._fail(None, exc)
         files = len(self.work.layout.files)
         if not self._errors and self._files_finished != files:  # a writer gone without a word
             self._fail(None, CheckpointError(f"internal error: {files - self._files_finished} of {files} data files "
@@ -216,6 +225,8 @@ class RankWriter:
         with self._lock:
             self._errors.append(ItemWriteFailed(key, exc))
         self._abort.set()
+        if self.window is not None:  # every step waiting at the gate goes on at once
+            self.window.fail(exc)
 
     # ----------------------------------------------------------------- staging
     def _interleaved(self):
@@ -397,6 +408,8 @@ class RankWriter:
                     "the checkpoint would be torn, so it is not committed. Do not change host tensors "
                     "until the save's handle has finished"
                 )
+            if self.window is not None:
+                self.window.captured(chunk.local_index, chunk.payload_bytes)
         self._account(residence, chunk.payload_bytes)
 
     def _account(self, residence: str, nbytes: int) -> None:

@@ -54,6 +54,7 @@ from .results import SaveResult, SaveTimings
 from . import kvcommit
 from .sinks.posix import PosixSink
 from .sinks.tensorstore import is_kvstore_url
+from .staging.host_gate import open_host_gate
 from .staging.pool import shared_pool
 from .handle import SaveHandle
 from .interrupts import Deferred
@@ -180,6 +181,10 @@ class _Job:
         if not self.kv and not os.path.isdir(self.staging_dir):
             raise CheckpointError(f"staging directory {self.staging_dir} is not visible here: "
                                   "all ranks must share the filesystem")
+        if self.asynchronous:  # the next optimizer step waits until the host sources are written
+            writer.window = open_host_gate(self.layout.items, residences, sources, work.versions,
+                                           name=self.checkpoint_dir, rank=self.coord.rank,
+                                           timeout_s=opts.collective_timeout_s)
         self.writer = writer
         self.ballot.on_note(writer.cancel)
         self._writers_started = True  # before start(): an interrupt inside it must still join
@@ -404,8 +409,12 @@ def async_save(sharded_state_dict: dict, checkpoint_dir, *, process_group=None, 
 
     With a staging budget smaller than the device bytes, staging waits for earlier
     chunks to be written, so the return is later. Host tensors are written from their
-    own memory afterwards; until the handle finishes, the caller must not change them.
-    What is detected (the save then fails with `SourceModifiedError` naming the key and
+    own memory afterwards. Until they are, every torch optimizer step in the process waits in
+    a step pre-hook (as does `safe_ckpt.staging.gates.before_update()`, for loops that change
+    host tensors outside an optimizer step), so the next step never mixes into the checkpoint,
+    even one that moves no version counter (a fused CPU AdamW, as `--optimizer-cpu-offload`
+    runs); past `collective_timeout_s` the save is abandoned (`StagingTimeoutError`) and the
+    step goes on. Other writes to host tensors must wait for the handle. What is detected (the save then fails with `SourceModifiedError` naming the key and
     rank, and publishes nothing):
     - an in-place operation on the saved tensor object itself (``w.add_(1)``), at any
       time before its last chunk is written (the tensor's version counter moved);
