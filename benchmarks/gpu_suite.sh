@@ -14,7 +14,7 @@
 #   load     benchmarks/load_bench.py: safe_ckpt.load beside stock Megatron, DCP and the read ceiling into GPU
 #            templates (LOAD_TARGETS, LOAD_PRESETS, LOAD_N ranks sharing the GPU); loadtests: the GPU load tests;
 #   slimemodes benchmarks/slime_modes_bench.py: per-step checkpoint cost in --offload-train and --release-train,
-#            stock against safe_ckpt (REPS rounds, MODES_TARGET, default tmpfs);
+#            stock against safe_ckpt (REPS rounds, MODES_TARGET, default tmpfs; MODES_LIST: which modes);
 #   smoke    a 1 GiB benchmark of every peer with memcpy counts, and the same as one Ray actor;
 #   bench    the 8+ GB benchmark, all on the GPU, tmpfs and disk, beside stock Megatron, DCP and ceilings
 #            (the TensorStore sink is in smoke: 9 GB through it takes 15 s a run on tmpfs);
@@ -145,7 +145,7 @@ part_slimeshipped() {
 }
 
 part_slimemodes() {
-  $PY benchmarks/slime_modes_bench.py --slime-src .slime --rounds ${REPS:-2} --target "${MODES_TARGET:-$SHM/slime_modes}" \
+  $PY benchmarks/slime_modes_bench.py --slime-src .slime ${MODES_LIST:+--modes "$MODES_LIST"} --rounds ${REPS:-2} --target "${MODES_TARGET:-$SHM/slime_modes}" \
     ${SLIME_MEGATRON_PATCH:+--megatron-patch "$SLIME_MEGATRON_PATCH"} --out "$RES/slime_modes" > "$RES/slime_modes.log" 2>&1
   echo "slime_modes_bench rc $?"; grep -E "^\||^row|slime megatron patch|Error|State per" "$RES/slime_modes.log" | tail -24 | cut -c1-400
 }

@@ -130,8 +130,9 @@ def offload_mode(rank, world, opts) -> dict:
     saves = installed(slime["actor"].MegatronTrainRayActor)
     model_module = slime["model"]
     routed = model_module.save_checkpoint
-    out = {"state_bytes": _state_bytes(model, optimizer), "layout": s.layout(model, optimizer), "rows": []}
+    out = {"state_bytes": _state_bytes(model, optimizer), "rows": []}
     actor.sleep()
+    out["layout"] = s.layout(model, optimizer)  # asleep: what torch_memory_saver keeps a backup of
     previous = None
     for r in range(opts["rounds"]):
         for variant in ("stock", "asleep"):

@@ -37,6 +37,7 @@ from .errors import (
     ReadError,
     ResidenceError,
     SourceModifiedError,
+    StagingTimeoutError,
     ValidationError,
     WriteError,
 )
@@ -60,7 +61,7 @@ __all__ = [
     "verify", "inspect", "VerifyReport",
     # errors: every failure of a save is a CheckpointError
     "CheckpointError", "ValidationError", "ResidenceError", "WriteError", "CommitError", "CoordinationError",
-    "SourceModifiedError", "ReadError", "MissingDependencyError", "RankFailure",
+    "SourceModifiedError", "StagingTimeoutError", "ReadError", "MissingDependencyError", "RankFailure",
     # progress lines on a terminal
     "show_progress",
     "__version__",

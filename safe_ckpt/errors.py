@@ -92,6 +92,11 @@ class SourceModifiedError(CheckpointError):
     """A host tensor changed in place while an asynchronous save was still reading it."""
 
 
+class StagingTimeoutError(CheckpointError):
+    """A write to saved tensors (an optimizer step at a save's gate) waited longer than the
+    collective timeout for the save's copies; the save was abandoned and the write went on."""
+
+
 class ReadError(CheckpointError, OSError):
     """A checkpoint's bytes could not be read, or are not what its index says (missing, truncated,
     corrupt, or refused as unsafe)."""
@@ -129,6 +134,7 @@ _KINDS = {
         CommitError,
         CoordinationError,
         SourceModifiedError,
+        StagingTimeoutError,
         ReadError,
     )
 }

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 from dataclasses import dataclass
 
@@ -125,12 +126,13 @@ def load_checkpoint(ddp_model, optimizer, opt_param_scheduler, load_arg="load", 
                               f"copy the checkpoint down with `safe-ckpt copy`, or load it with safe_ckpt.load")
     options = safe_ckpt_options or load_options_from_args(margs)
     stock = compat.training_dist_checkpointing(mck)
+    stock_load_checkpoint = _stock_load_checkpoint(mck)
     reader = _ReadBySafeCkpt(stock, options)
     with _swap_lock:
         mck.dist_checkpointing = reader
         try:
-            result = mck.load_checkpoint(ddp_model, optimizer, opt_param_scheduler, load_arg, strict,
-                                         checkpointing_context, *args, **kwargs)
+            result = stock_load_checkpoint(ddp_model, optimizer, opt_param_scheduler, load_arg, strict,
+                                           checkpointing_context, *args, **kwargs)
         finally:
             mck.dist_checkpointing = stock
     if load_dir is not None:
@@ -138,7 +140,45 @@ def load_checkpoint(ddp_model, optimizer, opt_param_scheduler, load_arg="load", 
     return result
 
 
+load_checkpoint._safe_ckpt_loader = True
 _swap_lock = threading.Lock()  # one load at a time swaps the module
+_stock = []  # megatron.training's own load_checkpoint, once found
+
+
+def _is_stock(fn) -> bool:
+    return (callable(fn) and not getattr(fn, "_safe_ckpt_loader", False)
+            and getattr(fn, "__module__", None) == "megatron.training.checkpointing"
+            and getattr(fn, "__name__", None) == "load_checkpoint")
+
+
+def remember_stock_loader(mck):
+    """Remember megatron.training's own `load_checkpoint` while it is still in its module (called
+    wherever safe_ckpt meets that module); returns it, or None if it has been replaced."""
+    current = getattr(mck, "load_checkpoint", None)
+    if _is_stock(current):
+        _stock[:] = [current]
+        return current
+    return None
+
+
+def _stock_load_checkpoint(mck):
+    """megatron.training's own `load_checkpoint`, which does the work around the read. Users install
+    this function in its place (`checkpointing.load_checkpoint = safe_ckpt.megatron.load_checkpoint`),
+    so it is looked for where Megatron's modules imported it by name (`megatron.training.training`)
+    and remembered; calling the module's attribute would call this function again."""
+    current = remember_stock_loader(mck)
+    if current is not None:
+        return current
+    if _stock:
+        return _stock[0]
+    found = next((fn for name, m in list(sys.modules.items()) if m is not None and name.startswith("megatron.")
+                  for fn in [getattr(m, "load_checkpoint", None)] if _is_stock(fn)), None)
+    if found is None:
+        raise ValidationError("megatron.training.checkpointing.load_checkpoint has been replaced and Megatron's own "
+                              "could not be found: install safe_ckpt.megatron.load_checkpoint after "
+                              "megatron.training.training is imported, or call it directly")
+    _stock.append(found)
+    return found
 
 
 class SafeTorchDistLoadStrategy(compat.torch_dist_load_strategy_base()):
@@ -161,3 +201,7 @@ class SafeTorchDistLoadStrategy(compat.torch_dist_load_strategy_base()):
 
     def load_sharded_metadata(self, checkpoint_dir):
         return contract.read_sharded_metadata(checkpoint_dir, self.options)
+
+
+if "megatron.training.checkpointing" in sys.modules:  # a user about to install this loader in its place
+    remember_stock_loader(sys.modules["megatron.training.checkpointing"])

@@ -249,6 +249,9 @@ def _megatron_training():
             f"(megatron-core {compat.package_version('megatron-core') or 'is not installed either'}): install "
             "megatron-core >= 0.19, which ships megatron.training, or put a Megatron-LM checkout on PYTHONPATH; "
             "safe_ckpt.megatron.save_state needs megatron-core only") from exc
+    from .loading import remember_stock_loader
+
+    remember_stock_loader(mck)  # before a user installs safe_ckpt's loader in its place
     return mck, get_args
 
 

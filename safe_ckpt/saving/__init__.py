@@ -98,8 +98,12 @@ def async_save(sharded_state_dict: dict, checkpoint_dir, *, process_group=None, 
 
     With a staging budget smaller than the device bytes, staging waits for earlier
     chunks to be written, so the return is later. Host tensors are written from their
-    own memory afterwards; until the handle finishes, the caller must not change them.
-    What is detected (the save then fails with `SourceModifiedError` naming the key and
+    own memory afterwards. Until they are, every torch optimizer step in the process waits in
+    a step pre-hook (as does `safe_ckpt.staging.gates.before_update()`, for loops that change
+    host tensors outside an optimizer step), so the next step never mixes into the checkpoint,
+    even one that moves no version counter (a fused CPU AdamW, as `--optimizer-cpu-offload`
+    runs); past `collective_timeout_s` the save is abandoned (`StagingTimeoutError`) and the
+    step goes on. Other writes to host tensors must wait for the handle. What is detected (the save then fails with `SourceModifiedError` naming the key and
     rank, and publishes nothing):
     - an in-place operation on the saved tensor object itself (``w.add_(1)``), at any
       time before its last chunk is written (the tensor's version counter moved);

@@ -26,6 +26,7 @@ from ..options import SaveOptions
 from ..plan.agreement import agree
 from ..plan.records import GlobalPlan
 from ..results import SaveResult, SaveTimings
+from ..staging.host_gate import open_host_gate
 from ..staging.pool import PinnedPool, shared_pool
 from ..staging.stager import Stager, record_producer_fence
 from ..targets import LayoutRules, Prepared, PublishMode, Target, WriterSink
@@ -159,6 +160,10 @@ class SaveJob:
             whole_writes=sink.whole_writes, nice=opts.writer_nice, recheck_host_sources=self.asynchronous,
             file_digests=opts.integrity_manifest,
         )
+        if self.asynchronous:  # the next optimizer step waits until the host sources are written
+            writer.window = open_host_gate(planned.layout.items, residences, sources, work.versions,
+                                           name=self.checkpoint_dir, rank=self.coord.rank,
+                                           timeout_s=opts.collective_timeout_s)
         self.writing = Writing(writer, sink, pool, allocations_before, planned_bytes, routed.to_publish,
                                t_started=time.perf_counter())
         self.ballot.on_note(writer.cancel)

@@ -37,7 +37,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..errors import CheckpointError, SourceModifiedError
+from ..errors import CheckpointError, SourceModifiedError, StagingTimeoutError
 from ..units import human_bytes
 from .source_sums import SourceSums
 from .streams import CopyStreams, Mark
@@ -48,10 +48,6 @@ log = logging.getLogger("safe_ckpt")
 # caller's stream waits for them: a write to one before the optimizer step (the MoE router's expert
 # bias, rewritten at the end of backward) then comes after its copy.
 SMALL_SOURCE_BYTES = 1 << 20
-
-
-class StagingTimeoutError(CheckpointError):
-    """A write to saved tensors waited too long for the save's copies; the save was abandoned."""
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from ..encoding.integrity_manifest import FileDigests
 from ..encoding.layout import PlacedItem
+from ..errors import SourceModifiedError
 from ..integrity import ALGORITHM, GRID_ALGORITHM, GRID_ROW_BYTES, Hasher, ItemChecksum, checksum_of, grid_fold
 
 FUSED_PIECE_BYTES = 2 << 20  # hashed, then written while still in the core's cache
@@ -138,3 +139,15 @@ class ItemWrites:
     def recorded(self) -> list[ItemChecksum]:
         with self._lock:
             return list(self._recorded)
+
+
+def modified_while_written(fqn: str, memory_saver_backup: bool, how: str) -> SourceModifiedError:
+    """The error of a host source that changed while an asynchronous save wrote it."""
+    if memory_saver_backup:
+        return SourceModifiedError(
+            f"torch_memory_saver's CPU backup of {fqn!r} changed while it was being saved ({how}: the saver "
+            "resumed and paused again during the save); the checkpoint would be torn, so it is not committed. "
+            "Keep the saver paused until the save's handle has finished")
+    return SourceModifiedError(
+        f"host tensor {fqn!r} was modified in place while it was being saved ({how}); the checkpoint would be "
+        "torn, so it is not committed. Do not change host tensors until the save's handle has finished")

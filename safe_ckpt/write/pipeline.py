@@ -9,13 +9,10 @@ payload and suffix with one vectored write (`item_writes`, which also keeps the 
 checksum); whoever writes a file's last item fsyncs it.
 While a writer writes chunk k, later chunks are already being copied.
 
-When device chunks are small on average, the writers start once the last device chunk's
-copy has been issued (or earlier, when the staging pool is full and only writing can free
-it): issuing many small copies while writers compete for the GIL is slow, and a writer has
-nothing to write before the first copy lands anyway. With large chunks (sync or async) the
-writers start at once: holding them back only idles them. Writers busy from the start slow
-the staging where they fill every core (see `cpu.WRITER_NICE_INCREMENT`). Figures:
-benchmarks/results/HISTORY.md.
+Small device chunks on average: the writers start once the last device copy is issued (or
+when the full pool needs writes to free it), since issuing many small copies while writers
+compete for the GIL is slow; large chunks: at once. Figures: benchmarks/results/HISTORY.md.
+An async save's host gate (`window`) is told of each host chunk written.
 
 Must not: decide what goes where (the layout did), talk to other ranks, or publish.
 """
@@ -33,9 +30,9 @@ import torch
 from ..encoding import torchzip
 from ..encoding.integrity_manifest import FileDigests
 from ..encoding.layout import PlacedItem, RankLayout
-from ..errors import CheckpointError, SourceModifiedError
+from ..errors import CheckpointError
 from ..integrity import ItemChecksum, checksum_of
-from .item_writes import ItemWrites
+from .item_writes import ItemWrites, modified_while_written
 from .progress import Progress
 from ..residence.classify import HOST_RESIDENCES, Residence
 from ..sinks.base import Sink
@@ -129,6 +126,7 @@ class RankWriter:
         self._t0 = 0.0
         self._staged_at = 0.0
         self._residence_bytes: dict[str, int] = {}
+        self.window = None  # an async save's host gate (`staging.host_gate`)
 
     # ----------------------------------------------------------------- control
     def start(self) -> None:
@@ -158,6 +156,8 @@ class RankWriter:
 
     def cancel(self) -> None:
         self._abort.set()
+        if self.window is not None:
+            self.window.fail(CheckpointError("the save was cancelled"))
 
     def join(self) -> WriteStats:
         for t in self._threads:
@@ -173,6 +173,11 @@ class RankWriter:
                     log.debug("closing an abandoned file failed: %s", exc)
         if self._writes.hasher is not None:
             self._writes.hasher.shutdown(wait=True)
+        try:  # closes the host gate (untracked); raises its failure, if any
+            if self.window is not None:
+                self.window.settle()
+        except BaseException as exc:
+            self._errors or self._fail(None, exc)
         files = len(self.work.layout.files)
         if not self._errors and self._files_finished != files:  # a writer gone without a word
             self._fail(None, CheckpointError(f"internal error: {files - self._files_finished} of {files} data files "
@@ -212,6 +217,8 @@ class RankWriter:
         with self._lock:
             self._errors.append(ItemWriteFailed(key, exc))
         self._abort.set()
+        if self.window is not None:  # every step waiting at the gate goes on at once
+            self.window.fail(exc)
 
     # ----------------------------------------------------------------- staging
     def _interleaved(self):
@@ -380,18 +387,11 @@ class RankWriter:
         if residence in HOST_RESIDENCES:
             source = self.work.sources[chunk.local_index]
             if not unchanged or source._version != self.work.versions[chunk.local_index]:
-                how = "its bytes changed while they were written" if not unchanged else "its version counter moved"
-                if residence == Residence.OFFLOAD_BACKUP.value:
-                    raise SourceModifiedError(
-                        f"torch_memory_saver's CPU backup of {chunk.fqn!r} changed while it was being saved "
-                        f"({how}: the saver resumed and paused again during the save); the checkpoint would be "
-                        "torn, so it is not committed. Keep the saver paused until the save's handle has finished"
-                    )
-                raise SourceModifiedError(
-                    f"host tensor {chunk.fqn!r} was modified in place while it was being saved ({how}); "
-                    "the checkpoint would be torn, so it is not committed. Do not change host tensors "
-                    "until the save's handle has finished"
-                )
+                raise modified_while_written(chunk.fqn, residence == Residence.OFFLOAD_BACKUP.value,
+                                             "its bytes changed while they were written" if not unchanged
+                                             else "its version counter moved")
+            if self.window is not None:
+                self.window.captured(chunk.local_index, chunk.payload_bytes)
         self._account(residence, chunk.payload_bytes)
 
     def _account(self, residence: str, nbytes: int) -> None:

@@ -199,3 +199,34 @@ def resume_every_way(rank, world, root) -> dict:
 
 def save_and_resume(rank, world, root) -> dict:
     return {"draws": save_iterations(rank, world, root), "resumes": resume_every_way(rank, world, root)}
+
+
+def installed_in_place(rank, world, root) -> dict:
+    """`checkpointing.load_checkpoint = safe_ckpt.megatron.load_checkpoint`, as the docs say to
+    install it, then a resume through the module's attribute: it must read through safe_ckpt and
+    return what stock's resume returns (it once called itself and waited on its own lock)."""
+    if STAND_INS not in sys.path:
+        sys.path.insert(0, STAND_INS)
+    from megatron.core import mpu
+    from megatron.training import checkpointing as mck
+
+    import safe_ckpt.megatron as safe_megatron
+
+    if not mpu.model_parallel_is_initialized():
+        mpu.initialize_model_parallel(world, 1)
+    flags, it = CASES["latest"]
+    stock_fn = mck.load_checkpoint
+    theirs = _resume(stock_fn, rank, world, root, flags, it)
+    mck.load_checkpoint = safe_megatron.load_checkpoint
+    try:
+        ours = _resume(mck.load_checkpoint, rank, world, root, flags, it)
+    finally:
+        mck.load_checkpoint = stock_fn
+    loaded = safe_megatron.loaded_checkpoint()
+    return {"differences": _differences(ours, theirs), "iteration": ours["iteration"],
+            "loaded": (loaded.save_root, loaded.iteration) if loaded else None}
+
+
+def save_and_install_in_place(rank, world, root) -> dict:
+    save_iterations(rank, world, root)
+    return installed_in_place(rank, world, root)

@@ -97,3 +97,65 @@ def fused_cpu_adam_step_between_item_writes(rank, world, root) -> dict:
         for key in ("w", "m")}
     out["live_changed"] = not torch.equal(after["w"], before["w"])
     return out
+
+
+def failed_write_releases_the_host_gate(rank, world, root) -> dict:
+    """An `async_save` of host-resident AdamW state whose second file cannot be opened while the
+    next step's fused AdamW waits at the host gate: the failure releases the step at once (it does
+    not wait out the gate's timeout), the save raises the write's error and publishes nothing."""
+    import errno
+    import os
+
+    import safe_ckpt
+    from megatron.core.dist_checkpointing import ShardedTensor
+    from safe_ckpt.staging import gates
+    from tests.helpers.hooked_sinks import HookedSink
+
+    n = 1 << 18
+    g = torch.Generator().manual_seed(77 + rank)
+    w = torch.nn.Parameter(torch.randn(n, generator=g))
+    w.grad = torch.randn(n, generator=g)
+    opt = torch.optim.AdamW([w], lr=0.1, fused=True)
+    opt.step()
+    m = opt.state[w]["exp_avg"]
+    held, fail = threading.Event(), threading.Event()
+
+    class FailsSecondOpen(HookedSink):
+        opened = 0
+
+        def open(self, relative_path, size_bytes):
+            FailsSecondOpen.opened += 1
+            if FailsSecondOpen.opened == 2:
+                held.set()
+                fail.wait(WAIT_S)
+                raise OSError(errno.EIO, "injected: the device went away", relative_path)
+            return super().open(relative_path, size_bytes)
+
+    path = os.path.join(root, "ck")
+    opts = safe_ckpt.SaveOptions(chunk_bytes=n, io_threads=1, progress_interval_s=0,
+                                 collective_timeout_s=WAIT_S, sink_factory=lambda d: FailsSecondOpen(d))
+    sharded = {"w": ShardedTensor.from_rank_offsets("w", w.detach(), replica_id=0),
+               "m": ShardedTensor.from_rank_offsets("m", m, replica_id=0)}
+    handle = safe_ckpt.async_save(sharded, path, options=opts)
+    assert held.wait(WAIT_S), "the save never reached its second file"
+    stepped = threading.Event()
+    threading.Thread(target=lambda: (opt.step(), stepped.set()), daemon=True).start()
+    blocked = False
+    for _ in range(int(WAIT_S * 100)):  # the step must reach the gate and block there
+        if any(window.gate_blocked.is_set() for window in gates.open_windows()):
+            blocked = True
+            break
+        if stepped.wait(0.01):
+            break
+    stepped_before_failure = stepped.is_set()
+    fail.set()
+    out = {"blocked": blocked, "stepped_before_failure": stepped_before_failure,
+           "stepped_after_failure": stepped.wait(WAIT_S / 2)}
+    try:
+        handle.wait(timeout=WAIT_S)
+        out["save_error"] = None
+    except safe_ckpt.CheckpointError as exc:
+        out["save_error"] = f"{type(exc).__name__}: {exc}"
+    out["published"] = os.path.exists(path)
+    out["open_windows"] = len(gates.open_windows())
+    return out
