@@ -116,8 +116,7 @@ class CudaStreams:
         if nbytes == 0:
             return
         if self._driver and src.is_contiguous() and cuda_driver.current_device() == device:
-            cuda_driver.memcpy_dtoh_async(dst.data_ptr(), src.data_ptr(), nbytes, stream.cuda_stream,
-                                          page_locked=self.page_locked)
+            cuda_driver.memcpy_dtoh_async(dst.data_ptr(), src.data_ptr(), nbytes, stream.cuda_stream)
             return
         with torch.cuda.device(device), torch.cuda.stream(stream):
             # A strided source makes torch build a contiguous temporary on the device first.
