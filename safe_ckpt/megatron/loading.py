@@ -60,7 +60,30 @@ def load_options_from_args(args) -> LoadOptions:
         staging_budget_bytes=int(budget * GiB) if budget else None,
         collective_timeout_s=float(getattr(args, "safe_ckpt_timeout_s", None) or 600.0),
         verify_checksums=not getattr(args, "safe_ckpt_no_verify_checksums", False),
+        safe_globals=optimizer_classes(),
     )
+
+
+# Where megatron-core finds the fused optimizers it prefers over torch's.
+_FUSED_OPTIMIZERS = (("transformer_engine.pytorch.optimizers", "FusedAdam"),
+                     ("transformer_engine.pytorch.optimizers", "FusedSGD"),
+                     ("apex.optimizers", "FusedAdam"), ("apex.optimizers", "FusedSGD"))
+
+
+def optimizer_classes() -> tuple:
+    """The optimizer classes a Megatron checkpoint's optimizer state may name: with
+    `--optimizer-cpu-offload`, megatron-core's HybridDeviceOptimizer keeps its `cpu_optimizer_cls`
+    and `gpu_optimizer_cls` in its param groups, which stock load rebuilds. torch's, and the fused
+    ones megatron-core picks where this process has already imported them; admitting a class lets
+    the loader name it, nothing else."""
+    import torch
+
+    classes = [torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD]
+    for module, name in _FUSED_OPTIMIZERS:
+        cls = getattr(sys.modules.get(module), name, None)
+        if isinstance(cls, type):
+            classes.append(cls)
+    return tuple(classes)
 
 
 class _ReadBySafeCkpt:

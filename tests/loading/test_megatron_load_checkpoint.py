@@ -38,3 +38,31 @@ def test_load_checkpoint_installed_in_megatrons_module_reads_through_safe_ckpt(t
     for r in out:
         assert r["differences"] == [] and r["iteration"] == 7, r
         assert r["loaded"] == (os.path.abspath(str(tmp_path)), 7), r
+
+
+def test_the_megatron_loader_admits_the_optimizer_classes_cpu_offload_records():
+    """With --optimizer-cpu-offload, megatron-core's HybridDeviceOptimizer keeps its optimizer
+    classes in its param groups (`defaults`): the Megatron loader admits torch's optimizer classes
+    (stock load rebuilds them) and nothing more; a plain safe_ckpt.load still refuses them."""
+    import io
+    import types
+
+    import pytest
+    import torch
+
+    from safe_ckpt.errors import ReadError
+    from safe_ckpt.loading import objects
+    from safe_ckpt.megatron.loading import load_options_from_args
+
+    buffer = io.BytesIO()
+    torch.save({"param_groups": [{"lr": 0.1, "cpu_optimizer_cls": torch.optim.AdamW,
+                                  "gpu_optimizer_cls": torch.optim.Adam}]}, buffer)
+    options = load_options_from_args(types.SimpleNamespace())
+    state = objects.decode(buffer.getvalue(), "optimizer state", options.safe_globals)
+    assert state["param_groups"][0]["cpu_optimizer_cls"] is torch.optim.AdamW
+    with pytest.raises(ReadError, match="torch.optim.adamw.AdamW"):
+        objects.decode(buffer.getvalue(), "optimizer state", ())
+    buffer = io.BytesIO()
+    torch.save({"evil": torch.nn.Linear}, buffer)
+    with pytest.raises(ReadError, match="torch.nn.modules.linear.Linear"):
+        objects.decode(buffer.getvalue(), "optimizer state", options.safe_globals)
