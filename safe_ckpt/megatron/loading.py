@@ -147,16 +147,23 @@ def load_checkpoint(ddp_model, optimizer, opt_param_scheduler, load_arg="load", 
         raise ValidationError(f"--{load_arg.replace('_', '-')} {load_dir}: safe_ckpt.megatron.load_checkpoint reads a "
                               f"local directory (Megatron's tracker and format checks are file system calls); "
                               f"copy the checkpoint down with `safe-ckpt copy`, or load it with safe_ckpt.load")
+    if getattr(_inside, "load", False):  # a wrapper of ours posing as Megatron's function called us back
+        raise ValidationError("safe_ckpt.megatron.load_checkpoint was called again from inside itself: the function "
+                              "it ran as Megatron's own load_checkpoint calls it back (a wrapper installed in "
+                              "megatron.training.checkpointing's place?). Install safe_ckpt's loader where pretrain() "
+                              "calls it, megatron.training.training.load_checkpoint, and leave checkpointing's stock")
     options = safe_ckpt_options or load_options_from_args(margs)
     stock = compat.training_dist_checkpointing(mck)
     stock_load_checkpoint = _stock_load_checkpoint(mck)
     reader = _ReadBySafeCkpt(stock, options)
     with _swap_lock:
         mck.dist_checkpointing = reader
+        _inside.load = True
         try:
             result = stock_load_checkpoint(ddp_model, optimizer, opt_param_scheduler, load_arg, strict,
                                            checkpointing_context, *args, **kwargs)
         finally:
+            _inside.load = False
             mck.dist_checkpointing = stock
     if load_dir is not None:
         _note(reader, load_dir)
@@ -165,20 +172,25 @@ def load_checkpoint(ddp_model, optimizer, opt_param_scheduler, load_arg="load", 
 
 load_checkpoint._safe_ckpt_loader = True
 _swap_lock = threading.Lock()  # one load at a time swaps the module
+_inside = threading.local()  # this thread is running Megatron's load_checkpoint for us
 _stock = []  # megatron.training's own load_checkpoint, once found
 
 
-def _is_stock(fn) -> bool:
-    return (callable(fn) and not getattr(fn, "_safe_ckpt_loader", False)
-            and getattr(fn, "__module__", None) == "megatron.training.checkpointing"
-            and getattr(fn, "__name__", None) == "load_checkpoint")
+def _is_stock(fn, mck) -> bool:
+    """Megatron's own function: compiled from checkpointing's source file, and not a wrapper (a
+    `functools.wraps` wrapper copies the name and module, not the code)."""
+    code = getattr(fn, "__code__", None)
+    source = getattr(mck, "__file__", None)
+    return (code is not None and source is not None and not hasattr(fn, "__wrapped__")
+            and not getattr(fn, "_safe_ckpt_loader", False) and getattr(fn, "__name__", None) == "load_checkpoint"
+            and os.path.realpath(code.co_filename) == os.path.realpath(source))
 
 
 def remember_stock_loader(mck):
     """Remember megatron.training's own `load_checkpoint` while it is still in its module (called
     wherever safe_ckpt meets that module); returns it, or None if it has been replaced."""
     current = getattr(mck, "load_checkpoint", None)
-    if _is_stock(current):
+    if _is_stock(current, mck):
         _stock[:] = [current]
         return current
     return None
@@ -195,11 +207,13 @@ def _stock_load_checkpoint(mck):
     if _stock:
         return _stock[0]
     found = next((fn for name, m in list(sys.modules.items()) if m is not None and name.startswith("megatron.")
-                  for fn in [getattr(m, "load_checkpoint", None)] if _is_stock(fn)), None)
+                  for fn in [getattr(m, "load_checkpoint", None)] if _is_stock(fn, mck)), None)
     if found is None:
-        raise ValidationError("megatron.training.checkpointing.load_checkpoint has been replaced and Megatron's own "
-                              "could not be found: install safe_ckpt.megatron.load_checkpoint after "
-                              "megatron.training.training is imported, or call it directly")
+        raise ValidationError("megatron.training.checkpointing.load_checkpoint has been replaced, and Megatron's own "
+                              "is nowhere else to be found (every module that imported it now holds a replacement): "
+                              "leave megatron.training.checkpointing.load_checkpoint stock and install "
+                              "safe_ckpt.megatron.load_checkpoint as megatron.training.training.load_checkpoint, or "
+                              "import safe_ckpt.megatron after megatron.training so it remembers Megatron's own")
     _stock.append(found)
     return found
 

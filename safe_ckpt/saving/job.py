@@ -160,14 +160,14 @@ class SaveJob:
             whole_writes=sink.whole_writes, nice=opts.writer_nice, recheck_host_sources=self.asynchronous,
             file_digests=opts.integrity_manifest,
         )
-        if self.asynchronous:  # the next optimizer step waits until the host sources are written
-            writer.window = open_host_gate(planned.layout.items, residences, sources, work.versions,
-                                           name=self.checkpoint_dir, rank=self.coord.rank,
-                                           timeout_s=opts.collective_timeout_s)
         self.writing = Writing(writer, sink, pool, allocations_before, planned_bytes, routed.to_publish,
                                t_started=time.perf_counter())
         self.ballot.on_note(writer.cancel)
         self.writing.started = True  # before start(): an interrupt inside it must still join
+        if self.asynchronous:  # the next optimizer step waits until the host sources are written
+            writer.window = open_host_gate(planned.layout.items, residences, sources, work.versions,
+                                           name=self.checkpoint_dir, rank=self.coord.rank,
+                                           timeout_s=opts.collective_timeout_s)
         writer.start()
 
     def _writers_started(self) -> bool:

@@ -7,14 +7,16 @@ One job: send each guarded write to the open windows' `CopyWindow.before_update`
   makes the step raise "OrderedDict mutated during iteration", and a window closes from a
   background thread at any time. With no window open it returns at once;
 - `before_update()`: the explicit gate, for loops that change saved tensors other than through a
-  torch optimizer (and for the `SaveHandle` method of the same name);
+  torch optimizer;
 - torch_memory_saver's `pause` (`guard_memory_saver`): the host waits until every issued copy has
   landed before the saver unmaps the memory they read.
 A window is tracked from its opening until it settles (`CopyWindow.on_settled`), failed or not:
 a failed window's gates return at once, but a pause still waits for copies already issued.
-A save whose copies start later (Megatron's loop synchronizes the device right after the save
-call, so its copies wait for the next step) leaves an opener (`defer`): whoever comes first runs
-it, in its own thread: `open_deferred()` (the next step's trigger) or any gate.
+A save whose copies start later leaves an opener (`defer`): whoever comes first runs it, in its
+own thread: `open_deferred()` (the next step's trigger) or any gate.
+Today's saves use the step hook and `before_update` (an async save's host gate,
+`staging.host_gate`); `defer`, `open_deferred` and `guard_memory_saver` serve the overlapping
+copy mode, whose device-side copier (`window_copier`) is tested but not yet wired into `async_save`.
 
 Must not: know what is copied, block while no window is open, or remove the hook.
 """

@@ -290,10 +290,13 @@ class CopyWindow:
         done = self._cond.wait_for(lambda: self.error is not None or self._all_in_locked(), self.timeout_s)
         self._wait_s += time.monotonic() - t0
         if not done:
+            remedy = ("a staging pool as large as the rank's saved bytes (staging_budget_bytes), or a faster target, "
+                      "lets the copies finish within the step") if self._devices else (
+                "host tensors are written from their own memory, at the target's speed, before the next step may "
+                "change them: a faster target, a larger collective_timeout_s or a synchronous save")
             self._fail_locked(StagingTimeoutError(
                 f"rank {self.rank} abandoned the save to {self.name}: {what} waited {self.timeout_s:.0f} s for "
-                f"{human_bytes(self._pending_bytes)} still to be copied; a staging pool as large as the rank's "
-                "saved bytes (staging_budget_bytes), or a faster target, lets the copies finish within the step"))
+                f"{human_bytes(self._pending_bytes)} still to be copied or written; {remedy}"))
         if self.error is not None:
             log.warning("the save to %s failed while %s waited for it (%s); training goes on, the save publishes "
                         "nothing", self.name, what, type(self.error).__name__)

@@ -151,3 +151,12 @@ def modified_while_written(fqn: str, memory_saver_backup: bool, how: str) -> Sou
     return SourceModifiedError(
         f"host tensor {fqn!r} was modified in place while it was being saved ({how}); the checkpoint would be "
         "torn, so it is not committed. Do not change host tensors until the save's handle has finished")
+
+
+class ItemWriteFailed(Exception):
+    """The first failure of the write phase; ``key`` names the item, ``cause`` the error."""
+
+    def __init__(self, key: str | None, cause: BaseException) -> None:
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.key = key
+        self.cause = cause

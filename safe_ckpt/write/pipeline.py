@@ -30,9 +30,9 @@ import torch
 from ..encoding import torchzip
 from ..encoding.integrity_manifest import FileDigests
 from ..encoding.layout import PlacedItem, RankLayout
-from ..errors import CheckpointError
+from ..errors import CheckpointError, StagingTimeoutError
 from ..integrity import ItemChecksum, checksum_of
-from .item_writes import ItemWrites, modified_while_written
+from .item_writes import ItemWriteFailed, ItemWrites, modified_while_written
 from .progress import Progress
 from ..residence.classify import HOST_RESIDENCES, Residence
 from ..sinks.base import Sink
@@ -76,15 +76,6 @@ class WriteStats:
     files: list[str]
     checksums: list[ItemChecksum]  # empty unless checksums were asked for
     file_digests: dict[str, str]  # SHA-256 of each file written, for integrity.json (empty unless asked for)
-
-
-class ItemWriteFailed(Exception):
-    """The first failure of the write phase; ``key`` names the item, ``cause`` the error."""
-
-    def __init__(self, key: str | None, cause: BaseException) -> None:
-        super().__init__(f"{type(cause).__name__}: {cause}")
-        self.key = key
-        self.cause = cause
 
 
 class RankWriter:
@@ -173,9 +164,11 @@ class RankWriter:
                     log.debug("closing an abandoned file failed: %s", exc)
         if self._writes.hasher is not None:
             self._writes.hasher.shutdown(wait=True)
-        try:  # closes the host gate (untracked); raises its failure, if any
+        try:  # closes the host gate (untracked); its abandonment is the cause of what followed
             if self.window is not None:
                 self.window.settle()
+        except StagingTimeoutError as exc:
+            self._errors.insert(0, ItemWriteFailed(None, exc))
         except BaseException as exc:
             self._errors or self._fail(None, exc)
         files = len(self.work.layout.files)
@@ -324,6 +317,8 @@ class RankWriter:
                 handle = self._handles[index]
                 if handle is None and not self._abort.is_set():
                     handle = self._handles[index] = self._open_file(index)
+                if self.window is not None and self.window.error is not None:
+                    raise self.window.error  # the save was abandoned at the gate: stop writing it
                 if handle is not None and not self._abort.is_set():
                     written = True  # _write_item releases the lease, whatever happens
                     self._write_item(handle, item, staged)

@@ -28,6 +28,13 @@ def test_a_failed_write_releases_the_step_waiting_at_the_host_gate(tmp_path):
     assert not out["published"] and out["open_windows"] == 0, out
 
 
+def test_a_step_held_past_the_timeout_abandons_the_save_with_a_timeout_error(tmp_path):
+    (out,) = values(run_world(1, _cases().gate_timeout_abandons_the_save, (str(tmp_path),)))
+    assert out["save_error"] and out["save_error"].startswith("StagingTimeoutError"), out  # not SourceModifiedError
+    assert "host tensors are written from their own memory" in out["save_error"], out
+    assert out["writes_after_release"] <= 1 and not out["published"], out  # the writers stopped
+
+
 def _cases():
     from tests.helpers.bodies import zero_stall as zero_stall_cases
 

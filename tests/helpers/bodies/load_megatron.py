@@ -5,6 +5,7 @@ under each resume flag; what the model, optimizer, scheduler and RNGs received m
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 import sys
@@ -223,7 +224,18 @@ def installed_in_place(rank, world, root) -> dict:
     finally:
         mck.load_checkpoint = stock_fn
     loaded = safe_megatron.loaded_checkpoint()
+
+    @functools.wraps(stock_fn)  # a user's logging wrapper: Megatron's name and module, safe_ckpt's loader
+    def logged(*a, **k):
+        return safe_megatron.load_checkpoint(*a, **k)
+
+    mck.load_checkpoint = logged
+    try:
+        wrapped = _resume(mck.load_checkpoint, rank, world, root, flags, it)
+    finally:
+        mck.load_checkpoint = stock_fn
     return {"differences": _differences(ours, theirs), "iteration": ours["iteration"],
+            "wrapped_differences": _differences(wrapped, theirs),
             "loaded": (loaded.save_root, loaded.iteration) if loaded else None}
 
 

@@ -159,3 +159,45 @@ def failed_write_releases_the_host_gate(rank, world, root) -> dict:
     out["published"] = os.path.exists(path)
     out["open_windows"] = len(gates.open_windows())
     return out
+
+
+def gate_timeout_abandons_the_save(rank, world, root) -> dict:
+    """An `async_save` of host-resident AdamW state to a target that holds every write, the next
+    step at the host gate past `collective_timeout_s`: the step goes on, the save fails with
+    `StagingTimeoutError` (the cause, not the step's later write), and the writers stop."""
+    import os
+
+    import safe_ckpt
+    from megatron.core.dist_checkpointing import ShardedTensor
+    from tests.helpers.hooked_sinks import HookedSink
+
+    n = 1 << 18
+    g = torch.Generator().manual_seed(91 + rank)
+    w = torch.nn.Parameter(torch.randn(n, generator=g))
+    w.grad = torch.randn(n, generator=g)
+    opt = torch.optim.AdamW([w], lr=0.1)
+    opt.step()
+    release, writes = threading.Event(), []
+
+    class Held(HookedSink):
+        def before_write(self):
+            writes.append(release.is_set())
+            release.wait(WAIT_S)
+
+    opts = safe_ckpt.SaveOptions(chunk_bytes=n * 4 // 8, io_threads=1, progress_interval_s=0,
+                                 collective_timeout_s=1.0, sink_factory=lambda d: Held(d))
+    sharded = {"w": ShardedTensor.from_rank_offsets("w", w.detach(), replica_id=0),
+               "m": ShardedTensor.from_rank_offsets("m", opt.state[w]["exp_avg"], replica_id=0)}
+    handle = safe_ckpt.async_save(sharded, os.path.join(root, "ck"), options=opts)
+    opt.step()  # waits at the gate for 1 s, then the save is abandoned and the step goes on
+    release.set()
+    out = {"writes_before_release": writes.count(False)}
+    try:
+        handle.wait(timeout=WAIT_S)
+        out["save_error"] = None
+    except safe_ckpt.CheckpointError as exc:
+        out["save_error"] = f"{type(exc).__name__}: {exc}"
+    out["writes_after_release"] = writes.count(True)
+    out["items"] = 16
+    out["published"] = os.path.exists(os.path.join(root, "ck"))
+    return out
