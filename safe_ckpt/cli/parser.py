@@ -17,7 +17,7 @@ DESCRIPTION = "The `safe-ckpt` command line: demo, verify, inspect, gc, copy and
 
 def _add_kv_arguments(p: argparse.ArgumentParser, spec: bool = True) -> None:
     if spec:
-        p.add_argument("--kvstore-spec", default=None,
+        p.add_argument("--kvstore-spec", dest="store_spec", default=None,
                        help="TensorStore kvstore spec (JSON) the path lies in, e.g. an s3 bucket at an endpoint")
     p.add_argument("--endpoint", default=None, help="S3-compatible endpoint for s3:// URLs (MinIO, Ceph RGW); "
                                                     "default AWS_ENDPOINT_URL_S3, else AWS_ENDPOINT_URL")

@@ -33,6 +33,7 @@ from ..names import CONFIG_FILE, DATA_SUFFIX, METADATA_FILE, OWNER_OBJECT_PREFIX
 from ..sinks.tensorstore import DEFAULT_REQUEST_TIMEOUT_S, KvDeadlines, KvTarget, StoreNotFoundError, open_sink
 from ..encoding.safe_read.files import check_name, read_file
 from ..targets.directory.locate import locate
+from ..targets.objectstore.locate import download  # noqa: F401  (its former home)
 
 # A local file is read whole, as one kvstore value: no cap but its size when opened.
 _ANY_SIZE = 1 << 62
@@ -79,9 +80,9 @@ def _open_source(src: str, src_spec: dict | None, request_timeout_s: float):
     """The source to read and the tracker content followed to it (None: SRC was the checkpoint)."""
     target = KvTarget(src, src_spec)
     if target.is_kvstore:
-        from . import kvtools
+        from ..targets.objectstore.locate import locate as locate_prefix
 
-        located = kvtools.locate(target, request_timeout_s)
+        located = locate_prefix(target, request_timeout_s)
         return open_sink(located.target, KvDeadlines(request_timeout_s)), located.via_tracker
     located = locate(src)
     return _LocalSource(located.directory, located.shown or src), located.via_tracker
@@ -199,24 +200,3 @@ def _to_store(target: KvTarget, replace: str, moved: _Moved, data: list[str], sm
     for name in sorted(doomed):
         sink.delete(name)
     return sink.root
-
-
-def download(src: KvTarget, local_dir: str, request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
-             progress: ProgressFn | None = None) -> list[str]:
-    """Every file directly under ``src`` into ``local_dir`` as it is (complete or not: for
-    `verify` and `inspect`, which report what is missing); returns the names. A key that is not
-    a plain file name ('..', 'a/b') is refused; a name already in ``local_dir`` is not overwritten."""
-    source = open_sink(src, KvDeadlines(request_timeout_s))
-    os.makedirs(local_dir, exist_ok=True)
-    names = source.list()
-    done_bytes = 0
-    for i, name in enumerate(names, 1):
-        path = check_name(local_dir, name)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o644)
-        with open(fd, "wb") as f:
-            blob = source.read(name)
-            f.write(blob)
-        done_bytes += len(blob)
-        if progress is not None:
-            progress(done_bytes, None, f"fetched {i} of {len(names)} files")
-    return names
