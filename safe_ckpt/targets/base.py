@@ -220,6 +220,25 @@ class Target(abc.ABC):
         """False where a checkpoint cannot be written here at all (a local path that is a file)."""
         return True
 
+    # --- copy: one target read, another importing -------------------------------------------
+    @abc.abstractmethod
+    def reader(self):
+        """After `follow_tracker`, on its checkpoint: its files as `copy` reads them: ``root`` (a
+        prefix for messages), ``shown`` (the checkpoint as the report names it), ``list()``,
+        ``read(name)`` (one whole file), ``total_bytes(names)`` (None where it cannot say cheaply)."""
+
+    def is_same_place(self, other: "Target") -> bool:
+        """Whether importing here would overwrite ``other`` (checked before anything is read)."""
+        return False
+
+    @abc.abstractmethod
+    def import_checkpoint(self, read: Callable[[str], bytes], data: list[str], small: list[str],
+                          replace: str) -> str:
+        """`copy`'s last call, on the destination: the files ``read`` gives (``data``, then
+        ``small`` with `.metadata` last) become a checkpoint here only once all are in, as a
+        save's `publish` makes one visible; ``replace`` as `prepare` takes it. Returns the
+        destination as the report names it."""
+
     @abc.abstractmethod
     def parent(self) -> "Target | None":
         """The save root this checkpoint lies in (None where there is none)."""

@@ -22,7 +22,7 @@ from ...sinks.posix import PosixSink
 from ...sinks.tensorstore import KvTarget
 from ..base import Followed, LocalView, PublishMode, Prepared, Survey, Target, TargetSettings, WriterSink
 from ..registry import register
-from . import gc, inplace, locate, prepare as dir_prepare, publish as commit, root
+from . import copying, gc, inplace, locate, prepare as dir_prepare, publish as commit, root
 from .leftovers import is_complete_checkpoint
 
 
@@ -109,6 +109,15 @@ class DirectoryTarget(Target):
 
     def local_view(self, purpose: str, progress=None):
         return contextlib.nullcontext(LocalView(self.name))
+
+    def reader(self) -> copying.LocalSource:
+        return copying.LocalSource(self.name, self.given)
+
+    def is_same_place(self, other: Target) -> bool:
+        return isinstance(other, DirectoryTarget) and os.path.realpath(self.given) == os.path.realpath(other.name)
+
+    def import_checkpoint(self, read, data: list[str], small: list[str], replace: str) -> str:
+        return copying.import_checkpoint(self.given, replace, read, data + small)
 
     def parent(self) -> "DirectoryTarget":
         return DirectoryTarget(os.path.dirname(self.name), self.settings)

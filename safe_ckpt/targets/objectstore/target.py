@@ -23,7 +23,7 @@ from ..base import (
     Followed, LayoutRules, LocalView, PublishMode, Prepared, Survey, Target, TargetSettings, WholeFiles, WriterSink,
 )
 from ..registry import register
-from . import gc, locate, publish as kvcommit, root
+from . import copying, gc, locate, publish as kvcommit, root
 
 log = logging.getLogger("safe_ckpt")
 
@@ -115,6 +115,12 @@ class ObjectStoreTarget(Target):
         with tempfile.TemporaryDirectory(prefix=f"safe_ckpt-{purpose}-") as local:
             locate.download(self.location, local, self.settings.request_timeout_s, progress)
             yield LocalView(local, copied=True, config_required=True)
+
+    def reader(self) -> copying.PrefixSource:
+        return copying.PrefixSource(open_sink(self.location, KvDeadlines(self.settings.request_timeout_s)))
+
+    def import_checkpoint(self, read, data: list[str], small: list[str], replace: str) -> str:
+        return copying.import_checkpoint(self.location, replace, read, data, small, self.settings.request_timeout_s)
 
     def parent(self) -> "ObjectStoreTarget | None":
         head, _, tail = self.location.path.rstrip("/").rpartition("/")
