@@ -45,54 +45,52 @@ def quiet_megatron_import() -> None:
             logging.disable(previous)
 
 
-def _located(path: str):
-    from ..targets.directory.locate import locate
-
-    located = locate(path)
-    if located.note():
-        print(located.note(), file=sys.stderr)
-    return located
-
-
-def _kv_located(args: argparse.Namespace, target):
-    """A kvstore argument's checkpoint prefix, following a save root's tracker (said on stderr)."""
-    from ..tools import kvtools
-
-    located = kvtools.locate(target, args.request_timeout_s)
-    if located.note():
-        print(located.note(), file=sys.stderr)
-    return located
+def _followed(target):
+    """The checkpoint a tool argument means, following a save root's tracker (said on stderr)."""
+    followed = target.follow_tracker()
+    if followed.note():
+        print(followed.note(), file=sys.stderr)
+    return followed
 
 
-def _kv_target(args: argparse.Namespace, path: str, spec_json: str | None = None, flag: str = "--kvstore-spec"):
-    """The kvstore target of a tool argument (None: a local directory); ``flag`` names the
-    argument ``spec_json`` came from. The endpoint of an `s3://` URL: --endpoint, else the
-    environment's, by the rule every entry point follows (`safe_ckpt.targets.endpoints`)."""
+def _location(args: argparse.Namespace, path: str, spec_json: str | None = None, flag: str = "--kvstore-spec"):
+    """Where a tool argument points, as TensorStore is given it (a path, inside a store spec
+    where given); ``flag`` names the argument ``spec_json`` came from. The endpoint of an `s3://`
+    URL: --endpoint, else the environment's, by the rule every entry point follows
+    (`safe_ckpt.targets.endpoints`)."""
     from ..targets.endpoints import tool_target
 
     spec = _json_arg(spec_json, flag)
     if spec is not None:
-        _check_kv_spec(spec, flag)
+        _check_store_spec(spec, flag)
     scheme, sep, rest = path.partition("://")
     if sep and scheme in ("s3", "gs") and spec is None and not rest.split("/", 1)[0]:
         raise UsageError(f"{path}: the URL names no bucket ({scheme}://BUCKET/PREFIX)")
-    target = tool_target(path, spec, args.endpoint)
-    return target if target.is_kvstore else None
+    return tool_target(path, spec, args.endpoint)
+
+
+_kv_target = _location  # the name earlier callers knew
+
+
+def _target(args: argparse.Namespace, path: str, spec_json: str | None = None, flag: str = "--kvstore-spec"):
+    """The `Target` a tool argument names (`targets.resolve`), with the command's request timeout."""
+    from ..targets import TargetSettings, resolve
+
+    location = _location(args, path, spec_json, flag)
+    return resolve(location.path, spec=location.spec,
+                   settings=TargetSettings(request_timeout_s=args.request_timeout_s))
 
 
 def _verify(args: argparse.Namespace) -> int:
     import json
 
-    from ..tools import kvtools
-    from ..tools.verify import verify
+    from ..tools import on_target
 
-    target = _kv_target(args, args.directory, args.kvstore_spec)
-    located = _located(args.directory) if target is None else _kv_located(args, target)
+    located = _followed(_target(args, args.directory, args.store_spec))
     quiet_megatron_import()
     line = _progress(args, "verify --deep" if args.deep else "verify")
     try:
-        report = verify(located.directory, deep=args.deep, progress=line) if target is None else \
-            kvtools.verify(located.target, deep=args.deep, progress=line, request_timeout_s=args.request_timeout_s)
+        report = on_target.verify(located, deep=args.deep, progress=line)
     finally:
         line.close()
     if args.json:
@@ -124,31 +122,20 @@ def _verify(args: argparse.Namespace) -> int:
 def _inspect(args: argparse.Namespace) -> int:
     import json
 
-    from ..tools import kvtools
-    from ..tools.inspect import inspect, to_text
+    from ..tools import on_target
+    from ..tools.inspect import to_text
 
-    target = _kv_target(args, args.directory, args.kvstore_spec)
-    located = _located(args.directory) if target is None else _kv_located(args, target)
+    located = _followed(_target(args, args.directory, args.store_spec))
     quiet_megatron_import()
-    info = inspect(located.directory) if target is None else kvtools.inspect(located.target, args.request_timeout_s)
-    info["followed_tracker"] = located.via_tracker
+    info = on_target.inspect(located)
     print(json.dumps(info, indent=1, default=str) if args.json else to_text(info))
     return EXIT_OK
 
 
 def _gc(args: argparse.Namespace) -> int:
-    from ..targets.directory.gc import collect
-    from ..targets.directory.locate import require_directory
-    from ..targets.objectstore import gc as kv_gc
-
-    target = _kv_target(args, args.root, args.kvstore_spec)
+    target = _target(args, args.root, args.store_spec)
     quiet_megatron_import()  # reading an index imports megatron-core: its import chatter silenced first
-    if target is None:
-        found = collect(require_directory(args.root, "save root"), dry_run=args.dry_run,
-                        **({"stale_after_s": 0.0} if args.force else {}))
-    else:
-        found = kv_gc.collect(target, dry_run=args.dry_run, request_timeout_s=args.request_timeout_s,
-                              force=args.force)
+    found = target.collect_leftovers(args.dry_run, force=args.force)
     for path in found:
         print(("would remove " if args.dry_run else "removed ") + path)
     if not found:
@@ -156,7 +143,7 @@ def _gc(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _check_kv_spec(spec, flag: str) -> None:
+def _check_store_spec(spec, flag: str) -> None:
     """A spec TensorStore cannot parse is the caller's mistake (exit 2), not a failed command."""
     if not isinstance(spec, dict):
         raise UsageError(f"{flag} must be a JSON object (a TensorStore kvstore spec), got {type(spec).__name__}")
@@ -180,26 +167,18 @@ def _json_arg(text: str | None, name: str):
 
 
 def _copy(args: argparse.Namespace) -> int:
-    import os
-
     from ..tools.copy import copy
-    from ..targets.directory.locate import require_directory
 
-    src = _kv_target(args, args.src, args.src_spec, "--src-spec")
-    dst = _kv_target(args, args.dst, args.dst_spec, "--dst-spec")
-    if src is None:
-        require_directory(args.src, "source directory")
-        located = _located(args.src)
-        src_path, src_spec = located.shown, None
-    else:
-        located = _kv_located(args, src).target
-        src_path, src_spec = located.path, located.spec
-    if dst is None and os.path.exists(args.dst) and not os.path.isdir(args.dst):
+    src = _target(args, args.src, args.src_spec, "--src-spec")
+    dst = _target(args, args.dst, args.dst_spec, "--dst-spec")
+    src.require_exists("source directory")
+    located = _followed(src).target.location
+    if not dst.can_hold_a_checkpoint():
         raise UsageError(f"{args.dst}: not a directory")
     quiet_megatron_import()  # replacing a checkpoint reads its index, which imports megatron-core
     line = _progress(args, "copy")
     try:
-        report = copy(src_path, dst.path if dst else args.dst, src_spec=src_spec, dst_spec=dst.spec if dst else None,
+        report = copy(located.path, dst.location.path, src_spec=located.spec, dst_spec=dst.location.spec,
                       replace="any" if args.replace else "checkpoint", request_timeout_s=args.request_timeout_s,
                       progress=line)
     finally:

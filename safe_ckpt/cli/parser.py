@@ -15,9 +15,9 @@ from .commands import _copy, _demo, _gc, _inspect, _verify
 DESCRIPTION = "The `safe-ckpt` command line: demo, verify, inspect, gc, copy and bench."
 
 
-def _add_kv_arguments(p: argparse.ArgumentParser, spec: bool = True) -> None:
+def _add_store_arguments(p: argparse.ArgumentParser, spec: bool = True) -> None:
     if spec:
-        p.add_argument("--kvstore-spec", default=None,
+        p.add_argument("--kvstore-spec", dest="store_spec", default=None,
                        help="TensorStore kvstore spec (JSON) the path lies in, e.g. an s3 bucket at an endpoint")
     p.add_argument("--endpoint", default=None, help="S3-compatible endpoint for s3:// URLs (MinIO, Ceph RGW); "
                                                     "default AWS_ENDPOINT_URL_S3, else AWS_ENDPOINT_URL")
@@ -69,7 +69,7 @@ def _add_verify(sub) -> None:
     p.add_argument("--deep", action="store_true",
                    help="also torch.load(weights_only=True) every tensor item and check its dtype and shape (slower)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
-    _add_kv_arguments(p)
+    _add_store_arguments(p)
     p.set_defaults(func=_verify)
 
 
@@ -80,7 +80,7 @@ def _add_inspect(sub) -> None:
     p.add_argument("directory", help="a checkpoint directory (iter_NNNNNNN), or a save root holding "
                                      f"{TRACKER_FILE} (the tracker is followed)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
-    _add_kv_arguments(p)
+    _add_store_arguments(p)
     p.set_defaults(func=_inspect)
 
 
@@ -91,7 +91,7 @@ def _add_gc(sub) -> None:
     p.add_argument("--force", action="store_true",
                    help="no save of ROOT is running: take every owner record or owner object as stale, however "
                         "recent its heartbeat (a local save still holding its lock is left alone)")
-    _add_kv_arguments(p)
+    _add_store_arguments(p)
     p.set_defaults(func=_gc)
 
 
@@ -110,7 +110,7 @@ def _add_copy(sub) -> None:
     p.add_argument("--replace", action="store_true",
                    help="replace whatever DST holds: afterwards it holds exactly the copied checkpoint (its "
                         "other files are removed; a save running into DST is still refused)")
-    _add_kv_arguments(p, spec=False)
+    _add_store_arguments(p, spec=False)
     p.set_defaults(func=_copy)
 
 

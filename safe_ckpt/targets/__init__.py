@@ -9,12 +9,14 @@ remove), `endpoints` (where an `s3://` URL goes, as the environment says). Must 
 tensors or plans.
 """
 
-from .base import LayoutRules, Prepared, PublishMode, Survey, Target, TargetSettings, WholeFiles, WriterSink
+from .base import (
+    Followed, LayoutRules, LocalView, Prepared, PublishMode, Survey, Target, TargetSettings, WholeFiles, WriterSink,
+)
 from .registry import for_save, register, resolve
 
 # Each implementation registers itself at its end; a new one is one more line here.
 from .directory import target as _directory  # noqa: E402,F401
 from .objectstore import target as _objectstore  # noqa: E402,F401
 
-__all__ = ["LayoutRules", "Prepared", "PublishMode", "Survey", "Target", "TargetSettings", "WholeFiles",
+__all__ = ["Followed", "LayoutRules", "LocalView", "Prepared", "PublishMode", "Survey", "Target", "TargetSettings", "WholeFiles",
            "WriterSink", "for_save", "register", "resolve"]

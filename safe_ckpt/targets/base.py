@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
 from ..interrupts import Deferred
-from ..names import SAVE_ID_CHARS
+from ..names import SAVE_ID_CHARS, TRACKER_FILE
+from ..sinks.tensorstore import KvTarget
 
 
 def new_save_id() -> str:
@@ -83,6 +84,30 @@ class Survey:
     links: Mapping[int, str] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class Followed:
+    """The checkpoint a tool argument means (`Target.follow_tracker`): the argument itself, or
+    the checkpoint its save root's tracker names; ``shown``: as the user would write it."""
+
+    target: "Target"
+    shown: str
+    via_tracker: str | None = None  # the tracker's content, when the argument was a save root
+
+    def note(self) -> str | None:
+        if self.via_tracker is None:
+            return None
+        return f"followed {TRACKER_FILE} ({self.via_tracker}) to {self.shown}"
+
+
+@dataclass(frozen=True)
+class LocalView:
+    """A local directory holding a checkpoint's files, for the read-only tools (`Target.local_view`)."""
+
+    directory: str
+    copied: bool = False  # a temporary copy: reports name the checkpoint as `Followed.shown`, not this directory
+    config_required: bool = False  # `metadata.json` is this target's commit marker: missing, it is an error
+
+
 class Target(abc.ABC):
     """Where one checkpoint (or a save root) lives, and the life of a save into it.
 
@@ -104,6 +129,7 @@ class Target(abc.ABC):
     """
 
     name: str  # printable and normalized (an absolute path, a URL): SaveResult.checkpoint_dir
+    location: KvTarget  # the path as given (inside ``location.spec`` where given): what `tools.copy` takes
     settings: TargetSettings
 
     # --- one save -------------------------------------------------------------------------
@@ -167,5 +193,56 @@ class Target(abc.ABC):
         return name
 
     @abc.abstractmethod
-    def collect_leftovers(self, dry_run: bool) -> list[str]:
-        """`safe-ckpt gc`: what interrupted saves left here, removed (or only listed)."""
+    def collect_leftovers(self, dry_run: bool, force: bool = False) -> list[str]:
+        """`safe-ckpt gc`, on a save root (no other call first): what interrupted saves left here
+        and one level below, removed (or only listed, ``dry_run``). ``force``: no save is running,
+        so nothing is left alone as a running save's. A missing save root is a `PathUsageError`."""
+
+    # --- the read-only tools: verify, inspect -------------------------------------------------
+    @abc.abstractmethod
+    def follow_tracker(self) -> Followed:
+        """First call of a tool given a checkpoint or a save root: this checkpoint, or the one the
+        save root's tracker names. A `PathUsageError` where there is nothing, or a save root
+        without a tracker (naming its checkpoints); a `TrackerError` where the tracker names
+        nothing there."""
+
+    @abc.abstractmethod
+    def local_view(self, purpose: str, progress=None) -> contextlib.AbstractContextManager[LocalView]:
+        """After `follow_tracker`, on its checkpoint: a local directory holding its files, valid
+        inside the ``with`` (a copy is fetched first, with ``progress``, and removed after).
+        ``purpose`` names the tool (in a temporary copy's name)."""
+
+    def require_exists(self, what: str) -> None:
+        """Before `follow_tracker` where a missing target is the user's mistake: a
+        `PathUsageError` naming it as ``what`` (a store learns it only when it lists)."""
+
+    def can_hold_a_checkpoint(self) -> bool:
+        """False where a checkpoint cannot be written here at all (a local path that is a file)."""
+        return True
+
+    # --- copy: one target read, another importing -------------------------------------------
+    @abc.abstractmethod
+    def reader(self):
+        """After `follow_tracker`, on its checkpoint: its files as `copy` reads them: ``root`` (a
+        prefix for messages), ``shown`` (the checkpoint as the report names it), ``list()``,
+        ``read(name)`` (one whole file), ``total_bytes(names)`` (None where it cannot say cheaply)."""
+
+    def is_same_place(self, other: "Target") -> bool:
+        """Whether importing here would overwrite ``other`` (checked before anything is read)."""
+        return False
+
+    @abc.abstractmethod
+    def import_checkpoint(self, read: Callable[[str], bytes], data: list[str], small: list[str],
+                          replace: str) -> str:
+        """`copy`'s last call, on the destination: the files ``read`` gives (``data``, then
+        ``small`` with `.metadata` last) become a checkpoint here only once all are in, as a
+        save's `publish` makes one visible; ``replace`` as `prepare` takes it. Returns the
+        destination as the report names it."""
+
+    @abc.abstractmethod
+    def parent(self) -> "Target | None":
+        """The save root this checkpoint lies in (None where there is none)."""
+
+    @abc.abstractmethod
+    def read_tracker(self) -> str | None:
+        """On a save root: its tracker's content, stripped; None where it has none."""

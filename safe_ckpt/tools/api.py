@@ -17,11 +17,14 @@ from ..sinks.tensorstore import DEFAULT_REQUEST_TIMEOUT_S
 from .verify import VerifyReport
 
 
-def _target(path: str, kvstore_spec: Optional[dict], endpoint: Optional[str]):
+def _target(path: str, kvstore_spec: Optional[dict], endpoint: Optional[str], request_timeout_s: float):
+    from ..sinks.tensorstore import resolve_target
+    from ..targets import TargetSettings, resolve
     from ..targets.endpoints import endpoint_from, region_from
-    from .kvtools import kv_target
 
-    return kv_target(os.fspath(path), kvstore_spec, endpoint or endpoint_from(os.environ), region_from(os.environ))
+    location = resolve_target(os.fspath(path), kvstore_spec, endpoint or endpoint_from(os.environ),
+                              region_from(os.environ))
+    return resolve(location.path, spec=location.spec, settings=TargetSettings(request_timeout_s=request_timeout_s))
 
 
 def verify(path: str, *, deep: bool = False, kvstore_spec: Optional[dict] = None, endpoint: Optional[str] = None,
@@ -39,14 +42,9 @@ def verify(path: str, *, deep: bool = False, kvstore_spec: Optional[dict] = None
     ``bytes_checked``, ``checksummed_items``. A path that is not a directory, or a tracker naming
     a missing checkpoint, or a save root without a tracker, raises ``ValueError``.
     """
-    from . import kvtools
-    from ..targets.directory.locate import locate
-    from .verify import verify as verify_directory
+    from . import on_target
 
-    target = _target(path, kvstore_spec, endpoint)
-    if target is not None:
-        return kvtools.verify(target, deep=deep, request_timeout_s=request_timeout_s)
-    return verify_directory(locate(os.fspath(path)).directory, deep=deep)
+    return on_target.verify(_target(path, kvstore_spec, endpoint, request_timeout_s).follow_tracker(), deep=deep)
 
 
 def inspect(path: str, *, kvstore_spec: Optional[dict] = None, endpoint: Optional[str] = None,
@@ -57,14 +55,6 @@ def inspect(path: str, *, kvstore_spec: Optional[dict] = None, endpoint: Optiona
     content when ``path`` was a save root). ``path`` as for `verify`. Never runs code from the
     checkpoint; an unreadable one raises `CheckpointError`.
     """
-    from . import kvtools
-    from .inspect import inspect as inspect_directory
-    from ..targets.directory.locate import locate
+    from . import on_target
 
-    target = _target(path, kvstore_spec, endpoint)
-    if target is not None:
-        return kvtools.inspect(target, request_timeout_s)
-    located = locate(os.fspath(path))
-    info = inspect_directory(located.directory)
-    info["followed_tracker"] = located.via_tracker
-    return info
+    return on_target.inspect(_target(path, kvstore_spec, endpoint, request_timeout_s).follow_tracker())

@@ -260,7 +260,9 @@ def test_a_copy_that_cannot_write_names_the_destination_not_its_staging_director
     def full(directory, name, blob):
         raise OSError(28, "No space left on device", os.path.join(directory, name))
 
-    monkeypatch.setattr(copy_tool, "_write_local", full)
+    from safe_ckpt.targets.directory import copying
+
+    monkeypatch.setattr(copying, "_write_local", full)
     monkeypatch.chdir(tmp_path)
     rc, out, err = _cli("copy", ckpt, "dst")
     line = _one_clean_line(err)

@@ -10,23 +10,27 @@ Must not: know about tensors or plans.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Callable, Mapping
 
 from ...encoding import small_files as commit_files
 from ...errors import CheckpointError
 from ...interrupts import Deferred
-from ...names import ITERATION_DIR, METADATA_FILE
+from ...names import ITERATION_DIR, METADATA_FILE, TRACKER_FILE
 from ...sinks.posix import PosixSink
-from ..base import PublishMode, Prepared, Survey, Target, TargetSettings, WriterSink
+from ...sinks.tensorstore import KvTarget
+from ..base import Followed, LocalView, PublishMode, Prepared, Survey, Target, TargetSettings, WriterSink
 from ..registry import register
-from . import gc, inplace, prepare as dir_prepare, publish as commit, root
+from . import copying, gc, inplace, locate, prepare as dir_prepare, publish as commit, root
 from .leftovers import is_complete_checkpoint
 
 
 class DirectoryTarget(Target):
     def __init__(self, path: str, settings: TargetSettings = TargetSettings()) -> None:
-        self.name = os.path.abspath(os.fspath(path))
+        self.given = os.fspath(path)  # as the user wrote it, for usage errors
+        self.name = os.path.abspath(self.given)
+        self.location = KvTarget(self.given)
         self.settings = settings
         self._area: dir_prepare.StagingArea | None = None  # rank 0's, between prepare and publish/abort
 
@@ -87,8 +91,43 @@ class DirectoryTarget(Target):
     def remove_checkpoint(self, name: str) -> None:
         root.remove_checkpoint(name)
 
-    def collect_leftovers(self, dry_run: bool) -> list[str]:
-        return gc.collect(self.name, dry_run=dry_run)
+    def collect_leftovers(self, dry_run: bool, force: bool = False) -> list[str]:
+        root_dir = locate.require_directory(self.given, "save root")
+        return gc.collect(root_dir, dry_run=dry_run, **({"stale_after_s": 0.0} if force else {}))
+
+    # --- the read-only tools
+    def follow_tracker(self) -> Followed:
+        found = locate.locate(self.given)
+        shown = found.shown or found.directory  # relative as the user wrote it: the same directory
+        return Followed(DirectoryTarget(shown, self.settings), shown, found.via_tracker)
+
+    def require_exists(self, what: str) -> None:
+        locate.require_directory(self.given, what)
+
+    def can_hold_a_checkpoint(self) -> bool:
+        return not os.path.exists(self.name) or os.path.isdir(self.name)
+
+    def local_view(self, purpose: str, progress=None):
+        return contextlib.nullcontext(LocalView(self.name))
+
+    def reader(self) -> copying.LocalSource:
+        return copying.LocalSource(self.name, self.given)
+
+    def is_same_place(self, other: Target) -> bool:
+        return isinstance(other, DirectoryTarget) and os.path.realpath(self.given) == os.path.realpath(other.name)
+
+    def import_checkpoint(self, read, data: list[str], small: list[str], replace: str) -> str:
+        return copying.import_checkpoint(self.given, replace, read, data + small)
+
+    def parent(self) -> "DirectoryTarget":
+        return DirectoryTarget(os.path.dirname(self.name), self.settings)
+
+    def read_tracker(self) -> str | None:
+        try:
+            with open(os.path.join(self.name, TRACKER_FILE)) as f:
+                return f.read(64).strip()
+        except FileNotFoundError:
+            return None
 
 
 register(DirectoryTarget, paths=True)

@@ -11,15 +11,19 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import tempfile
 import time
 from typing import Callable, Mapping
 
 from ...errors import ValidationError
 from ...interrupts import Deferred
+from ...names import TRACKER_FILE
 from ...sinks.tensorstore import KvDeadlines, KvTarget, TensorStoreSink, open_sink
-from ..base import LayoutRules, PublishMode, Prepared, Survey, Target, TargetSettings, WholeFiles, WriterSink
+from ..base import (
+    Followed, LayoutRules, LocalView, PublishMode, Prepared, Survey, Target, TargetSettings, WholeFiles, WriterSink,
+)
 from ..registry import register
-from . import gc, publish as kvcommit, root
+from . import copying, gc, locate, publish as kvcommit, root
 
 log = logging.getLogger("safe_ckpt")
 
@@ -96,8 +100,40 @@ class ObjectStoreTarget(Target):
     def shown(self, name: str) -> str:
         return self.name.rstrip("/") + "/" + name
 
-    def collect_leftovers(self, dry_run: bool) -> list[str]:
-        return gc.collect(self.location, dry_run=dry_run, request_timeout_s=self.settings.request_timeout_s)
+    def collect_leftovers(self, dry_run: bool, force: bool = False) -> list[str]:
+        return gc.collect(self.location, dry_run=dry_run, request_timeout_s=self.settings.request_timeout_s,
+                          force=force)
+
+    # --- the read-only tools
+    def follow_tracker(self) -> Followed:
+        found = locate.locate(self.location, self.settings.request_timeout_s)
+        checkpoint = ObjectStoreTarget(found.target.path, self.settings, spec=found.target.spec)
+        return Followed(checkpoint, found.description, found.via_tracker)
+
+    @contextlib.contextmanager
+    def local_view(self, purpose: str, progress=None):
+        with tempfile.TemporaryDirectory(prefix=f"safe_ckpt-{purpose}-") as local:
+            locate.download(self.location, local, self.settings.request_timeout_s, progress)
+            yield LocalView(local, copied=True, config_required=True)
+
+    def reader(self) -> copying.PrefixSource:
+        return copying.PrefixSource(open_sink(self.location, KvDeadlines(self.settings.request_timeout_s)))
+
+    def import_checkpoint(self, read, data: list[str], small: list[str], replace: str) -> str:
+        return copying.import_checkpoint(self.location, replace, read, data, small, self.settings.request_timeout_s)
+
+    def parent(self) -> "ObjectStoreTarget | None":
+        head, _, tail = self.location.path.rstrip("/").rpartition("/")
+        if not tail or (self.location.spec is None and head.endswith(":/")):
+            return None  # a bucket's (or a spec's) root has no parent prefix here
+        return ObjectStoreTarget(head, self.settings, spec=self.location.spec)
+
+    def read_tracker(self) -> str | None:
+        try:
+            return open_sink(self.location, KvDeadlines(self.settings.request_timeout_s)).read(TRACKER_FILE) \
+                .decode().strip()
+        except FileNotFoundError:
+            return None
 
 
 register(ObjectStoreTarget, urls=True)
