@@ -48,13 +48,14 @@ from .results import SaveResult, SaveTimings
 from .saving import SaveHandle, async_save, save
 from .staging.pool import prepare as prepare_staging_pool
 from .staging.pool import release as release_staging_pool
+from .staging.gates import before_update
 from .tools.verify import VerifyReport
 from .version import __version__
 
 __all__ = [
     # saving
     "save", "async_save", "SaveOptions", "SaveResult", "SaveTimings", "SaveHandle",
-    "prepare_staging_pool", "release_staging_pool",
+    "prepare_staging_pool", "release_staging_pool", "before_update",
     # loading
     "load", "LoadOptions",
     # checking a checkpoint

@@ -159,6 +159,14 @@ def _rank_main(rank: int, world_size: int, init_file: str, out_dir: str, size_mb
         dist.destroy_process_group()
 
 
+def _rank_quietly(*args) -> None:
+    """A rank's process: an interrupt ends it without a traceback (the parent reports it once)."""
+    try:
+        _rank_main(*args)
+    except KeyboardInterrupt:
+        pass
+
+
 def _compare(loaded, expected, bits_equal) -> tuple[int, list[str]]:
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
 
@@ -258,6 +266,19 @@ def dispose(out_dir: str, keep: bool) -> str:
     return f"checkpoint removed with its temporary directory {out_dir}; pass --keep (or --out DIR) to keep it"
 
 
+def _stop(procs, grace_s: float = 10.0) -> None:
+    """Stop the rank processes (SIGTERM, then SIGKILL past ``grace_s``) and reap them."""
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
 def main(world_size: int = 2, size_mb: int = 384, out: str | None = None, keep: bool = False,
          io_threads: int = 4, rounds: int = 5) -> int:
     import torch.multiprocessing as mp
@@ -268,21 +289,27 @@ def main(world_size: int = 2, size_mb: int = 384, out: str | None = None, keep: 
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_rank_main,
+        procs = [ctx.Process(target=_rank_quietly,
                              args=(r, world_size, init_file, out_dir, size_mb, io_threads, rounds, results))
                  for r in range(world_size)]
-        for p in procs:
-            p.start()
-        per_rank = {}
-        while len(per_rank) < world_size:
-            try:
-                rank, value = results.get(timeout=5)
-                per_rank[rank] = value
-            except queue_mod.Empty:
-                if all(not p.is_alive() for p in procs):
-                    break
-        for p in procs:
-            p.join()
+        try:
+            for p in procs:
+                p.start()
+            per_rank = {}
+            while len(per_rank) < world_size:
+                try:
+                    rank, value = results.get(timeout=5)
+                    per_rank[rank] = value
+                except queue_mod.Empty:
+                    if all(not p.is_alive() for p in procs):
+                        break
+            for p in procs:
+                p.join()
+        except BaseException:  # an interrupt: the ranks go too, and a temporary directory with them
+            _stop(procs)
+            if out is None and not keep:
+                shutil.rmtree(out_dir, ignore_errors=True)
+            raise
     errors = {r: v["error"] for r, v in per_rank.items() if "error" in v}
     if errors or len(per_rank) < world_size:
         print(f"demo FAILED: {errors or 'a rank died'}")

@@ -19,7 +19,8 @@ import torch
 
 from .. import integrity
 from ..errors import ReadError
-from ..names import COMMON_STATE_KEY, CONFIG_FILE, MANIFEST_FILE, METADATA_FILE, SHARDED_BACKEND
+from ..names import (COMMON_STATE_KEY, CONFIG_FILE, MANIFEST_FILE, METADATA_FILE, RELEASE_DIR, SHARDED_BACKEND,
+                     TRACKER_FILE, iteration_dir)
 from ..encoding import safe_read
 from .source import Source
 
@@ -68,8 +69,8 @@ def read_config(source: Source) -> dict:
     try:
         raw = source.read_whole(CONFIG_FILE, _SMALL_FILE_BYTES)
     except FileNotFoundError:
-        raise ReadError(f"{source.root}: not a distributed checkpoint (no {CONFIG_FILE}); a checkpoint whose save "
-                        f"did not finish has none") from None
+        raise ReadError(f"{source.root}: not a distributed checkpoint (no {CONFIG_FILE}); "
+                        f"{_save_root_hint(source)}") from None
     try:
         config = json.loads(raw)
     except ValueError as exc:
@@ -157,3 +158,16 @@ def sharded_metadata(index: CheckpointIndex, with_common_state: bool = False) ->
     for fqn, t in index.tensors.items():
         out[fqn] = ShardedTensor.from_rank_offsets(fqn, torch.empty(t.size, dtype=t.dtype, device="meta")).without_data()
     return out
+
+
+def _save_root_hint(source: Source) -> str:
+    """Why a directory has no config: a save root (its tracker names the checkpoint to pass), or a
+    save that did not finish."""
+    try:
+        tracker = source.read_whole(TRACKER_FILE, _SMALL_FILE_BYTES).decode(errors="replace").strip()
+    except (OSError, ReadError):
+        return "a checkpoint whose save did not finish has none"
+    name = RELEASE_DIR if tracker == RELEASE_DIR else iteration_dir(int(tracker)) if tracker.isdigit() else None
+    if name is None:
+        return f"it is a save root whose tracker ({TRACKER_FILE}) reads {tracker[:40]!r}, not an iteration"
+    return f"it is a save root whose tracker names {name}: load {source.describe(name)}"

@@ -99,7 +99,7 @@ def async_save(sharded_state_dict: dict, checkpoint_dir, *, process_group=None, 
     With a staging budget smaller than the device bytes, staging waits for earlier
     chunks to be written, so the return is later. Host tensors are written from their
     own memory afterwards. Until they are, every torch optimizer step in the process waits in
-    a step pre-hook (as does `safe_ckpt.staging.gates.before_update()`, for loops that change
+    a step pre-hook (as does `safe_ckpt.before_update()`, for loops that change
     host tensors outside an optimizer step), so the next step never mixes into the checkpoint,
     even one that moves no version counter (a fused CPU AdamW, as `--optimizer-cpu-offload`
     runs); past `collective_timeout_s` the save is abandoned (`StagingTimeoutError`) and the

@@ -112,7 +112,9 @@ def hook_calls() -> int:
 
 
 def before_update(what: str = "before_update()") -> None:
-    """Wait, as an optimizer step would, until changing any saved tensor of an open window is safe."""
+    """Wait, as an optimizer step would, until changing any saved tensor of an open window is safe
+    (`safe_ckpt.before_update`: call it before changing host tensors an `async_save` may still be
+    writing, other than in a torch optimizer's step, which waits by itself)."""
     if _registry.deferred:
         open_deferred()
     for window in _registry.windows:

@@ -1,11 +1,13 @@
 """The demo (`safe-ckpt demo`, `bash scripts/demo.sh`): what it prints and what it leaves."""
 
+import glob
 import os
 import re
 
 from safe_ckpt_lab import demo
 from safe_ckpt_lab.bench.machine import fs_type
 from safe_ckpt_lab.synthetic import StateSpec
+from safe_ckpt.names import iteration_dir
 
 
 def _lines(text: str) -> str:
@@ -96,3 +98,33 @@ def test_filesystem_is_the_mount_that_holds_the_path(tmp_path):
     assert fs_type("/tmp/demo", str(mounts)) == "tmpfs"
     assert fs_type("/tmpfoo/demo", str(mounts)) == "ext4"
     assert fs_type("/home/x", str(mounts)) == "ext4"
+
+
+def test_an_interrupted_demo_stops_its_ranks_and_removes_its_directory(tmp_path):
+    """SIGINT to the demo's own process (what `timeout -s INT` or a supervisor sends) while its ranks
+    are saving: it exits 130 within seconds, prints no traceback, leaves no rank running and removes
+    its temporary directory (it once waited for its ranks for ever)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    proc = subprocess.Popen([sys.executable, "-m", "safe_ckpt", "demo", "--size-mb", "64", "--ranks", "2"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 240
+    started = False
+    while time.monotonic() < deadline and proc.poll() is None and not started:
+        started = any(os.path.exists(os.path.join(d, iteration_dir(42)))
+                      for d in glob.glob(str(tmp_path / "safe_ckpt_demo_*")))  # the ranks have saved once
+        time.sleep(0.05)
+    assert started, "the demo's ranks never saved"
+    proc.send_signal(signal.SIGINT)
+    try:
+        output, _ = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise AssertionError("the interrupted demo did not exit within 60 s")
+    assert proc.returncode == 130, output
+    assert "Traceback" not in output and "interrupted" in output, output
+    assert glob.glob(str(tmp_path / "safe_ckpt_demo_*")) == [], output

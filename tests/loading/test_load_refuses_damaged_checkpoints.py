@@ -39,3 +39,23 @@ def test_hostile_checkpoint_is_refused_on_every_rank(refusals, case):
         assert any(r["unchecked_mismatches"] for r in out)  # the damage is real; only the check caught it
     if case == "integrity_json":
         assert all(r["unchecked_mismatches"] == [] for r in out)
+
+
+def test_a_save_root_passed_to_load_is_named_with_the_checkpoint_its_tracker_names(tmp_path):
+    """`safe_ckpt.load` reads one checkpoint, as stock load does; given the save root above it, the
+    error says so and names the directory to pass (not "a save that did not finish")."""
+    import pytest
+    import torch
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    import safe_ckpt
+
+    root = tmp_path / "run"
+    (root / "iter_0000042").mkdir(parents=True)
+    (root / "latest_checkpointed_iteration.txt").write_text("42")
+    template = {"w": ShardedTensor.from_rank_offsets("w", torch.empty(4), replica_id=0)}
+    with pytest.raises(safe_ckpt.ReadError, match=r"save root whose tracker names iter_0000042: load .*iter_0000042"):
+        safe_ckpt.load(template, str(root))
+    (root / "latest_checkpointed_iteration.txt").unlink()
+    with pytest.raises(safe_ckpt.ReadError, match="did not finish"):
+        safe_ckpt.load(template, str(root))
