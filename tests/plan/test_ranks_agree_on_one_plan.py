@@ -152,7 +152,9 @@ def _refused_save(rank, world, target, fault):
         build = agreement.build_global_plan
 
         def interrupted(*args, **kwargs):
-            os.kill(os.getpid(), signal.SIGINT)  # delivered at once unless the agreement holds it
+            # SIGINT's handler, called as the interpreter calls it on delivery (os.kill's delivery
+            # waits for the main thread's next check, which a loaded machine can delay past the hold)
+            signal.getsignal(signal.SIGINT)(signal.SIGINT, None)
             return build(*args, **kwargs)
 
         agreement.build_global_plan = interrupted
