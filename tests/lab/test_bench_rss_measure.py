@@ -1,6 +1,7 @@
 """The bench's peak-RSS measure: exact from the kernel's high-water mark where it can be reset,
 with no thread of its own beside the save; sampled otherwise."""
 
+import mmap
 import sys
 import threading
 import time
@@ -12,8 +13,10 @@ from safe_ckpt_lab.bench.measure import RssPeak
 MiB = 1 << 20
 
 
-def _touch(nbytes: int) -> bytearray:
-    block = bytearray(nbytes)
+def _touch(nbytes: int) -> mmap.mmap:
+    """``nbytes`` of fresh resident memory: its own mapping, since heap memory earlier tests freed
+    may already be resident (a raised mmap threshold keeps large blocks in the heap)."""
+    block = mmap.mmap(-1, nbytes)
     for i in range(0, nbytes, 4096):  # resident only once written
         block[i] = 1
     return block

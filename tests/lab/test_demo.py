@@ -110,15 +110,18 @@ def test_an_interrupted_demo_stops_its_ranks_and_removes_its_directory(tmp_path)
     import time
 
     env = {**os.environ, "TMPDIR": str(tmp_path)}
+    # SIGINT as a terminal delivers it, whatever this runner inherited (a background job ignores it)
+    restore = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)  # noqa: E731
     proc = subprocess.Popen([sys.executable, "-m", "safe_ckpt", "demo", "--size-mb", "64", "--ranks", "2"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=restore)
     deadline = time.monotonic() + 240
     started = False
     while time.monotonic() < deadline and proc.poll() is None and not started:
-        started = any(os.path.exists(os.path.join(d, iteration_dir(42)))
-                      for d in glob.glob(str(tmp_path / "safe_ckpt_demo_*")))  # the ranks have saved once
+        # both ranks are running (they take seconds to import torch and Megatron before saving)
+        started = len(_children(proc.pid)) >= 2 and glob.glob(str(tmp_path / "safe_ckpt_demo_*")) != []
         time.sleep(0.05)
-    assert started, "the demo's ranks never saved"
+    assert started, "the demo's ranks never started"
     proc.send_signal(signal.SIGINT)
     try:
         output, _ = proc.communicate(timeout=60)
@@ -128,3 +131,18 @@ def test_an_interrupted_demo_stops_its_ranks_and_removes_its_directory(tmp_path)
     assert proc.returncode == 130, output
     assert "Traceback" not in output and "interrupted" in output, output
     assert glob.glob(str(tmp_path / "safe_ckpt_demo_*")) == [], output
+
+
+def _children(pid: int) -> list[int]:
+    """Process ids whose parent is ``pid`` (Linux's /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                found.append(int(entry))
+    return found

@@ -149,6 +149,9 @@ def _refused_save(rank, world, target, fault):
 
         agreement.build_global_plan = out_of_memory
     if rank == 1 and fault == "sigint_while_agreeing":
+        # Python's own SIGINT handler, whatever this process inherited (a runner started in the
+        # background of a shell passes SIGINT ignored, and an ignored SIGINT is never held)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         build = agreement.build_global_plan
 
         def interrupted(*args, **kwargs):
