@@ -17,6 +17,7 @@ GiB = 1 << 30
 
 UNMAPPED_POLICIES = ("error", "cpu_backup")
 REPLACE_POLICIES = ("checkpoint", "any", "never")
+RETURN_AFTER = ("staged", "planned")
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,16 @@ class SaveOptions:
     kvstore_save_timeout_s: the most all of a save's kvstore requests may take together, from
         planning to publication (None: no bound beyond each request's; a save's time grows
         with its bytes, so set it from the expected size).
+    return_after: when `async_save` returns. "staged" (default): once every device byte is in
+        the pinned pool. "planned": right after planning; the device-to-host copies then run on
+        a side stream while training goes on, and every `torch.optim` optimizer step in the
+        process (a global step pre-hook), `SaveHandle.before_update()` / `safe_ckpt.before_update()`
+        and torch_memory_saver's `pause` wait for the bytes they would change (a stream wait once
+        every copy is issued; the host waits only while the pool is too small or host sources are
+        being snapshotted). A write to a saved tensor that none of these orders (a `.data` write,
+        another stream) fails the save with `SourceModifiedError`. Zero stall needs
+        `staging_budget_bytes` >= the rank's saved bytes (device + host). Gates wait at most
+        `collective_timeout_s`, then the save is abandoned (`StagingTimeoutError`).
     """
 
     chunk_bytes: int = 64 * MiB
@@ -116,6 +127,7 @@ class SaveOptions:
     kvstore_spec: Optional[dict] = None
     kvstore_request_timeout_s: float = 30.0
     kvstore_save_timeout_s: Optional[float] = None
+    return_after: str = "staged"
 
     def __post_init__(self) -> None:
         problems = []
@@ -141,6 +153,8 @@ class SaveOptions:
             problems.append(f"unmapped_policy={self.unmapped_policy!r} must be one of {UNMAPPED_POLICIES}")
         if self.writer_nice is not None and (type(self.writer_nice) is not int or not 0 <= self.writer_nice <= 19):
             problems.append(f"writer_nice={self.writer_nice!r} must be None or an int within [0, 19]")
+        if self.return_after not in RETURN_AFTER:
+            problems.append(f"return_after={self.return_after!r} must be one of {RETURN_AFTER}")
         if self.progress_interval_s < 0:
             problems.append(f"progress_interval_s={self.progress_interval_s} must be >= 0")
         if problems:

@@ -10,7 +10,8 @@ Call order on every rank (each step after a collective sees the same data everyw
   5. vote: every rank learns whether the checkpoint is visible;
   6. with a ``post_commit`` step (the tracker file): that step, then a last vote.
 `async_save` returns after step 2's staging of device memory; a background thread
-runs the rest.
+runs the rest. With `SaveOptions.return_after="planned"` it returns right after step 1 and the
+device-to-host copies run while the caller goes on (see `async_save`).
 
 Failures: whatever a rank meets between two collectives (an exception in its planning,
 a sink factory that raises, a writer's error, an exception in ``post_commit``) goes to
@@ -54,17 +55,21 @@ __all__ = ["SaveHandle", "SaveJob", "async_save", "save", "start"]
 
 def start(sharded_state_dict: dict, checkpoint_dir, *, process_group=None, options: SaveOptions | None = None,
           content_metadata: dict | None = None, sharded_only: bool = False, post_commit=None,
-          asynchronous: bool = False) -> SaveJob:
+          asynchronous: bool = False, copy_start: str = "now") -> SaveJob:
     """Plan and start writing (collective); for the adapters at the edges. The returned job
     is finished with `.finish()`, or (``asynchronous``) with `.in_background()`, which returns
     the `SaveHandle`. ``sharded_only``: Megatron's own save owns the directory, its common
     state and metadata.json; this save adds the sharded items and `.metadata` into it. Waits
-    for this process's previous save to end first (see above)."""
+    for this process's previous save to end first (see above). ``copy_start``: for an
+    asynchronous save with ``return_after="planned"``, "now" opens its copy window in this call,
+    "deferred" at the next `staging.gates.open_deferred()` or gate (the Megatron drop-in: the next
+    `optimizer.zero_grad()`, since Megatron synchronizes the device right after its save call)."""
     # An `s3://` URL goes where the environment's AWS_ENDPOINT_URL_S3 says, as on the command line.
     checkpoint_dir, options = endpoints.save_target(checkpoint_dir, options or SaveOptions())
     mode = PublishMode.INTO_EXISTING if sharded_only else PublishMode.WHOLE
     job = SaveJob(sharded_state_dict, targets.for_save(checkpoint_dir, options), process_group, options,
-                  content_metadata, mode=mode, post_commit=post_commit, asynchronous=asynchronous)
+                  content_metadata, mode=mode, post_commit=post_commit, asynchronous=asynchronous,
+                  copy_start=copy_start)
     job.slot = slot.acquire(job.checkpoint_dir, options.collective_timeout_s)
     try:
         job.gc_hold = gcfreeze.Hold(options.gc_freeze)
@@ -116,6 +121,18 @@ def async_save(sharded_state_dict: dict, checkpoint_dir, *, process_group=None, 
     changes to the few non-contiguous host chunks that are copied to the staging pool
     before their write. Device-resident tensors are copied before `async_save` returns
     and may change freely afterwards.
+
+    With ``options.return_after="planned"`` it returns right after planning (the handle's
+    `stall_s` is the call's time). Every source (device and host) then goes through a copy
+    window: device bytes are copied into the pinned pool on a side stream and host tensors
+    snapshotted into it while the caller goes on; every torch optimizer step, `before_update()`
+    (also `SaveHandle.before_update()`) and torch_memory_saver's `pause` wait for what is still
+    uncopied (a stream wait once every copy is issued; the host blocks only while the pool is
+    too small or host snapshots run). A write none of these orders (through ``.data``, from
+    another stream, in place) is found by the sources' version counters or their content sums
+    (taken at the window's opening and after each source's last copy) and fails the save with
+    `SourceModifiedError`: nothing is published. Once the window closed
+    (`SaveHandle.window_closed()`) the sources may change freely.
     """
     return start(sharded_state_dict, checkpoint_dir, process_group=process_group, options=options,
                  content_metadata=content_metadata, asynchronous=True).in_background()

@@ -34,17 +34,20 @@ _unobserved: list["SaveHandle"] = []  # failed, and nobody has seen the error ye
 
 
 class SaveHandle:
-    """An asynchronous save whose device bytes are already staged.
+    """An asynchronous save whose device bytes are already staged, or, with
+    ``return_after="planned"``, one returned right after planning whose copies are still running.
 
     `wait()` returns the `SaveResult` or raises the save's `CheckpointError`;
     `done()` tells whether it has finished. Every rank must let its handle finish
-    (the remaining steps are collective).
+    (the remaining steps are collective). `stall_s` is the call's time; the host time steps
+    spent waiting at the copy window's gates is `window_stats().gate_wait_s`.
     """
 
     def __init__(self, job, stall_s: float) -> None:
         self.stall_s = stall_s
         self.checkpoint_dir = job.checkpoint_dir
         self._job = job
+        self._window = job.window  # kept after the job is dropped: its stats stay readable
         self._result = None
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="safe_ckpt-finish", daemon=True)
@@ -75,6 +78,33 @@ class SaveHandle:
 
     def done(self) -> bool:
         return not self._thread.is_alive()
+
+    def before_update(self) -> None:
+        """Wait until changing this save's source tensors is safe (a deferred window is opened
+        first); call it before writing them other than in a torch optimizer's step, which waits by
+        itself. A no-op once the window closed, and without one."""
+        from ..staging import gates
+
+        gates.open_deferred()
+        if self._window is not None:
+            self._window.before_update(what="SaveHandle.before_update()")
+
+    def window_closed(self) -> bool:
+        """Every source byte is in host memory (or the save failed): the sources may change."""
+        window = self._window
+        return window is None or window.is_settled or window.error is not None
+
+    def wait_window_closed(self, timeout: float | None = None) -> bool:
+        """Block until `window_closed()` (True) or ``timeout`` seconds passed (False)."""
+        if self._window is None:
+            return True
+        closed = threading.Event()
+        self._window.on_settled(closed.set)
+        return closed.wait(timeout)
+
+    def window_stats(self):
+        """The copy window's `WindowStats` (gates met, host time blocked, bytes copied), or None."""
+        return None if self._window is None else self._window.stats()
 
     def wait(self, timeout: float | None = None):
         self._thread.join(timeout)
@@ -112,6 +142,10 @@ def mark_observed(failed) -> None:
 def _finish_inflight_at_exit() -> None:
     with _inflight_lock:
         pending = list(_inflight)
+    if pending:  # a copy window still waiting for its trigger: nobody else will open it now
+        from ..staging import gates
+
+        gates.open_deferred()
     for handle in pending:
         log.warning("waiting for the asynchronous save of %s to finish before exit",
                     handle.checkpoint_dir)

@@ -2,7 +2,9 @@
 
 One job: carry a save through its phases on this rank: planning (this rank's message and the
 global plan everyone agrees on, `local_plan` and `plan.agreement`) gives `Planned`; writing
-(the stager and the writers, `write.pipeline`) is `Writing`; then the write vote, the commit
+(the stager and the writers, `write.pipeline`) is `Writing`, which for an async save that returns right
+after planning (`SaveOptions.return_after="planned"`) first has its copy window open (until every
+source byte is in host memory: `write.window_staging`); then the write vote, the commit
 (`committing`: rank 0 builds the small files while its writers write, then publishes through
 the `Target`), the commit vote, and ``post_commit``, which give the `SaveResult`. Every failure
 noted between two collectives goes to the next vote (`coord.ballot`). The call order and
@@ -31,6 +33,7 @@ from ..staging.pool import PinnedPool, shared_pool
 from ..staging.stager import Stager, record_producer_fence
 from ..targets import LayoutRules, Prepared, PublishMode, Target, WriterSink
 from ..write.pipeline import ItemWriteFailed, RankWork, RankWriter
+from ..write.window_staging import WindowStaging, build_window
 from ..write.progress import Progress, log_saved
 from . import committing
 from .local_plan import plan_locally
@@ -71,7 +74,8 @@ class SaveJob:
     must finish it: `finish()`, or `in_background()` for an asynchronous save."""
 
     def __init__(self, sharded_state_dict, target: Target, process_group, options: SaveOptions, content_metadata,
-                 mode: PublishMode = PublishMode.WHOLE, post_commit=None, asynchronous: bool = False):
+                 mode: PublishMode = PublishMode.WHOLE, post_commit=None, asynchronous: bool = False,
+                 copy_start: str = "now"):
         self.options = options
         self.target = target
         self.state = sharded_state_dict  # dropped once planned: the job keeps only the sources it needs
@@ -81,6 +85,10 @@ class SaveJob:
         self.post_commit = post_commit  # collective step after a successful commit (tracker file)
         # The caller runs on while host sources are written: each is checked again after its write.
         self.asynchronous = asynchronous
+        # Returns right after planning: the copies run through a copy window, opened "now" or at the
+        # next trigger ("deferred", `staging.gates.open_deferred`).
+        self.overlapped = asynchronous and options.return_after == "planned"
+        self.copy_start = copy_start
         self.gc_hold = gcfreeze.Hold(False)  # start() puts the save's hold here
         self.slot: slot.Held | None = None  # start() puts the process's save slot here
         self.coord: dist.Coordinator | None = None
@@ -144,7 +152,7 @@ class SaveJob:
         pool = shared_pool(opts.staging_budget_bytes)
         allocations_before = pool.stats().allocations
         devices = {s.device.index for s in sources if s.device.type == "cuda"}
-        fence = record_producer_fence(devices) if devices else None
+        fence = record_producer_fence(devices) if devices and not self.overlapped else None  # the window fences
         routed = self.target.route_whole_files(local.whole_files)
         sink = self.target.writer_sink(planned.prepared, opts.sink_factory)
         work = RankWork(layout=planned.layout, sources=sources, residences=residences,
@@ -164,11 +172,22 @@ class SaveJob:
                                t_started=time.perf_counter())
         self.ballot.on_note(writer.cancel)
         self.writing.started = True  # before start(): an interrupt inside it must still join
-        if self.asynchronous:  # the next optimizer step waits until the host sources are written
+        if self.overlapped:  # every source through the copy window; every gate waits for it
+            writer.window = build_window(planned.layout.items, residences, sources, work.versions,
+                                         name=self.checkpoint_dir, rank=self.coord.rank,
+                                         timeout_s=opts.collective_timeout_s, page_locked=pool.pinned)
+            writer.overlap = WindowStaging(writer.window, pool, copy_start=self.copy_start,
+                                           in_file_order=opts.integrity_manifest)
+        elif self.asynchronous:  # the next optimizer step waits until the host sources are written
             writer.window = open_host_gate(planned.layout.items, residences, sources, work.versions,
                                            name=self.checkpoint_dir, rank=self.coord.rank,
                                            timeout_s=opts.collective_timeout_s)
         writer.start()
+
+    @property
+    def window(self):
+        """The copy window (or an async save's host gate) of this save, once its writers exist."""
+        return None if self.writing is None else self.writing.writer.window
 
     def _writers_started(self) -> bool:
         return self.writing is not None and self.writing.started
@@ -187,9 +206,12 @@ class SaveJob:
         return time.perf_counter() - self.t0
 
     def in_background(self):
-        """This save's handle once its device bytes are staged (`async_save`'s return)."""
+        """This save's handle once its device bytes are staged (`async_save`'s return), or at once
+        where it returns right after planning."""
         from .handle import SaveHandle
 
+        if self.overlapped:
+            return SaveHandle(self, time.perf_counter() - self.t0)
         return SaveHandle(self, self.wait_staged())
 
     def release(self) -> None:

@@ -212,8 +212,13 @@ class CopyWindow:
 
     def settle(self) -> None:
         """In the save's thread once the copier is done: wait for every issued copy to land,
-        compare the content sums, close. Raises the window's failure, if any."""
+        compare the content sums, close. Raises the window's failure, if any. Once settled, a
+        second call only raises that failure again."""
         with self._cond:
+            if self._settled_at is not None:
+                if self.error is not None:
+                    raise self.error
+                return
             marks = list(self._device_last.values())
             if self._opened_at is None:
                 self._fail_locked(CheckpointError(f"internal error: the copy window of the save to {self.name} "
@@ -316,6 +321,10 @@ class CopyWindow:
     @property
     def is_open(self) -> bool:
         return self._opened_at is not None and self._settled_at is None
+
+    @property
+    def is_settled(self) -> bool:
+        return self._settled_at is not None
 
     def all_in(self) -> bool:
         """Every chunk is issued (device) or captured (host)."""

@@ -9,10 +9,11 @@ payload and suffix with one vectored write (`item_writes`, which also keeps the 
 checksum); whoever writes a file's last item fsyncs it.
 While a writer writes chunk k, later chunks are already being copied.
 
-Small device chunks on average: the writers start once the last device copy is issued (or
-when the full pool needs writes to free it), since issuing many small copies while writers
-compete for the GIL is slow; large chunks: at once. Figures: benchmarks/results/HISTORY.md.
-An async save's host gate (`window`) is told of each host chunk written.
+Small device chunks on average: the writers start once the last device copy is issued (or when the
+full pool needs writes to free it), since issuing many small copies while writers compete for the
+GIL is slow; large chunks: at once. Figures: benchmarks/results/HISTORY.md. An async save's host
+gate (`window`) is told of each host chunk written; one that returns right after planning stages
+through its copy window instead (`overlap`: `window_staging`).
 
 Must not: decide what goes where (the layout did), talk to other ranks, or publish.
 """
@@ -23,17 +24,15 @@ import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
 import time
-from dataclasses import dataclass
-
-import torch
 
 from ..encoding import torchzip
 from ..encoding.integrity_manifest import FileDigests
-from ..encoding.layout import PlacedItem, RankLayout
+from ..encoding.layout import PlacedItem
 from ..errors import CheckpointError, StagingTimeoutError
 from ..integrity import ItemChecksum, checksum_of
 from .item_writes import ItemWriteFailed, ItemWrites, modified_while_written
 from .progress import Progress
+from .work import RankWork, WriteStats
 from ..residence.classify import HOST_RESIDENCES, Residence
 from ..sinks.base import Sink
 from ..host import cpu
@@ -44,7 +43,6 @@ from ..staging.views import chunk_view
 
 log = logging.getLogger(__name__)
 
-
 # Host sources an asynchronous save hashes twice (before and after writing) to catch a caller
 # changing them meanwhile. torch_memory_saver's CPU backup among them: its resume frees the
 # backup by default, but with the backup retained (`TMS_RETAIN_CPU_BACKUP`) a resume, a step and a
@@ -53,29 +51,6 @@ RECHECKED_RESIDENCES = HOST_RESIDENCES
 
 # Device chunks at least this large on average: the writers start at once (see above).
 EARLY_WRITERS_MIN_CHUNK_BYTES = 16 << 20
-
-
-@dataclass(frozen=True)
-class RankWork:
-    layout: RankLayout
-    sources: list[torch.Tensor]  # by ShardRef.local_index
-    residences: list[str]
-    versions: list[int]  # each source's version counter when the save began
-    object_payloads: dict[str, bytes]
-    whole_files: dict[str, bytes]  # small files written in one piece (e.g. common.pt)
-
-
-@dataclass(frozen=True)
-class WriteStats:
-    payload_bytes: int
-    file_bytes: int
-    bytes_by_residence: dict[str, int]
-    device_bytes: int
-    staged_s: float  # from start until every device payload was in host memory
-    written_s: float  # from start until every file was durable
-    files: list[str]
-    checksums: list[ItemChecksum]  # empty unless checksums were asked for
-    file_digests: dict[str, str]  # SHA-256 of each file written, for integrity.json (empty unless asked for)
 
 
 class RankWriter:
@@ -117,11 +92,14 @@ class RankWriter:
         self._t0 = 0.0
         self._staged_at = 0.0
         self._residence_bytes: dict[str, int] = {}
-        self.window = None  # an async save's host gate (`staging.host_gate`)
+        self.window = None  # an async save's host gate (`staging.host_gate`), or its copy window
+        self.overlap = None  # `window_staging.WindowStaging`: staging through the copy window
 
     # ----------------------------------------------------------------- control
     def start(self) -> None:
         self._t0 = time.perf_counter()
+        if self.overlap is not None:  # opens the window in this thread now, or at the next trigger
+            self.overlap.begin(self)
         if self._checksum_threads and self.work.layout.files:
             self._writes.hasher = ThreadPoolExecutor(self._checksum_threads, thread_name_prefix="safe_ckpt-sum")
         # The stager first: until the first copies are issued no writer has anything to write.
@@ -134,10 +112,12 @@ class RankWriter:
             try:
                 t.start()
             except BaseException as exc:  # e.g. the process's thread limit: the save fails through the vote
-                self._fail(None, exc)
+                self.fail(None, exc)
                 break
         self._threads = [t for t in self._threads if t.ident is not None]
         if not self._threads:  # not even the stager: nothing is staged, nobody may wait for it
+            if self.overlap is not None:
+                self.overlap.abandon()
             self._writers_go.set()
             self._mark_staged()
             self._dispatch.close()
@@ -149,6 +129,8 @@ class RankWriter:
         self._abort.set()
         if self.window is not None:
             self.window.fail(CheckpointError("the save was cancelled"))
+        if self.overlap is not None:
+            self.overlap.abandon()
 
     def join(self) -> WriteStats:
         for t in self._threads:
@@ -170,10 +152,10 @@ class RankWriter:
         except StagingTimeoutError as exc:
             self._errors.insert(0, ItemWriteFailed(None, exc))
         except BaseException as exc:
-            self._errors or self._fail(None, exc)
+            self._errors or self.fail(None, exc)
         files = len(self.work.layout.files)
         if not self._errors and self._files_finished != files:  # a writer gone without a word
-            self._fail(None, CheckpointError(f"internal error: {files - self._files_finished} of {files} data files "
+            self.fail(None, CheckpointError(f"internal error: {files - self._files_finished} of {files} data files "
                                              "were never finished; nothing is published"))
         if not self._errors:
             try:
@@ -184,13 +166,13 @@ class RankWriter:
                     if self.checksums:
                         self._writes.record(ItemChecksum(name, 0, len(data), checksum_of([data]), name))
             except BaseException as exc:
-                self._fail(name, exc)
+                self.fail(name, exc)
         digests = {}
         if not self._errors and self._digests is not None:
             try:
                 digests = self._digests.digests()
             except BaseException as exc:
-                self._fail(None, exc)
+                self.fail(None, exc)
         if self._errors:
             raise self._errors[0]
         files = [f.relative_path for f in self.work.layout.files] + list(self.work.whole_files)
@@ -198,7 +180,7 @@ class RankWriter:
             payload_bytes=sum(self._residence_bytes.values()),
             file_bytes=self.work.layout.file_bytes + sum(len(d) for d in self.work.whole_files.values()),
             bytes_by_residence=dict(self._residence_bytes),
-            device_bytes=self.stager.device_bytes,
+            device_bytes=self.stager.device_bytes if self.overlap is None else self.window.stats().copied_bytes,
             staged_s=self._staged_at - self._t0 if self._staged_at else 0.0,
             written_s=time.perf_counter() - self._t0,
             files=files,
@@ -206,15 +188,30 @@ class RankWriter:
             file_digests=digests,
         )
 
-    def _fail(self, key: str | None, exc: BaseException) -> None:
+    def fail(self, key: str | None, exc: BaseException, first_only: bool = False) -> None:
+        """Note a failure (``first_only``: only if none was noted yet) and stop the save's work."""
         with self._lock:
+            if first_only and self._errors:
+                return
             self._errors.append(ItemWriteFailed(key, exc))
         self._abort.set()
         if self.window is not None:  # every step waiting at the gate goes on at once
             self.window.fail(exc)
+        if self.overlap is not None:
+            self.overlap.abandon()
+
+    def release_writers(self) -> None:
+        self._writers_go.set()
+
+    def hand_on(self, file_index: int, item: PlacedItem, staged) -> None:
+        self._dispatch.put(file_index, (item, staged))
+
+    def staging_done(self) -> None:
+        self._mark_staged()
+        self._dispatch.close()
 
     # ----------------------------------------------------------------- staging
-    def _interleaved(self):
+    def staging_order(self):
         """(file index, item) in staging order: by where the item starts as a fraction of its
         file, so every file advances at the same rate and none is left with most of its items
         when the others are done (only its one writer at a time could then write them)."""
@@ -232,15 +229,18 @@ class RankWriter:
             self._staged.set()
 
     def _stage_all(self) -> None:
+        if self.overlap is not None:
+            self.overlap.stage_all()
+            return
         waiter = None
         try:
-            entries = list(self._interleaved())
+            entries = list(self.staging_order())
             device = [k for k, (_, item) in enumerate(entries) if self._on_device(item)]
             last_device = device[-1] if device else -1
             if last_device < 0:
                 self._writers_go.set()
                 self._mark_staged()
-            elif self._large_chunks([entries[k][1] for k in device]):
+            elif self.large_chunks([entries[k][1] for k in device]):
                 self._writers_go.set()
             for k, (file_index, item) in enumerate(entries):
                 if self._abort.is_set():
@@ -248,7 +248,7 @@ class RankWriter:
                 try:
                     staged = self._stage(item)
                 except BaseException as exc:
-                    self._fail(item.fqn, exc)
+                    self.fail(item.fqn, exc)
                     break
                 self._dispatch.put(file_index, (item, staged))
                 if k == last_device:
@@ -258,7 +258,7 @@ class RankWriter:
                     waiter = threading.Thread(target=self._await_device_copies, name="safe_ckpt-staged", daemon=True)
                     waiter.start()
         except BaseException as exc:
-            self._fail(None, exc)
+            self.fail(None, exc)
         finally:
             if self._abort.is_set():
                 self.stager.drop_sums()  # the writers only release what is left
@@ -270,7 +270,7 @@ class RankWriter:
             self._dispatch.close()
 
     @staticmethod
-    def _large_chunks(device_items: list[PlacedItem]) -> bool:
+    def large_chunks(device_items: list[PlacedItem]) -> bool:
         payload = sum(item.chunk.payload_bytes for item in device_items)
         return payload >= EARLY_WRITERS_MIN_CHUNK_BYTES * len(device_items)
 
@@ -279,7 +279,7 @@ class RankWriter:
         try:
             self.stager.wait_copies()
         except BaseException as exc:
-            self._fail(None, exc)
+            self.fail(None, exc)
         finally:
             self._mark_staged()
 
@@ -323,7 +323,7 @@ class RankWriter:
                     written = True  # _write_item releases the lease, whatever happens
                     self._write_item(handle, item, staged)
             except BaseException as exc:
-                self._fail(item.fqn, exc)
+                self.fail(item.fqn, exc)
             finally:
                 if not written and isinstance(staged, StagedChunk):
                     staged.release()
@@ -335,7 +335,7 @@ class RankWriter:
         try:
             return self.sink.open(spec.relative_path, spec.size_bytes)
         except BaseException as exc:
-            self._fail(None, exc)
+            self.fail(None, exc)
             return None
 
     def _finish_file(self, file_index: int) -> None:
@@ -348,11 +348,11 @@ class RankWriter:
             if not self._abort.is_set():
                 handle.sync()
         except BaseException as exc:
-            self._fail(None, exc)
+            self.fail(None, exc)
         try:
             handle.close()
         except BaseException as exc:  # a close can report a failed write-back (NFS, EIO)
-            self._fail(None, exc)
+            self.fail(None, exc)
 
     def _write_item(self, handle, item: PlacedItem, staged) -> None:
         if item.obj is not None:
@@ -370,7 +370,8 @@ class RankWriter:
             crc = torchzip.payload_crc32(payload) if self.crc32 else 0
             sums = staged.grid() if self.checksums else None
             residence = self.work.residences[chunk.local_index]
-            recheck = self._recheck and residence in RECHECKED_RESIDENCES and staged.from_source_memory
+            own_memory = staged.from_source_memory
+            recheck = self._recheck and residence in RECHECKED_RESIDENCES and own_memory
             unchanged = True
             if sums is not None:
                 self._writes.write_gridded(handle, item, container.prefix, payload[0], sums, container.suffix(crc))
@@ -379,13 +380,15 @@ class RankWriter:
                                                recheck=recheck)
         finally:
             staged.release()
-        if residence in HOST_RESIDENCES:
+        # A chunk staged through the copy window was checked when it was captured; its source may
+        # legitimately change once the gate let the next step go, while its pool copy is written.
+        if residence in HOST_RESIDENCES and (self.overlap is None or own_memory):
             source = self.work.sources[chunk.local_index]
             if not unchanged or source._version != self.work.versions[chunk.local_index]:
                 raise modified_while_written(chunk.fqn, residence == Residence.OFFLOAD_BACKUP.value,
                                              "its bytes changed while they were written" if not unchanged
                                              else "its version counter moved")
-            if self.window is not None:
+            if self.window is not None and self.overlap is None:
                 self.window.captured(chunk.local_index, chunk.payload_bytes)
         self._account(residence, chunk.payload_bytes)
 
