@@ -211,7 +211,7 @@ class RankWriter:
         self._dispatch.close()
 
     # ----------------------------------------------------------------- staging
-    def staging_order(self):
+    def _interleaved(self):
         """(file index, item) in staging order: by where the item starts as a fraction of its
         file, so every file advances at the same rate and none is left with most of its items
         when the others are done (only its one writer at a time could then write them)."""
@@ -234,7 +234,7 @@ class RankWriter:
             return
         waiter = None
         try:
-            entries = list(self.staging_order())
+            entries = list(self._interleaved())
             device = [k for k, (_, item) in enumerate(entries) if self._on_device(item)]
             last_device = device[-1] if device else -1
             if last_device < 0:

@@ -1,0 +1,192 @@
+"""Rank bodies of the tests of `async_save(..., SaveOptions(return_after="planned"))` through the
+public API (spawned ranks, see mp.py). On a CPU-only torch every source is host memory, copied by
+the window's simulated copy stream into the pool and content-checked, as device sources are on a GPU.
+
+The ordering is made deterministic by a pool of one chunk and a sink whose first data write waits
+for an event: the copies cannot get past the first chunk until the test lets that write go.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import torch
+
+WAIT_S = 60.0
+N = 1 << 19  # 2 MiB per fp32 tensor: above the window's small-source size, so copied in the window
+CHUNKS = 4
+
+
+def _adamw(seed: int):
+    """A real fused AdamW (what --optimizer-cpu-offload steps on the host) with its state made,
+    and the next step's gradient in place."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.nn.Parameter(torch.randn(N, generator=g))
+    w.grad = torch.randn(N, generator=g)
+    opt = torch.optim.AdamW([w], lr=0.1, fused=True)
+    opt.step()
+    w.grad = torch.randn(N, generator=g)
+    return w, opt
+
+
+def _sharded(tensors: dict) -> dict:
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    return {k: ShardedTensor.from_rank_offsets(k, t, replica_id=0) for k, t in tensors.items()}
+
+
+def _load(path: str, keys) -> dict:
+    from megatron.core import dist_checkpointing
+
+    return dist_checkpointing.load(_sharded({k: torch.empty(N) for k in keys}), path)
+
+
+def _held_first_write(release: threading.Event, arrived: threading.Event | None = None, fail_with=None):
+    from tests.helpers.hooked_sinks import HookedSink
+
+    class HeldFirstWrite(HookedSink):
+        writes = 0
+
+        def before_write(self):
+            HeldFirstWrite.writes += 1
+            if HeldFirstWrite.writes == 1:
+                if arrived is not None:
+                    arrived.set()
+                assert release.wait(WAIT_S), "the test never released the first write"
+                if fail_with is not None:
+                    raise fail_with
+
+    return HeldFirstWrite
+
+
+def _options(pool_bytes: int, sink, **kw):
+    import safe_ckpt
+
+    return safe_ckpt.SaveOptions(chunk_bytes=N * 4 // CHUNKS, io_threads=1, progress_interval_s=0,
+                                 staging_budget_bytes=pool_bytes, return_after="planned",
+                                 sink_factory=lambda d: sink(d), collective_timeout_s=WAIT_S, **kw)
+
+
+def _step_in_thread(opt):
+    done, errors = threading.Event(), []
+
+    def run():
+        try:
+            opt.step()
+        except BaseException as exc:
+            errors.append(repr(exc))
+        finally:
+            done.set()
+
+    threading.Thread(target=run, daemon=True).start()
+    return done, errors
+
+
+def _wait_blocked_or_done(done: threading.Event) -> bool:
+    """True once a gate of an open window blocks the host; False if the step finished first."""
+    from safe_ckpt.staging import gates
+
+    for _ in range(int(WAIT_S * 100)):
+        if any(window.gate_blocked.is_set() for window in gates.open_windows()):
+            return True
+        if done.wait(0.01):
+            return False
+    raise AssertionError("the step neither blocked nor finished")
+
+
+def step_right_after_the_call(rank, world, root, pool_chunks: int) -> dict:
+    """The next training step's fused AdamW right after `async_save` returns, with a pool of
+    ``pool_chunks`` chunks and the first write held. Returns whether the step was held, what the
+    live tensors were while it was, and what stock `dist_checkpointing.load` reads back."""
+    import safe_ckpt
+
+    w, opt = _adamw(4242 + rank)
+    m = opt.state[w]["exp_avg"]
+    pre = {"w": w.detach().clone(), "m": m.clone()}
+    release = threading.Event()
+    path = os.path.join(root, "ck")
+    opts = _options(pool_chunks * N * 4 // CHUNKS, _held_first_write(release))
+    handle = safe_ckpt.async_save(_sharded({"w": w.detach(), "m": m}), path, options=opts)
+    out = {"stall_s": handle.stall_s}
+    if pool_chunks * N * 4 // CHUNKS >= 2 * N * 4:  # the pool holds the state: every copy lands unheld
+        out["window_closed_before_step"] = handle.wait_window_closed(WAIT_S)
+    done, errors = _step_in_thread(opt)
+    out["step_blocked"] = _wait_blocked_or_done(done)
+    out["unchanged_while_held"] = torch.equal(w.detach(), pre["w"]) and torch.equal(m, pre["m"])
+    release.set()
+    assert done.wait(WAIT_S), "the optimizer step never ran"
+    out["step_errors"] = errors
+    result = handle.wait(timeout=WAIT_S)
+    out["files"] = len(result.files)
+    stats = handle.window_stats()
+    out["window"] = {"gates": stats.gates, "blocked_gates": stats.blocked_gates, "pending_bytes": stats.pending_bytes}
+    loaded = _load(path, ("w", "m"))
+    out["checkpoint_is_pre_step"] = [torch.equal(loaded["w"], pre["w"]), torch.equal(loaded["m"], pre["m"])]
+    out["live_is_post_step"] = not torch.equal(w.detach(), pre["w"]) and not torch.equal(m, pre["m"])
+    return out
+
+
+def uncovered_write_right_after_the_call(rank, world, root) -> dict:
+    """A checkpoint of iteration 1 with its tracker, then an overlapped save of iteration 2 and a
+    write through ``.data`` right after the call, before the copies (first write held, pool of one
+    chunk): the save must fail naming the key and rank, publish nothing, and leave iteration 1 and
+    the tracker as they were."""
+    import safe_ckpt
+    from safe_ckpt.megatron import save_state
+    from safe_ckpt.staging import gates
+
+    w, opt = _adamw(99 + rank)
+    m = opt.state[w]["exp_avg"]
+    first = {"w": w.detach().clone(), "m": m.clone()}
+    save_state(_sharded({"w": w.detach(), "m": m}), root, os.path.join(root, "iter_0000001"), "1",
+               options=safe_ckpt.SaveOptions(chunk_bytes=N * 4 // CHUNKS, io_threads=1, progress_interval_s=0))
+    opt.step()
+    release = threading.Event()
+    handle = save_state(_sharded({"w": w.detach(), "m": m}), root, os.path.join(root, "iter_0000002"), "2",
+                        options=_options(N * 4 // CHUNKS, _held_first_write(release)), async_save=True)
+    w.data.copy_(torch.full_like(w, 7.0))  # no gate orders it; no version counter moves
+    release.set()
+    out = {"versions": w._version}
+    try:
+        handle.wait(timeout=WAIT_S)
+        out["error"] = None
+    except safe_ckpt.CheckpointError as exc:
+        out["error"] = f"{type(exc).__name__}: {exc}"
+        out["error_types"] = [c.__name__ for c in type(exc).__mro__]
+    out["published"] = os.path.exists(os.path.join(root, "iter_0000002"))
+    out["tracker"] = open(os.path.join(root, "latest_checkpointed_iteration.txt")).read().strip()
+    loaded = _load(os.path.join(root, "iter_0000001"), ("w", "m"))
+    out["first_intact"] = [torch.equal(loaded["w"], first["w"]), torch.equal(loaded["m"], first["m"])]
+    out["open_windows"] = len(gates.open_windows())
+    return out
+
+
+def write_fault_on_one_rank(rank, world, root, faulty_rank: int) -> dict:
+    """Every rank saves with a pool of one chunk and its first write held, its next step waiting at
+    the gate; then ``faulty_rank``'s held write fails. Every rank's step must go on and every
+    rank's save fail; nothing is published."""
+    import errno
+
+    import safe_ckpt
+    from safe_ckpt.staging import gates
+
+    w, opt = _adamw(7 + rank)
+    m = opt.state[w]["exp_avg"]
+    release = threading.Event()
+    fault = OSError(errno.EIO, "injected: the device went away") if rank == faulty_rank else None
+    path = os.path.join(root, "ck")
+    handle = safe_ckpt.async_save(_sharded({f"w{rank}": w.detach(), f"m{rank}": m}), path,
+                                  options=_options(N * 4 // CHUNKS, _held_first_write(release, fail_with=fault)))
+    done, errors = _step_in_thread(opt)
+    blocked = _wait_blocked_or_done(done)
+    release.set()
+    out = {"blocked": blocked, "stepped": done.wait(WAIT_S), "step_errors": errors}
+    try:
+        handle.wait(timeout=WAIT_S)
+        out["error"] = None
+    except safe_ckpt.CheckpointError as exc:
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    out["published"] = os.path.exists(path)
+    out["open_windows"] = len(gates.open_windows())
+    return out
