@@ -370,3 +370,31 @@ def training_dist_checkpointing(checkpointing_module):
         raise ImportError("megatron.training.checkpointing has no dist_checkpointing module with load and "
                           "load_common_state_dict: this Megatron-LM is not one safe_ckpt's load_checkpoint knows")
     return found
+
+
+def step_replaying_cuda_graph(args) -> str | None:
+    """The flag replaying an optimizer step or param gather as a CUDA graph, or None: 0.15-0.18
+    `--cuda-graph-impl local --cuda-graph-scope full_iteration` (a string in 0.15, `CudaGraphScope`s
+    from 0.16); 0.19+ `--cuda-graph-impl full_iteration` and `--optimizer-cuda-graph`."""
+    impl = getattr(args, "cuda_graph_impl", None)
+    scope = getattr(args, "cuda_graph_scope", None)
+    scopes = {getattr(s, "name", s) for s in (scope if isinstance(scope, (list, tuple)) else [scope])}
+    if impl == "full_iteration":
+        return "--cuda-graph-impl full_iteration"
+    if impl == "local" and "full_iteration" in scopes:
+        return "--cuda-graph-scope full_iteration"
+    if getattr(args, "optimizer_cuda_graph", False):
+        return "--optimizer-cuda-graph"
+    return None
+
+
+def param_gathers_pending(model_chunks) -> int:
+    """DDP bucket groups of ``model_chunks`` with a param all-gather still to dispatch or wait for
+    (`param_gather_dispatched`, `param_gather_handle`: the same in megatron-core 0.15 to 0.19)."""
+    pending = 0
+    for chunk in model_chunks:
+        groups = list(getattr(chunk, "bucket_groups", None) or []) + \
+            list(getattr(chunk, "expert_parallel_bucket_groups", None) or [])
+        pending += sum(1 for g in groups if not getattr(g, "param_gather_dispatched", False)
+                       or getattr(g, "param_gather_handle", None) is not None)
+    return pending

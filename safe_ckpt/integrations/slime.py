@@ -38,6 +38,7 @@ import sys
 log = logging.getLogger("safe_ckpt")
 
 SLIME_MODEL_MODULE = "slime.backends.megatron_utils.model"
+SLIME_BACKUPER_MODULE = "slime.utils.tensor_backper"
 INIT_HOOK = "safe_ckpt.integrations.slime.install"
 
 
@@ -65,6 +66,10 @@ def add_arguments(parser):
     group.add_argument("--safe-ckpt-stock-load", action="store_true",
                        help="with --ckpt-backend safe, keep Megatron's own checkpoint load (by default the actor's "
                             "load goes through safe_ckpt too)")
+    group.add_argument("--safe-ckpt-overlap-copy", action="store_true",
+                       help="with --async-save, return from the save right after planning and copy the GPU state "
+                            "during the next step's forward and backward (its optimizer step waits for what is "
+                            "left); falls back to the staged return, naming why, where the setup is not eligible")
     group.add_argument("--safe-ckpt-chained-init-path", type=str, default=None,
                        help="another --custom-megatron-init-path hook to run first (set by the launcher)")
     return parser
@@ -104,6 +109,36 @@ def _patch_async_finalize() -> None:
     async_utils.maybe_finalize_async_save = maybe_finalize_async_save
 
 
+def _guard_writers_of_saved_tensors(backuper_module: str | None = None) -> None:
+    """An overlapped save's copies may still be reading the weights when slime writes them: make
+    torch_memory_saver's `pause` wait for the copies, and every `TensorBackuper.restore` (the
+    weight switch of `wake_up` and of the ref/teacher log-probs) wait at the gate first."""
+    from ..staging import gates
+
+    gates.guard_memory_saver()
+    try:
+        module = importlib.import_module(backuper_module or SLIME_BACKUPER_MODULE)
+    except ImportError:
+        return
+    base = getattr(module, "TensorBackuper", None)
+    todo, classes = [base] if isinstance(base, type) else [], []
+    while todo:
+        cls = todo.pop()
+        classes.append(cls)
+        todo.extend(cls.__subclasses__())
+    for cls in classes:
+        restore = vars(cls).get("restore")
+        if restore is None or getattr(restore, "__isabstractmethod__", False) or getattr(restore, "_safe_ckpt", False):
+            continue
+
+        def gated(self, *args, _inner=restore, **kwargs):
+            gates.before_update("TensorBackuper.restore()")
+            return _inner(self, *args, **kwargs)
+
+        gated._safe_ckpt = True
+        cls.restore = gated
+
+
 def install(args, model_module: str | None = None) -> None:
     """`--custom-megatron-init-path safe_ckpt.integrations.slime.install`: runs in every train
     actor after Megatron is initialised, before the actor's load; with `--ckpt-backend safe`, slime's
@@ -120,6 +155,7 @@ def install(args, model_module: str | None = None) -> None:
         raise RuntimeError(f"{module.__name__} has no save_checkpoint to replace: unsupported slime version")
     module.save_checkpoint = slime_save_checkpoint
     _patch_async_finalize()
+    _guard_writers_of_saved_tensors(getattr(args, "safe_ckpt_backuper_module", None))
     from .slime_load import install_load
 
     install_load(args)

@@ -21,7 +21,7 @@ import os
 import threading
 
 from .. import compat
-from . import resume
+from . import overlap, resume
 from .. import targets
 from .. import saving as save_mod
 from ..errors import MissingDependencyError, ValidationError, failure_from_exception
@@ -30,6 +30,7 @@ from ..options import GiB, SaveOptions
 from ..results import SaveResult
 from ..targets.retention import Retention, prune
 from ..sinks.tensorstore import KvTarget, is_kvstore_url, resolve_target
+from ..staging import gates
 
 log = logging.getLogger("safe_ckpt")
 
@@ -56,8 +57,10 @@ _pending_lock = threading.Lock()
 _pending: list = []
 
 
-def options_from_args(args) -> SaveOptions:
-    """SaveOptions from Megatron args (the `--safe-ckpt-*` flags, where registered)."""
+def options_from_args(args, model=None) -> SaveOptions:
+    """SaveOptions from Megatron args (the `--safe-ckpt-*` flags, where registered).
+    `--safe-ckpt-overlap-copy` with `--async-save` sets ``return_after="planned"`` where the save is
+    eligible (`overlap`; ``model``: Megatron's model chunks, for its param-gather rule)."""
     budget = getattr(args, "safe_ckpt_staging_budget_gib", None)
     integrity = bool(getattr(args, "verify_integrity", False))
     if integrity and not compat.stock_integrity_manifest():
@@ -70,6 +73,7 @@ def options_from_args(args) -> SaveOptions:
         collective_timeout_s=float(getattr(args, "safe_ckpt_timeout_s", None) or 600.0),
         writer_nice=getattr(args, "safe_ckpt_writer_nice", None),
         integrity_manifest=integrity,  # Megatron's --verify-integrity: integrity.json as its own save writes it
+        return_after=overlap.return_after(args, model),
     )
 
 
@@ -138,13 +142,16 @@ def note_loaded_from_args(args) -> None:
 
 def save_state(state_dict: dict, save_dir: str, checkpoint_dir: str, tracker_value: str, *,
                content_metadata: dict | None = None, options: SaveOptions | None = None,
-               async_save: bool = False, process_group=None, retention: Retention | None = None):
+               async_save: bool = False, process_group=None, retention: Retention | None = None,
+               copy_start: str = "now"):
     """Write a Megatron training state dict to ``checkpoint_dir``, then point the tracker file
     in ``save_dir`` at it (rank 0, after every rank's data is durable), then apply
     ``retention`` to older iterations. Collective.
 
     Returns the `SaveResult`, or with ``async_save`` a `SaveHandle` that finishes in the
     background (tracker and retention included); `finalize_async_saves()` waits for it.
+    ``copy_start``: with ``options.return_after="planned"``, when the copies start ("deferred": at
+    the next `staging.gates.open_deferred()`, e.g. the optimizer's `zero_grad`; see `saving.start`).
     """
     options = options or SaveOptions()
     save_dir, checkpoint_dir, options = _endpoints().save_state_targets(save_dir, checkpoint_dir, options)
@@ -166,7 +173,8 @@ def save_state(state_dict: dict, save_dir: str, checkpoint_dir: str, tracker_val
             prune(root, int(tracker_value), retention, resumed_from=resumed)  # once the new one is current
 
     job = save_mod.start(state_dict, checkpoint_dir, process_group=process_group, options=options,
-                         content_metadata=content_metadata, post_commit=write_tracker, asynchronous=async_save)
+                         content_metadata=content_metadata, post_commit=write_tracker, asynchronous=async_save,
+                         copy_start=copy_start)
     if not async_save:
         return job.finish()
     handle = job.in_background()
@@ -179,8 +187,10 @@ def finalize_async_saves(blocking: bool = True) -> list[SaveResult]:
     """Finish the asynchronous saves started here; raises the first failure.
 
     Call it where Megatron calls `maybe_finalize_async_save` (safe_ckpt's saves are not in
-    Megatron's queue). With ``blocking=False`` only finished saves are collected.
+    Megatron's queue). With ``blocking=False`` only finished saves are collected. A save whose
+    copies still wait for the next training step (`--safe-ckpt-overlap-copy`) starts them first.
     """
+    gates.open_deferred()
     with _pending_lock:
         handles = list(_pending)
     results = []
@@ -265,6 +275,8 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
     `--save`, `--no-save-optim`, `--no-save-rng`, `--verify-integrity` (`integrity.json`) and
     `--async-save` (then it returns a handle and finishes in the background: call
     `finalize_async_saves()`). Retention keeps the checkpoint this run loaded (`resume`).
+    With `--safe-ckpt-overlap-copy` too it returns right after planning; the copies start at the
+    optimizer's next `zero_grad()` and its next step waits for what is left (`overlap`).
     """
     mck, get_args = _megatron_training()
     args = get_args()
@@ -275,6 +287,10 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
     if not getattr(args, "save", None):
         raise ValidationError("--save is not set: there is nowhere to save the checkpoint")
     finalize_async_saves(blocking=True)  # one save at a time, as Megatron's queue enforces
+    options = options_from_args(args, model)  # before unwrapping: the overlap rules read the DDP buckets
+    deferred = bool(getattr(args, "async_save", False)) and options.return_after == "planned"
+    if deferred:
+        overlap.install_trigger(optimizer)
 
     model = mck.unwrap_model(model)
     metadata = _sharding_metadata(mck, args, kwargs.get("dp_cp_group"))
@@ -290,7 +306,7 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
         }),
     )
     state_dict["num_floating_point_operations_so_far"] = num_floating_point_operations_so_far
-    save_root, options = save_target(args.save, options_from_args(args), os.environ)
+    save_root, options = save_target(args.save, options, os.environ)
     note_loaded_from_args(args)
     checkpoint_name = mck.get_checkpoint_name(save_root, iteration, release=release, return_base_dir=True)
     log.info("saving iteration %s to %s (sharding %s)", iteration, checkpoint_name,
@@ -299,4 +315,5 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
         state_dict, save_root, checkpoint_name, RELEASE_DIR if release else str(iteration),
         content_metadata=compat.clean_content_metadata(metadata), options=options,
         async_save=bool(getattr(args, "async_save", False)), retention=retention_from_args(args),
+        copy_start="deferred" if deferred else "now",
     )

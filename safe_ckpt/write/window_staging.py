@@ -98,9 +98,21 @@ class WindowStaging:
         """In the caller's thread, from `RankWriter.start`: open the window now, or leave the
         opener for the next trigger."""
         self._writer = writer
+        try:
+            self._prepare(writer)
+        except BaseException as exc:  # the save fails through its vote; the staging thread goes on at once
+            writer.fail(None, exc)
+            self.abandon()
+            return
+        if self.copy_start == "deferred":
+            gates.defer(self.open)
+        else:
+            self.open()
+
+    def _prepare(self, writer: "RankWriter") -> None:
         self.copier = WindowCopier(self.window, self.pool, snapshot_host=True, on_wait=writer.release_writers)
         per_file: dict[int, int] = {}
-        for file_index, item in writer.staging_order():
+        for file_index, item in writer._interleaved():
             self._seq[id(item)] = per_file.get(file_index, 0)
             per_file[file_index] = self._seq[id(item)] + 1
             if item.obj is not None:
@@ -110,10 +122,6 @@ class WindowStaging:
             view = chunk_view(writer.work.sources[chunk.local_index], chunk.shard_box.offsets, chunk.shard_box.sizes)
             self._jobs.append(ChunkJob(chunk.local_index, view, (file_index, item)))
         gates.guard_memory_saver()
-        if self.copy_start == "deferred":
-            gates.defer(self.open)
-        else:
-            self.open()
 
     def open(self) -> None:
         """Open the window in this thread (the caller's, or the training step's at the trigger):
