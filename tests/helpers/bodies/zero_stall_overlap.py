@@ -190,3 +190,49 @@ def write_fault_on_one_rank(rank, world, root, faulty_rank: int) -> dict:
     out["published"] = os.path.exists(path)
     out["open_windows"] = len(gates.open_windows())
     return out
+
+
+def slime_restore_waits_for_the_window(rank, world, root) -> dict:
+    """slime's weight switch (`TensorBackuper.restore`, mirror of slime 624b824a) right after an
+    overlapped save of the actor weights, with the copies held: once slime's install guarded it, the
+    restore waits at the gate and the checkpoint holds the actor weights, not the restored ones.
+    Also: the install guards torch_memory_saver's pause (stand-in) where the module is imported."""
+    import sys
+
+    import safe_ckpt
+    from safe_ckpt.integrations.slime import _guard_writers_of_saved_tensors
+    from tests.helpers.paths import STAND_INS_TMS
+
+    sys.path.insert(0, STAND_INS_TMS)
+    import torch_memory_saver
+    from tests.slime_mirror.utils.tensor_backper import TensorBackuper
+
+    _guard_writers_of_saved_tensors("tests.slime_mirror.utils.tensor_backper")
+    _guard_writers_of_saved_tensors("tests.slime_mirror.utils.tensor_backper")  # twice: wrapped once
+    g = torch.Generator().manual_seed(31 + rank)
+    p = torch.randn(N, generator=g)
+    backuper = TensorBackuper.create(source_getter=lambda: iter([("p", p)]), single_tag=None)
+    backuper.backup("ref")  # the reference model's weights
+    p.copy_(torch.randn(N, generator=g))  # the actor's weights, trained since
+    actor = p.clone()
+    release = threading.Event()
+    path = os.path.join(root, "ck")
+    handle = safe_ckpt.async_save(_sharded({"p": p}), path, options=_options(N * 4 // CHUNKS, _held_first_write(release)))
+    done, errors = threading.Event(), []
+
+    def switch():
+        try:
+            backuper.restore("ref")  # slime's _switch_model("ref")
+        except BaseException as exc:
+            errors.append(repr(exc))
+        finally:
+            done.set()
+
+    threading.Thread(target=switch, daemon=True).start()
+    out = {"restore_blocked": _wait_blocked_or_done(done), "unchanged_while_held": torch.equal(p, actor)}
+    release.set()
+    out["restored"] = done.wait(WAIT_S) and not errors and torch.equal(p, backuper.get("ref")["p"])
+    handle.wait(timeout=WAIT_S)
+    out["checkpoint_is_actor"] = torch.equal(_load(path, ("p",))["p"], actor)
+    out["pause_guarded"] = bool(torch_memory_saver.torch_memory_saver.__dict__.get("_safe_ckpt_pause_guarded"))
+    return out
