@@ -32,6 +32,11 @@
 #            thread beside 16 writers, and what nicer writers change (~30 s);
 #   diag     where time goes: benchmarks/diag/diag_ttd.py (anchor, then qwen3-4b-dp8) and diag_staging.py;
 #   diagvs   the anchor diag cases of this tree beside another commit's (VS_TREE, VS_ROUNDS);
+#   zerostall the copy-window GPU tests (tests/gpu/test_copy_window_on_gpu.py: the window core, and the
+#            Megatron drop-in's --safe-ckpt-overlap-copy: bit-exact resume through stock load_checkpoint and
+#            the profiler's H2D/NCCL counts, both variants), then zerostallbench; zerostalltests alone: the tests;
+#   zerostallbench benchmarks/zero_stall_bench.py, variants gpu and cpu_offload on tmpfs (ZS_TARGET), each
+#            ~2-4 minutes: this overlap mode, today's async save, DCP async_save, stock Megatron --async-save;
 #   cpu      the CPU suite on this machine's Python / megatron-core (from .whl).
 # Usage: bash benchmarks/gpu_suite.sh PART [PART ...]   (results under $OUT)
 #   env: PRESET=anchor|qwen3-4b-dp8, GIB (size per rank; empty: the preset's own), REPS, PEER_REPS, PEERS,
@@ -324,10 +329,33 @@ part_resume() {
   grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed" "$RES/gpu_resume_dp$NGPU.log" | tail -8
 }
 
+part_zerostalltests() {
+  $PYTEST -m gpu tests/gpu/test_copy_window_on_gpu.py -rA --durations=10 --timeout 400 \
+    > "$RES/zero_stall_tests.log" 2>&1
+  grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed" "$RES/zero_stall_tests.log" | tail -15
+}
+
+part_zerostallbench() {
+  ZS_TARGET=${ZS_TARGET:-/dev/shm/safe_ckpt_zs}
+  for variant in gpu cpu_offload; do
+    rm -rf "$ZS_TARGET"; t0=$(date +%s)
+    $PY benchmarks/zero_stall_bench.py --variant $variant --target "$ZS_TARGET" --out "$RES/zero_stall_$variant" \
+      --label "$GPU: training step cost of a checkpoint save, variant $variant" > "$RES/zero_stall_$variant.log" 2>&1
+    echo "zero_stall $variant: rc $?, $(( $(date +%s) - t0 )) s"
+    grep -E "^(calibrated|baseline)" "$RES/zero_stall_$variant.log" | cut -c1-300
+    if [ -e "$RES/zero_stall_$variant.md" ]; then grep '^|' "$RES/zero_stall_$variant.md"
+    else grep -v -i warn "$RES/zero_stall_$variant.log" | tail -5 | cut -c1-300; fi
+    rm -rf "$ZS_TARGET"
+    tar -czf "$OUT/results.tgz" -C "$RES" .
+  done
+}
+
+part_zerostall() { part_zerostalltests; part_zerostallbench; }
+
 [ $# -eq 0 ] && set -- tests
 for part in "$@"; do
   case "$part" in
-    cpu|gputests|smoke|tests|asleep|slimereal|slimeshipped|slimemodes|load|loadtests|slimeloop|gil|bench|mixes|bench2|node|resume|diag|diagvs) echo "== $part $(date +%T)"; "part_$part" ;;
+    cpu|gputests|smoke|tests|asleep|slimereal|slimeshipped|slimemodes|load|loadtests|slimeloop|gil|bench|mixes|bench2|node|resume|diag|diagvs|zerostall|zerostalltests|zerostallbench) echo "== $part $(date +%T)"; "part_$part" ;;
     all) part_tests; part_bench; part_mixes ;;
     *) echo "unknown part: $part" >&2; exit 2 ;;
   esac

@@ -49,18 +49,18 @@ class SafeAsync:
 
 
 class Overlap(SafeAsync):
-    """This mode through the drop-in, once it exists; the untimed save compares its checkpoint
-    with today's async save of the same state, through stock readers."""
+    """This mode: the Megatron drop-in with `--safe-ckpt-overlap-copy` (dry run: `safe_ckpt.async_save`
+    with `return_after="planned"`); the untimed save compares its checkpoint with today's async save
+    of the same state, through stock readers."""
 
     verifies = True
+    opens_at_zero_grad = True  # its stall includes the next step's zero_grad, where the window opens
 
     def __init__(self, trainer, opts) -> None:
         from safe_ckpt.options import SaveOptions
 
         if "return_after" not in SaveOptions.__dataclass_fields__:
-            raise Unavailable("the drop-in has no overlap mode yet (SaveOptions.return_after)")
-        if not hasattr(trainer, "args"):
-            raise Unavailable("the overlap mode is the Megatron drop-in's")
+            raise Unavailable("this safe_ckpt has no overlap mode (SaveOptions.return_after)")
         super().__init__(trainer, opts)
         self.reference = None
 

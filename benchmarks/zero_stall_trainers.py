@@ -164,7 +164,9 @@ class MegatronTrainer:
                 m.zero_grad_buffer()
             if hooks.before_zero_grad:
                 hooks.before_zero_grad()
-            self.optimizer.zero_grad()
+            t_zero = time.perf_counter()
+            self.optimizer.zero_grad()  # where the drop-in's deferred copy window opens
+            zero_grad_s = time.perf_counter() - t_zero
             result = self.forward_backward(forward_step_func=forward_step, data_iterator=data, model=self.model,
                                            num_microbatches=self.k, seq_length=args.seq_length,
                                            micro_batch_size=args.micro_batch_size,
@@ -179,7 +181,8 @@ class MegatronTrainer:
         fb, opt = timer.spans()
         self.losses.append(loss)
         self.iteration += 1
-        return {"fb_gpu_s": fb, "opt_gpu_s": opt, "loss": loss, "cpu_s": time.thread_time() - cpu0}
+        return {"fb_gpu_s": fb, "opt_gpu_s": opt, "loss": loss, "cpu_s": time.thread_time() - cpu0,
+                "zero_grad_s": zero_grad_s}
 
     def losses_finite(self) -> bool:
         return all(math.isfinite(v) for v in self.losses)
@@ -305,7 +308,9 @@ class TinyTrainer:
         timer.mark()
         if hooks.before_zero_grad:
             hooks.before_zero_grad()
+        t_zero = time.perf_counter()
         self.optimizer.zero_grad()
+        zero_grad_s = time.perf_counter() - t_zero
         g = torch.Generator().manual_seed(self.iteration)
         for _ in range(self.k):
             x = torch.randn(64, self.params[0].shape[0], generator=g)
@@ -321,7 +326,8 @@ class TinyTrainer:
         fb, opt = timer.spans()
         self.losses.append(float(loss.item()))
         self.iteration += 1
-        return {"fb_gpu_s": fb, "opt_gpu_s": opt, "loss": self.losses[-1], "cpu_s": time.thread_time() - cpu0}
+        return {"fb_gpu_s": fb, "opt_gpu_s": opt, "loss": self.losses[-1], "cpu_s": time.thread_time() - cpu0,
+                "zero_grad_s": zero_grad_s}
 
     def losses_finite(self) -> bool:
         return all(math.isfinite(v) for v in self.losses)
@@ -339,15 +345,16 @@ class TinyTrainer:
         return dict(self.window_sources())
 
     def safe_save(self, directory: str, overlap: bool = False):
+        """`safe_ckpt.async_save` into DIRECTORY/iter_NNNNNNN (the drop-in's layout), returning after
+        planning with ``overlap``."""
         import safe_ckpt
         from megatron.core.dist_checkpointing import ShardedTensor
 
-        if overlap:
-            raise Unavailable("the overlap mode is the Megatron drop-in's")
         sharded = {k: ShardedTensor.from_rank_offsets(k, t, replica_id=0) for k, t in self.window_sources()}
         opts = safe_ckpt.SaveOptions(staging_budget_bytes=int(self.budget_gib * GiB), io_threads=self.opts["threads"],
-                                     progress_interval_s=0, fsync=False)
-        handle = safe_ckpt.async_save(sharded, directory, options=opts)
+                                     progress_interval_s=0, fsync=False,
+                                     return_after="planned" if overlap else "staged")
+        handle = safe_ckpt.async_save(sharded, os.path.join(directory, "iter_%07d" % self.iteration), options=opts)
         self._handles.append(handle)
         return handle
 

@@ -1,7 +1,8 @@
 """GPU tests of the copy window (marked `gpu`; skipped without CUDA). Each runs in a spawned rank
 on cuda:0. The core tests drive the window, its copier and the gates with real CUDA streams; the
-resume test saves a real GPTModel through the Megatron drop-in's overlap mode and is skipped until
-the drop-in has it."""
+Megatron tests save a real GPTModel through the drop-in's overlap mode (`--safe-ckpt-overlap-copy`
+with `--async-save`): bit-exact resume through stock `load_checkpoint`, and the save under the
+profiler, in both variants (all on the GPU, and `--optimizer-cpu-offload`)."""
 
 import importlib.util
 
@@ -90,3 +91,21 @@ def test_overlap_save_resumes_bit_exact(tmp_path, variant):
     assert resumed["start_iteration"] == g.FIRST
     assert diff_digests(saved["opt_digest"], resumed["opt_digest"]) == [], resumed.get("adam_step_repair")
     assert resumed["losses"] == full[0]["losses"][g.FIRST:], (resumed["losses"], full[0]["losses"])
+    window = saved["window"]
+    assert window is not None and window["pending_bytes"] == 0 and window["copied_bytes"] + window["captured_bytes"] > 0
+
+
+@pytest.mark.skipif(not _have_megatron_training(), reason="needs Megatron-LM's megatron.training on the path")
+@pytest.mark.parametrize("variant", ["gpu", "cpu_offload_pinned"])
+def test_overlap_save_makes_no_host_to_device_copy_and_no_nccl(tmp_path, variant):
+    if not _overlap_mode_integrated():
+        pytest.skip("the Megatron drop-in has no overlap mode yet (SaveOptions.return_after)")
+    (r,) = values(run_world(1, _cases().overlap_save_under_the_profiler, (str(tmp_path), variant), backend="nccl",
+                            timeout_s=400))
+    plain, saved = r["plain"], r["saved"]
+    print(variant, "plain", {k: v for k, v in plain.items() if k != "kernel_names"},
+          "with the save", {k: v for k, v in saved.items() if k != "kernel_names"}, "window", r["window"])
+    assert r["results"] == 1, r
+    assert saved["HtoD"] == plain["HtoD"], (plain, saved)  # the step's own batch copies only
+    assert saved["nccl"] == plain["nccl"], (plain, saved)  # the step's own collectives only
+    assert saved["DtoH"] > plain["DtoH"], (plain, saved)  # the save's copies did run

@@ -272,3 +272,37 @@ def overlap_save_then_train(rank, world, root, variant) -> dict:
     results = safe_megatron.finalize_async_saves(blocking=True)
     return {"losses": losses, "opt_digest": digest, "call_s": call_s, "gated_steps": gates.hook_calls() - calls,
             "window": getattr(handle, "window_stats", lambda: None)(), "saved": len(results)}
+
+
+def overlap_save_under_the_profiler(rank, world, root, variant) -> dict:
+    """The Megatron drop-in's overlapped save (the call, the next training step whose zero_grad
+    opens the window and whose optimizer step is gated, and the save's completion) under the
+    profiler, against one plain training step: the save adds no host-to-device copy and no NCCL
+    work (the step's own batch copies and collectives are the same in both)."""
+    import os
+
+    import safe_ckpt.megatron as safe_megatron
+    from tests.helpers.bodies import gpu_megatron as g
+    from tests.helpers.bodies.gpu_slime_asleep import profile_counts
+    from torch.profiler import ProfilerActivity, profile
+
+    model, optimizer, scheduler = g._setup(os.path.join(root, "safe"), variant, world)
+    from megatron.training import get_args
+
+    args = get_args()
+    g._train(model, optimizer, scheduler, 0, 2)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as plain:
+        g._train(model, optimizer, scheduler, 2, 3)
+        torch.cuda.synchronize()
+    args.async_save = True
+    args.safe_ckpt_overlap_copy = True
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as saved:
+        handle = safe_megatron.save_checkpoint(3, model, optimizer, scheduler, num_floating_point_operations_so_far=0)
+        g._train(model, optimizer, scheduler, 3, 4)
+        results = safe_megatron.finalize_async_saves(blocking=True)
+        torch.cuda.synchronize()
+    args.async_save = False
+    stats = handle.window_stats()
+    return {"plain": profile_counts(plain), "saved": profile_counts(saved), "results": len(results),
+            "window": None if stats is None else stats.__dict__, "return_after": handle.stall_s}
