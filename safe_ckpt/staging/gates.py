@@ -14,9 +14,8 @@ A window is tracked from its opening until it settles (`CopyWindow.on_settled`),
 a failed window's gates return at once, but a pause still waits for copies already issued.
 A save whose copies start later leaves an opener (`defer`): whoever comes first runs it, in its
 own thread: `open_deferred()` (the next step's trigger) or any gate.
-Today's saves use the step hook and `before_update` (an async save's host gate,
-`staging.host_gate`); `defer`, `open_deferred` and `guard_memory_saver` serve the overlapping
-copy mode, whose device-side copier (`window_copier`) is tested but not yet wired into `async_save`.
+An async save's host gate (`staging.host_gate`) uses the step hook and `before_update`; a save
+that returns right after planning (`write.window_staging`) uses them all.
 
 Must not: know what is copied, block while no window is open, or remove the hook.
 """
