@@ -84,6 +84,7 @@ class WindowStaging:
         self.copier: WindowCopier | None = None
         self._writer: RankWriter | None = None
         self._lock = threading.Lock()
+        self._order = threading.Lock()  # hands items on in file order (``in_file_order``)
         self._opened = False  # the opener ran (or was abandoned): it never runs again
         self._go = threading.Event()  # the staging thread may go on (opened, or abandoned)
         self._rest: list[ChunkJob] | None = None
@@ -179,17 +180,14 @@ class WindowStaging:
         if not self.in_file_order:
             self._hand_on(file_index, item, staged)
             return
-        ready = []
-        with self._lock:
+        with self._order:  # handed on under the lock: two threads (opener, staging) must not cross
             self._held.setdefault(file_index, {})[self._seq[id(item)]] = (item, staged)
             held = self._held[file_index]
             position = self._next.get(file_index, 0)
             while position in held:
-                ready.append(held.pop(position))
+                self._hand_on(file_index, *held.pop(position))
                 position += 1
             self._next[file_index] = position
-        for item, staged in ready:
-            self._hand_on(file_index, item, staged)
 
     def _hand_on(self, file_index: int, item, staged) -> None:
         try:
@@ -200,7 +198,7 @@ class WindowStaging:
             raise
 
     def _drop_held(self) -> None:
-        with self._lock:
+        with self._order:
             held, self._held = self._held, {}
         for entries in held.values():
             for _, staged in entries.values():

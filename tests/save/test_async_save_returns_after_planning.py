@@ -46,3 +46,11 @@ def test_a_write_fault_on_one_rank_fails_every_rank_and_releases_every_gate(tmp_
         assert out["error"] is not None and "injected: the device went away" in out["error"], (rank, out)
         assert f"rank {faulty_rank}" in out["error"], (rank, out["error"])
         assert not out["published"] and out["open_windows"] == 0, (rank, out)
+
+
+def test_with_the_integrity_manifest_every_file_is_still_written_front_to_back(tmp_path):
+    """The window copies small sources first; the manifest hashes each file in order."""
+    (out,) = values(run_world(1, _cases().integrity_manifest_with_small_sources_first, (str(tmp_path),)))
+    assert out["error"] is None, out["error"]
+    assert out["digests_match"] and all(out["digests_match"].values()), out
+    assert out["content_equal"], out

@@ -236,3 +236,36 @@ def slime_restore_waits_for_the_window(rank, world, root) -> dict:
     out["checkpoint_is_actor"] = torch.equal(_load(path, ("p",))["p"], actor)
     out["pause_guarded"] = bool(torch_memory_saver.torch_memory_saver.__dict__.get("_safe_ckpt_pause_guarded"))
     return out
+
+
+def integrity_manifest_with_small_sources_first(rank, world, root) -> dict:
+    """Large and small tensors side by side in the files, Megatron's integrity manifest on: the
+    window copies the small sources first, yet the writers must hash every file front to back.
+    Returns each data file's SHA-256 against the manifest's, and whether stock load reads it all."""
+    import hashlib
+    import json
+
+    import safe_ckpt
+    from megatron.core import dist_checkpointing
+
+    g = torch.Generator().manual_seed(3 + rank)
+    tensors = {}
+    for i in range(6):
+        tensors[f"big{i}"] = torch.randn(N, generator=g)  # 2 MiB: above the small-source size
+        tensors[f"small{i}"] = torch.randn(1 << 12, generator=g)
+    path = os.path.join(root, "ck")
+    opts = safe_ckpt.SaveOptions(io_threads=1, progress_interval_s=0, return_after="planned", integrity_manifest=True,
+                                 chunk_bytes=N)
+    handle = safe_ckpt.async_save(_sharded(tensors), path, options=opts)
+    out = {"error": None}
+    try:
+        handle.wait(timeout=WAIT_S)
+    except safe_ckpt.CheckpointError as exc:
+        out["error"] = f"{type(exc).__name__}: {exc}"
+        return out
+    manifest = json.load(open(os.path.join(path, "integrity.json")))["files"]
+    out["digests_match"] = {name: hashlib.sha256(open(os.path.join(path, name), "rb").read()).hexdigest() == digest
+                            for name, digest in manifest.items()}
+    loaded = dist_checkpointing.load(_sharded({k: torch.empty_like(t) for k, t in tensors.items()}), path)
+    out["content_equal"] = all(torch.equal(loaded[k], t) for k, t in tensors.items())
+    return out
