@@ -128,7 +128,9 @@ def start_asleep_save(args, model, optimizer, opt_param_scheduler, iteration, gr
 
     if not getattr(args, "save", None):
         raise ValidationError("--save is not set: there is nowhere to save the checkpoint")
-    options = dataclasses.replace(training.options_from_args(args), unmapped_policy="cpu_backup")
+    # asleep, nothing trains until the save ends (it holds wake_up): no copy window to overlap
+    options = dataclasses.replace(training.options_from_args(args), unmapped_policy="cpu_backup",
+                                  return_after="staged")
     stage = f"building the asleep state dict of iteration {iteration}"
     coord = group.coordinator(f"asleep build {iteration}") if isinstance(group, slime_groups.DetachedGloo) \
         else safe_dist.coordinator(group, options.collective_timeout_s, f"asleep build {iteration}")
