@@ -287,7 +287,9 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
     if not getattr(args, "save", None):
         raise ValidationError("--save is not set: there is nowhere to save the checkpoint")
     finalize_async_saves(blocking=True)  # one save at a time, as Megatron's queue enforces
-    options = options_from_args(args, model)  # before unwrapping: the overlap rules read the DDP buckets
+    options = options_from_args(args)
+    if options.return_after == "planned" and overlap.return_after(args, model) != "planned":
+        options = dataclasses.replace(options, return_after="staged")  # before unwrapping: the DDP buckets
     deferred = bool(getattr(args, "async_save", False)) and options.return_after == "planned"
     if deferred:
         overlap.install_trigger(optimizer)
