@@ -54,3 +54,11 @@ def test_with_the_integrity_manifest_every_file_is_still_written_front_to_back(t
     assert out["error"] is None, out["error"]
     assert out["digests_match"] and all(out["digests_match"].values()), out
     assert out["content_equal"], out
+
+
+def test_before_update_waits_at_most_the_timeout_then_the_save_is_abandoned(tmp_path):
+    (out,) = values(run_world(1, _cases().before_update_past_the_timeout, (str(tmp_path),)))
+    assert out["blocked_gates"] == 1 and out["gate_s"] >= 0.9, out  # it waited, boundedly
+    assert out["error"] is not None and out["error"].startswith("StagingTimeoutError"), out
+    assert "staging_budget_bytes" in out["error"] and "SaveHandle.before_update()" in out["error"], out["error"]
+    assert not out["published"] and out["window_closed"], out

@@ -269,3 +269,32 @@ def integrity_manifest_with_small_sources_first(rank, world, root) -> dict:
     loaded = dist_checkpointing.load(_sharded({k: torch.empty_like(t) for k, t in tensors.items()}), path)
     out["content_equal"] = all(torch.equal(loaded[k], t) for k, t in tensors.items())
     return out
+
+
+def before_update_past_the_timeout(rank, world, root) -> dict:
+    """`SaveHandle.before_update()` right after the call while the copies cannot go on (pool of one
+    chunk, the first write held until the gate returned), `collective_timeout_s` 1 s: the gate returns
+    after it, the save is abandoned with `StagingTimeoutError` naming the remedy, nothing published."""
+    import time
+
+    import safe_ckpt
+
+    w, opt = _adamw(55 + rank)
+    release = threading.Event()
+    path = os.path.join(root, "ck")
+    opts = safe_ckpt.SaveOptions(chunk_bytes=N * 4 // CHUNKS, io_threads=1, progress_interval_s=0,
+                                 staging_budget_bytes=N * 4 // CHUNKS, return_after="planned",
+                                 sink_factory=lambda d: _held_first_write(release)(d), collective_timeout_s=1.0)
+    handle = safe_ckpt.async_save(_sharded({"w": w.detach(), "m": opt.state[w]["exp_avg"]}), path, options=opts)
+    t0 = time.monotonic()
+    handle.before_update()  # blocks until the save is abandoned
+    out = {"gate_s": time.monotonic() - t0, "blocked_gates": handle.window_stats().blocked_gates}
+    release.set()
+    try:
+        handle.wait(timeout=WAIT_S)
+        out["error"] = None
+    except safe_ckpt.CheckpointError as exc:
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    out["published"] = os.path.exists(path)
+    out["window_closed"] = handle.window_closed()
+    return out
