@@ -317,6 +317,18 @@ part_node() {
   done
 }
 
+# Every GPU test: the real-slime cases that compare the device's free memory before and after
+# a save run alone after the others (workers sharing the GPU change that number).
+part_subset() {
+  local alone="test_real_slime_save_model_saves_asleep or test_real_slime_in_its_shipped_configuration"
+  SLIME_SRC=${SLIME_SRC:-$PWD/.slime} $PYTEST -m gpu tests/gpu -n 6 -k "not ($alone)" -rA --timeout 370 --durations=8 \
+    > "$RES/gpu_subset_parallel.log" 2>&1
+  grep -E "^(FAILED|ERROR)|passed|failed" "$RES/gpu_subset_parallel.log" | tail -12
+  SLIME_SRC=${SLIME_SRC:-$PWD/.slime} $PYTEST -m gpu tests/gpu/test_real_slime_source.py -k "$alone" -rA --timeout 190 \
+    > "$RES/gpu_subset_alone.log" 2>&1
+  grep -E "^(FAILED|ERROR)|passed|failed" "$RES/gpu_subset_alone.log" | tail -6
+}
+
 part_resume() {
   NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
   SAFE_CKPT_GPU_WORLD=$NGPU $PYTEST -m gpu tests/gpu/test_device_saves.py -k "real_gpt or default_group_nccl" -rA --durations=5 --timeout 600 \
@@ -327,7 +339,7 @@ part_resume() {
 [ $# -eq 0 ] && set -- tests
 for part in "$@"; do
   case "$part" in
-    cpu|gputests|smoke|tests|asleep|slimereal|slimeshipped|slimemodes|load|loadtests|slimeloop|gil|bench|mixes|bench2|node|resume|diag|diagvs) echo "== $part $(date +%T)"; "part_$part" ;;
+    cpu|gputests|smoke|tests|subset|asleep|slimereal|slimeshipped|slimemodes|load|loadtests|slimeloop|gil|bench|mixes|bench2|node|resume|diag|diagvs) echo "== $part $(date +%T)"; "part_$part" ;;
     all) part_tests; part_bench; part_mixes ;;
     *) echo "unknown part: $part" >&2; exit 2 ;;
   esac
