@@ -132,7 +132,7 @@ def _measure(rank: int, world: int, args) -> dict:
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(0 if args.share_gpu else rank % torch.cuda.device_count())
-    state = build(args.preset, args.gib, "gpu", rank, world, seed=args.seed)
+    state = build(args.preset, args.gib, "gpu", rank, world, seed=args.seed, keep_shards=args.keep_shards)
     path = os.path.join(args.target, "ckpt")
     safe_ckpt.save(state.make_sharded(), path, options=safe_ckpt.SaveOptions(io_threads=args.threads))
     originals = {k: v.data for k, v in state.make_sharded().items() if isinstance(v, ShardedTensor)}
@@ -219,6 +219,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="anchor", choices=("anchor", "qwen3-4b-dp8"))
     p.add_argument("--gib", type=float, default=None, help="state size per rank (default: the preset's)")
+    p.add_argument("--keep-shards", action="store_true",
+                   help="with --gib, keep the preset's shard count (smaller shards) instead of fewer shards")
     p.add_argument("--ranks", type=int, default=1)
     p.add_argument("--share-gpu", action="store_true", help="every rank on GPU 0")
     p.add_argument("--pin", action="store_true", help="pinned host templates (GPU host only)")
