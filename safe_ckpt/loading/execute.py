@@ -29,7 +29,7 @@ import torch
 
 from .. import integrity
 from ..errors import INTERRUPTS, RankFailure, ReadError, failure_from_exception
-from . import boxes, container
+from . import boxes, container, split
 from .plan import DIRECT, FLAT, Batch, ItemRead, ReadPlan
 
 log = logging.getLogger("safe_ckpt")
@@ -311,7 +311,8 @@ class Reader:
         self.source = source
         self.plan = plan
         self.rank = rank
-        self.threads = max(1, min(threads, len(plan.batches) or 1))
+        self.threads = max(1, threads)
+        self.tasks: list = []
         self.piece_bytes = piece_bytes
         self.pool = pool  # () -> PinnedPool, called on the first read that needs a piece
         self.algorithm = algorithm
@@ -355,13 +356,17 @@ class Reader:
             while not self.cancel.is_set():
                 with self._lock:
                     i, self._next = self._next, self._next + 1
-                if i >= len(self.plan.batches):
+                if i >= len(self.tasks):
                     break
-                batch = self.plan.batches[i]
+                task = self.tasks[i]
+                piece = isinstance(task, split.PieceTask)
                 try:
-                    worker.run(batch)
+                    split.run_piece(worker, task) if piece else worker.run(task)
                 except BaseException as exc:
-                    self._fail(batch.items[0].fqn, exc)
+                    self._fail(task.fqn if piece else task.items[0].fqn, exc)
+                    if piece:
+                        with task.item.cond:  # a thread waiting for this piece stops now
+                            task.item.cond.notify_all()
                     break
         finally:
             try:
@@ -371,11 +376,15 @@ class Reader:
 
     def run(self) -> tuple[ReadReport, RankFailure | None]:
         t0 = time.perf_counter()
-        workers = [threading.Thread(target=self._loop, name=f"safe_ckpt-read-{i}", daemon=True)
-                   for i in range(self.threads)]
-        for w in workers:
-            w.start()
+        workers: list = []
         try:
+            self.tasks = split.tasks(self.plan.batches, self.source, piece_bytes=self.piece_bytes,
+                                     threads=self.threads, algorithm=self.algorithm)
+            self.threads = max(1, min(self.threads, len(self.tasks)))
+            workers = [threading.Thread(target=self._loop, name=f"safe_ckpt-read-{i}", daemon=True)
+                       for i in range(self.threads)]
+            for w in workers:
+                w.start()
             for w in workers:
                 while w.is_alive():
                     w.join(self.progress_interval_s or None)
