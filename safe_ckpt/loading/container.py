@@ -36,15 +36,22 @@ _PAYLOAD_SUFFIX = b"/data/0"
 class Frame:
     """The bytes around a chunk's payload in its archive."""
 
-    prefixes: tuple  # the accepted leading bytes (CRC-less and with CRCs)
+    prefix: bytes  # the leading bytes safe_ckpt's writer (and torch's, CRCs left out) produces
     prefix_bytes: int
     payload_bytes: int
     suffix_bytes: int
     payload_header_at: int  # where the payload record's local header starts
+    dtype: torch.dtype
+    sizes: tuple
 
     @property
     def item_bytes(self) -> int:
         return self.prefix_bytes + self.payload_bytes + self.suffix_bytes
+
+    def accepts(self, head: bytes) -> bool:
+        """Whether ``head`` is one of the accepted leading bytes: the CRC-less ones, or (built only
+        when needed: it costs as much again per shape, and safe_ckpt writes none) those with CRCs."""
+        return head == self.prefix or head == _prefix_with_crcs(self.dtype, self.sizes)
 
 
 @lru_cache(maxsize=4096)
@@ -54,11 +61,17 @@ def frame(dtype: torch.dtype, sizes: tuple) -> Frame | None:
     if not compat.is_saveable_dtype(dtype):
         return None
     plain = torchzip.tensor_container(dtype, sizes)
+    return Frame(plain.prefix, len(plain.prefix), plain.payload_bytes, len(plain.suffix_template),
+                 plain.prefix.rfind(b"PK\x03\x04"), dtype, tuple(sizes))
+
+
+@lru_cache(maxsize=4096)
+def _prefix_with_crcs(dtype: torch.dtype, sizes: tuple) -> bytes | None:
+    plain = torchzip.tensor_container(dtype, sizes)
     with_crcs = torchzip.build_container(torchzip.tensor_pickle(dtype, sizes), plain.payload_bytes, crc32=True)
     if len(with_crcs.prefix) != len(plain.prefix) or len(with_crcs.suffix_template) != len(plain.suffix_template):
-        return None
-    return Frame((plain.prefix, with_crcs.prefix), len(plain.prefix), plain.payload_bytes,
-                 len(plain.suffix_template), plain.prefix.rfind(b"PK\x03\x04"))
+        return None  # another layout: such an item is decoded by torch.load
+    return with_crcs.prefix
 
 
 def _central_directory(tail: memoryview, tail_at: int) -> tuple[int, int, int]:
@@ -83,7 +96,7 @@ def _central_directory(tail: memoryview, tail_at: int) -> tuple[int, int, int]:
 def payload_is_framed(frame_: Frame, head, tail) -> bool:
     """Whether an item whose first `prefix_bytes` are ``head`` and last `suffix_bytes` are ``tail``
     holds its payload, raw, right after ``head``."""
-    if bytes(head) not in frame_.prefixes:
+    if not frame_.accepts(bytes(head)):
         return False
     tail = memoryview(tail).cast("B")
     tail_at = frame_.prefix_bytes + frame_.payload_bytes
