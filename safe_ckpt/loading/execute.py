@@ -86,7 +86,7 @@ class _Worker:
         t = self.leases[slot].tensor[:nbytes]
         return slot, t, memoryview(t.numpy()).cast("B")
 
-    def _stream(self, device):
+    def stream(self, device):
         s = self.streams.get(device)
         if s is None:
             s = self.streams[device] = torch.cuda.Stream(device=device)
@@ -97,7 +97,7 @@ class _Worker:
         if dst.device.type != "cuda":
             dst.copy_(src)
             return
-        s = self._stream(dst.device)
+        s = self.stream(dst.device)
         with torch.cuda.stream(s):
             dst.copy_(src, non_blocking=slot is not None)
         if slot is not None:
@@ -161,7 +161,7 @@ class _Worker:
             frames.append((head, tail))
             parts.append(mine)
             iov += [memoryview(head), *mine, memoryview(tail)]
-        self.r.source.readv(first_path(batch), batch.items[0].item.offset_bytes, iov)
+        self.r.source.readv(batch.items[0].item.relative_path, batch.items[0].item.offset_bytes, iov)
         for read, (head, tail), mine in zip(batch.items, frames, parts):
             self.finish_whole(read, head, tail, mine)
 
@@ -183,7 +183,7 @@ class _Worker:
         dests = self.r.plan.destinations
         total = batch.length_bytes
         slot, t, mv = self.buffer(total)
-        self.r.source.readv(first_path(batch), batch.items[0].item.offset_bytes, [mv])
+        self.r.source.readv(batch.items[0].item.relative_path, batch.items[0].item.offset_bytes, [mv])
         at = 0
         for read in batch.items:
             f, length = read.frame, read.item.length_bytes
@@ -299,10 +299,6 @@ class _Worker:
         self.r.count(items=1, decoded=1, unverified=0 if hasher else 1, nbytes=len(data))
 
 
-def first_path(batch: Batch) -> str:
-    return batch.items[0].item.relative_path
-
-
 class Reader:
     """Reads one plan with ``threads`` threads; `run` returns (report, first failure or None)."""
 
@@ -379,7 +375,8 @@ class Reader:
         workers: list = []
         try:
             self.tasks = split.tasks(self.plan.batches, self.source, piece_bytes=self.piece_bytes,
-                                     threads=self.threads, algorithm=self.algorithm)
+                                     threads=self.threads, algorithm=self.algorithm,
+                                     destinations=self.plan.destinations)
             self.threads = max(1, min(self.threads, len(self.tasks)))
             workers = [threading.Thread(target=self._loop, name=f"safe_ckpt-read-{i}", daemon=True)
                        for i in range(self.threads)]

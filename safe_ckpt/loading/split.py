@@ -5,7 +5,9 @@ piece (read whole, byte for byte into contiguous destinations, in the standard a
 piece-sized payload ranges that any reader thread may take, so that one big tensor keeps every
 thread busy; and check such an item's checksum across its pieces:
 - a grid checksum from each piece's row and column sums (the rows are independent, the column
-  sums add), in whatever order the pieces finish;
+  sums add), in whatever order the pieces finish; where the whole payload lands in one
+  contiguous GPU tensor, from that tensor once its last piece is in (the sums on the device,
+  as the save made them: the host never reads those bytes again);
 - a sequential one (xxh3, CRC-32) by feeding the pieces strictly in order: a thread whose piece
   is not next waits for the one before it, which an earlier task holds (tasks of one item are
   handed out in order, so the wait always ends);
@@ -24,11 +26,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from .. import integrity
 from ..errors import ReadError
 from . import container
-from .plan import DIRECT, Batch, ItemRead
+from .plan import DIRECT, FLAT, Batch, ItemRead
 
 # A thread waiting for the piece before its own looks at the cancel flag this often.
 _WAIT_S = 0.5
@@ -61,6 +64,12 @@ class _Grid:
             if whole < view.nbytes:
                 self.tail = bytes(view[whole:])
 
+    def from_payload(self, payload) -> None:
+        """Sums and tail from the whole payload as one contiguous uint8 tensor (on its own device)."""
+        sums = integrity.grid_sums(payload).cpu().numpy()
+        self.rows, self.cols = sums[:self.rows.size].view(np.uint32), sums[self.rows.size:].view(np.uint32)
+        self.tail = payload[self.rows_end:].cpu().numpy().tobytes()
+
     def value(self, head, suffix) -> int:
         return integrity.checksum_of([bytes(head), struct.pack("<Q", self.n), self.rows.astype("<u4").tobytes(),
                                       self.cols.astype("<u4").tobytes(), self.tail, bytes(suffix)], self.fold)
@@ -74,10 +83,14 @@ class SplitItem:
         self.left = pieces
         self.next = 0  # the piece a sequential hasher takes next
         self.hasher, self.grid = hasher, grid
+        self.on_device = None  # the payload's bytes in one GPU tensor, where the grid is summed there
+        self.events: list = []  # the pieces' copies into it
         self.cond = threading.Condition()
 
     def feed(self, index: int, parts: list, start: int, cancel: threading.Event) -> None:
         """Hash this piece's bytes (``parts``, payload bytes from ``start``) as the checksum needs."""
+        if self.on_device is not None:
+            return
         if self.grid is not None:
             data = parts[0] if len(parts) == 1 else b"".join(bytes(p) for p in parts)
             self.grid.add(start, data, self.cond)
@@ -160,7 +173,17 @@ def _framed(source, read: ItemRead):
     return (head, tail) if container.payload_is_framed(f, head, tail) else None
 
 
-def tasks(batches: tuple, source, *, piece_bytes: int, threads: int, algorithm: str) -> list:
+def _device_payload(read: ItemRead, destinations: tuple):
+    """The payload's bytes as one GPU tensor, where all of it goes to one (4-byte aligned for the sums)."""
+    if len(read.pieces) != 1 or read.pieces[0].mode != FLAT:
+        return None
+    p = read.pieces[0]
+    flat = destinations[p.dest].flat_bytes
+    payload = flat[p.dest_start:p.dest_start + read.frame.payload_bytes]
+    return payload if flat.device.type == "cuda" and payload.data_ptr() % 4 == 0 else None
+
+
+def tasks(batches: tuple, source, *, piece_bytes: int, threads: int, algorithm: str, destinations: tuple = ()) -> list:
     """The reader's tasks: each split item's `PieceTask`s (round robin across items), then the other batches."""
     candidates = [b for b in batches if _splittable(b, piece_bytes)] if threads > 1 else []
     if not candidates:
@@ -178,6 +201,8 @@ def tasks(batches: tuple, source, *, piece_bytes: int, threads: int, algorithm: 
         item = SplitItem(read, *framed, len(starts), *checking)
         if item.hasher is not None:
             item.hasher.update(item.head)
+        if item.grid is not None:
+            item.on_device = _device_payload(read, destinations)
         lists.append([PieceTask(item, i, s, min(s + piece_bytes, n)) for i, s in enumerate(starts)])
         split_ids.add(id(batch))
     out = [lst[i] for i in range(max((len(lst) for lst in lists), default=0)) for lst in lists if i < len(lst)]
@@ -207,14 +232,29 @@ def run_piece(worker, task: PieceTask) -> None:
         for p, lo, hi in spans:
             at = p.dest_start + lo - p.payload_start
             worker.copy(dests[p.dest].flat_bytes[at:at + hi - lo], t[lo - task.start:hi - task.start], slot)
+        if item.on_device is not None:
+            item.events.append(_mark(worker, item.on_device.device))
     worker.r.count(nbytes=task.end - task.start)
     if not item.done():
         return
+    if item.on_device is not None:
+        stream = worker.stream(item.on_device.device)
+        for event in item.events:  # every piece's copy, whichever thread issued it
+            stream.wait_event(event)
+        with torch.cuda.stream(stream):
+            item.grid.from_payload(item.on_device)
     checked = item.hasher is not None or item.grid is not None
     if checked and item.value() != read.checksum.checksum:
         worker.check(read, _Mismatch())
     worker.r.count(items=1, verified=1 if checked else 0, unverified=0 if checked else 1,
                    nbytes=read.frame.prefix_bytes + read.frame.suffix_bytes)
+
+
+def _mark(worker, device):
+    """An event after this thread's copies so far to ``device``."""
+    event = torch.cuda.Event()
+    event.record(worker.stream(device))
+    return event
 
 
 class _Mismatch:

@@ -145,3 +145,27 @@ def test_a_failing_piece_stops_the_threads_waiting_for_it(saved, monkeypatch):
     monkeypatch.setattr(DirectorySource, "readv", readv)
     with pytest.raises(ReadError, match="injected failure"):
         _load(path, state)
+
+
+@pytest.mark.parametrize("n", [4096 * 5, 4096 * 7 + 1234])
+def test_grid_from_pieces_in_any_order_and_from_the_whole_payload_equals_the_streamed_one(n):
+    import threading
+
+    g = torch.Generator().manual_seed(n)
+    payload = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+    prefix, suffix = b"head-bytes", b"tail-bytes!"
+    streamed = integrity.GridHasher(integrity.GRID_ALGORITHM, len(prefix), n)
+    for part in (prefix, payload.numpy().tobytes(), suffix):
+        streamed.update(part)
+    fold = integrity.GRID_ALGORITHM[len(integrity.GRID_PREFIX):]
+    pieces, lock = split._Grid(fold, n), threading.Lock()
+    for start in reversed(range(0, n, 8192)):  # pieces of two rows, last first
+        pieces.add(start, payload[start:start + 8192].numpy(), lock)
+    whole = split._Grid(fold, n)
+    whole.from_payload(payload)
+    assert pieces.value(prefix, suffix) == whole.value(prefix, suffix) == streamed.value()
+    changed = payload.clone()
+    changed[n // 3] ^= 1
+    other = split._Grid(fold, n)
+    other.from_payload(changed)
+    assert other.value(prefix, suffix) != streamed.value()
