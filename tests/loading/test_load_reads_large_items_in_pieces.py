@@ -169,3 +169,23 @@ def test_grid_from_pieces_in_any_order_and_from_the_whole_payload_equals_the_str
     other = split._Grid(fold, n)
     other.from_payload(changed)
     assert other.value(prefix, suffix) != streamed.value()
+
+
+@pytest.mark.parametrize("dtype,sizes", [(torch.float32, (300,)), (torch.bfloat16, (7, 33))])
+def test_the_archive_tail_shortcut_gives_the_full_checks_verdict_for_every_changed_byte(dtype, sizes):
+    from safe_ckpt.encoding import torchzip
+
+    f, c = container.frame(dtype, sizes), torchzip.tensor_container(dtype, sizes)  # a fresh serialization id
+    tail = bytearray(c.suffix_template)
+    for at in c.crc_offsets:  # a writer that fills the payload's CRC
+        tail[at:at + 4] = b"\x12\x34\x56\x78"
+    assert container.payload_is_framed(f, c.prefix, tail) and container._suffix_is_framed(f, tail)
+    verdicts = set()
+    for i in range(len(tail)):
+        bad = bytearray(tail)
+        bad[i] ^= 0xFF
+        full = container._suffix_is_framed(f, bad)
+        assert container.payload_is_framed(f, c.prefix, bad) == full, i
+        verdicts.add(full)
+    assert verdicts == {True, False}  # some bytes are never read (ids, CRCs), the rest are
+    assert not container.payload_is_framed(f, c.prefix, tail[:-1])
