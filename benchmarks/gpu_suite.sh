@@ -153,15 +153,16 @@ part_slimemodes() {
 
 # Loading (benchmarks/load_bench.py): safe_ckpt.load against stock Megatron load, DCP load and the read
 # ceiling (the same threads reading the same files) into GPU templates, every load bit-exact: the anchor
-# state (LOAD_GIB, 8.6 GiB) and one qwen3-4b-dp8 rank (1217 shards) on one rank, then LOAD_N ranks sharing
-# the GPU (the anchor split N ways, each rank loading its own files, against the N-rank ceiling), on each of
-# LOAD_TARGETS: "tmpfs" ($SHM, warm) and "disk" (LOAD_DISK, default /var/tmp/safe_ckpt_load on the real disk,
-# the page cache dropped before every run: drop_caches where allowed, else posix_fadvise; the report says
-# which). About 8 minutes with the defaults on one H100; shrink with LOAD_TARGETS (e.g. tmpfs),
-# LOAD_PRESETS, LOAD_N (1: no multi-rank run), LOAD_REPS (default REPS, 3), LOAD_METHODS, LOAD_GIB,
-# LOAD_QWEN_GIB (a smaller qwen3-4b-dp8 rank, its 1217 shards kept). LOAD_COMMIT names the commit measured.
+# state (LOAD_GIB GiB, default 8: 8.59 GB) and one qwen3-4b-dp8 rank (1217 shards) on one rank, then LOAD_N
+# ranks sharing the GPU (the anchor split N ways, each rank loading its own files, against the N-rank
+# ceiling), on each of LOAD_TARGETS: "tmpfs" ($SHM, warm) and "disk" (LOAD_DISK, default
+# /var/tmp/safe_ckpt_load on the real disk, the page cache dropped before every run: drop_caches where
+# allowed, else posix_fadvise; the report says which). About 8 minutes with the defaults on one H100;
+# shrink with LOAD_TARGETS (e.g. tmpfs), LOAD_PRESETS, LOAD_N (1: no multi-rank run), LOAD_REPS (default
+# REPS, 3), LOAD_METHODS, LOAD_GIB, LOAD_QWEN_GIB (a smaller qwen3-4b-dp8 rank, its 1217 shards kept).
+# LOAD_COMMIT names the commit measured (the GPU machine's copy has no git).
 part_load() {
-  local T tag cold pre size n=${LOAD_N:-8} th=${THREADS:-16} gib=${LOAD_GIB:-8.6}
+  local T tag cold pre size n=${LOAD_N:-8} th=${THREADS:-16} gib=${LOAD_GIB:-8}
   local common="--reps ${LOAD_REPS:-${REPS:-3}} --methods ${LOAD_METHODS:-ceiling,safe,safe_nosum,stock,dcp}"
   [ -n "${LOAD_COMMIT:-}" ] && common="$common --commit $LOAD_COMMIT"
   for T in ${LOAD_TARGETS:-tmpfs disk}; do
