@@ -12,7 +12,8 @@
 #            its args, torch_memory_saver preloaded): the asleep save and one --release-train cycle, then slimemodes
 #            (MODES=0 skips it);
 #   load     benchmarks/load_bench.py: safe_ckpt.load beside stock Megatron, DCP and the read ceiling into GPU
-#            templates (LOAD_TARGETS, LOAD_PRESETS, LOAD_N ranks sharing the GPU); loadtests: the GPU load tests;
+#            templates, tmpfs and disk (LOAD_TARGETS, LOAD_PRESETS, LOAD_N ranks sharing the GPU, LOAD_REPS,
+#            LOAD_GIB, LOAD_QWEN_GIB, LOAD_METHODS, LOAD_DISK, LOAD_COMMIT); loadtests: the GPU load tests;
 #   slimemodes benchmarks/slime_modes_bench.py: per-step checkpoint cost in --offload-train and --release-train,
 #            stock against safe_ckpt (REPS rounds, MODES_TARGET, default tmpfs; MODES_LIST: which modes);
 #   smoke    a 1 GiB benchmark of every peer with memcpy counts, and the same as one Ray actor;
@@ -157,24 +158,40 @@ part_slimemodes() {
 
 # Loading (benchmarks/load_bench.py): safe_ckpt.load against stock Megatron load, DCP load and the read
 # ceiling (the same threads reading the same files) into GPU templates, every load bit-exact: the anchor
-# state (8.6 GiB) and one qwen3-4b-dp8 rank (1217 shards) on one rank, then LOAD_N ranks sharing the GPU
-# (the anchor split N ways); tmpfs warm; a disk target drops the page cache (posix_fadvise) before each run.
+# state (LOAD_GIB GiB, default 8: 8.59 GB) and one qwen3-4b-dp8 rank (1217 shards) on one rank, then LOAD_N
+# ranks sharing the GPU (the anchor split N ways, each rank loading its own files, against the N-rank
+# ceiling), on each of LOAD_TARGETS: "tmpfs" ($SHM, warm) and "disk" (LOAD_DISK, default
+# /var/tmp/safe_ckpt_load on the real disk, the page cache dropped before every run: drop_caches where
+# allowed, else posix_fadvise; the report says which). About 8 minutes with the defaults on one H100;
+# shrink with LOAD_TARGETS (e.g. tmpfs), LOAD_PRESETS, LOAD_N (1: no multi-rank run), LOAD_REPS (default
+# REPS, 3), LOAD_METHODS, LOAD_GIB, LOAD_QWEN_GIB (a smaller qwen3-4b-dp8 rank, its 1217 shards kept).
+# LOAD_COMMIT names the commit measured (the GPU machine's copy has no git).
 part_load() {
-  local T tag cold pre n=${LOAD_N:-8}
-  for T in ${LOAD_TARGETS:-$SHM}; do
-    tag=tmpfs; cold=""; [ "$T" != "$SHM" ] && { tag=disk; cold=--cold; }
+  local T tag cold pre size n=${LOAD_N:-8} th=${THREADS:-16} gib=${LOAD_GIB:-8}
+  local common="--reps ${LOAD_REPS:-${REPS:-3}} --methods ${LOAD_METHODS:-ceiling,safe,safe_nosum,stock,dcp}"
+  [ -n "${LOAD_COMMIT:-}" ] && common="$common --commit $LOAD_COMMIT"
+  for T in ${LOAD_TARGETS:-tmpfs disk}; do
+    case "$T" in
+      tmpfs) T=$SHM; tag=tmpfs; cold="" ;;
+      disk) T=${LOAD_DISK:-/var/tmp/safe_ckpt_load}; tag=disk; cold=--cold ;;
+      *) tag=tmpfs; cold=""; [ "$T" != "$SHM" ] && { tag=disk; cold=--cold; } ;;
+    esac
     for pre in ${LOAD_PRESETS:-anchor qwen3-4b-dp8}; do
-      $PY benchmarks/load_bench.py --preset "$pre" --threads "${THREADS:-16}" --reps "${REPS:-3}" $cold \
+      size="--gib $gib"
+      [ "$pre" != anchor ] && size="${LOAD_QWEN_GIB:+--gib $LOAD_QWEN_GIB --keep-shards}"
+      $PY benchmarks/load_bench.py --preset "$pre" $size --threads "$th" $common $cold \
         --target "$T/load" --out "$RES/load_${pre}_1rank_$tag" > "$RES/load_${pre}_1rank_$tag.log" 2>&1
-      echo "load $pre 1 rank $tag rc $?"; grep '^|' "$RES/load_${pre}_1rank_$tag.md"
+      echo "load $pre 1 rank $tag rc $?"; grep -E '^(\||# Load|Host)' "$RES/load_${pre}_1rank_$tag.md" | cut -c1-400
       tar -czf "$OUT/results.tgz" -C "$RES" .
     done
     if [ "$n" -gt 1 ]; then
-      $PY benchmarks/load_bench.py --preset anchor --gib "$(python3 -c "print(round(8.6/$n, 3))")" --ranks "$n" \
-        --share-gpu --threads $(( ${THREADS:-16} / n > 0 ? ${THREADS:-16} / n : 1 )) --reps "${REPS:-3}" $cold \
+      $PY benchmarks/load_bench.py --preset anchor --gib "$(python3 -c "print(round($gib/$n, 3))")" --ranks "$n" \
+        --share-gpu --threads $(( th / n > 0 ? th / n : 1 )) $common $cold \
         --target "$T/load" --out "$RES/load_anchor_${n}ranks_$tag" > "$RES/load_anchor_${n}ranks_$tag.log" 2>&1
-      echo "load anchor $n ranks $tag rc $?"; grep '^|' "$RES/load_anchor_${n}ranks_$tag.md"
+      echo "load anchor $n ranks $tag rc $?"; grep -E '^(\||# Load)' "$RES/load_anchor_${n}ranks_$tag.md" | cut -c1-400
+      tar -czf "$OUT/results.tgz" -C "$RES" .
     fi
+    rm -rf "$T/load"
   done
 }
 
@@ -322,6 +339,18 @@ part_node() {
   done
 }
 
+# Every GPU test: the real-slime cases that compare the device's free memory before and after
+# a save run alone after the others (workers sharing the GPU change that number).
+part_subset() {
+  local alone="test_real_slime_save_model_saves_asleep or test_real_slime_in_its_shipped_configuration"
+  SLIME_SRC=${SLIME_SRC:-$PWD/.slime} $PYTEST -m gpu tests/gpu -n 6 -k "not ($alone)" -rA --timeout 370 --durations=8 \
+    > "$RES/gpu_subset_parallel.log" 2>&1
+  grep -E "^(FAILED|ERROR)|passed|failed" "$RES/gpu_subset_parallel.log" | tail -12
+  SLIME_SRC=${SLIME_SRC:-$PWD/.slime} $PYTEST -m gpu tests/gpu/test_real_slime_source.py -k "$alone" -rA --timeout 190 \
+    > "$RES/gpu_subset_alone.log" 2>&1
+  grep -E "^(FAILED|ERROR)|passed|failed" "$RES/gpu_subset_alone.log" | tail -6
+}
+
 part_resume() {
   NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
   SAFE_CKPT_GPU_WORLD=$NGPU $PYTEST -m gpu tests/gpu/test_device_saves.py -k "real_gpt or default_group_nccl" -rA --durations=5 --timeout 600 \
@@ -355,7 +384,7 @@ part_zerostall() { part_zerostalltests; part_zerostallbench; }
 [ $# -eq 0 ] && set -- tests
 for part in "$@"; do
   case "$part" in
-    cpu|gputests|smoke|tests|asleep|slimereal|slimeshipped|slimemodes|load|loadtests|slimeloop|gil|bench|mixes|bench2|node|resume|diag|diagvs|zerostall|zerostalltests|zerostallbench) echo "== $part $(date +%T)"; "part_$part" ;;
+    cpu|gputests|smoke|tests|subset|asleep|slimereal|slimeshipped|slimemodes|load|loadtests|slimeloop|gil|bench|mixes|bench2|node|resume|diag|diagvs|zerostall|zerostalltests|zerostallbench) echo "== $part $(date +%T)"; "part_$part" ;;
     all) part_tests; part_bench; part_mixes ;;
     *) echo "unknown part: $part" >&2; exit 2 ;;
   esac

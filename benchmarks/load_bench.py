@@ -12,16 +12,24 @@ host every rank's templates live on the GPU it is given, `--share-gpu` puts all 
     (its `mcore_to_pyt_state_dict` and `MCoreLoadPlanner`), without Megatron's other steps;
   - `ceiling`: the same threads `preadv`-ing every byte of this rank's files into one reused
     host buffer (no parsing, no device copy): what reading alone takes;
-- with `--cold`, each file of the checkpoint is evicted from the page cache
-  (`posix_fadvise(DONTNEED)`, no privileges needed; pages of a tmpfs cannot be evicted) before
-  every timed run; otherwise the page cache is warm after the first run;
+- with `--cold`, the checkpoint's pages leave the page cache before every timed run: all of it
+  through `/proc/sys/vm/drop_caches` where the process may write it (root, writable /proc/sys),
+  else each file with `posix_fadvise(DONTNEED)` (after a sync); the report names which one ran,
+  or that neither could (pages of a tmpfs cannot be dropped: there it is always warm);
+  otherwise the page cache is warm after the first run;
 - each run's time is the slowest rank's (a barrier before, device synchronize and barrier
-  after); every load is compared bit for bit with the saved tensors (a mismatch fails the run).
+  after), and each rank's own time is kept too (per-rank medians in the report); every load is
+  compared bit for bit with the saved tensors (a mismatch fails the run);
+- the report names the machine (host, GPU, CPU, cores, memory), the commit (`--commit`, else
+  `git rev-parse`), the target's filesystem, and gives medians with [min-max] and ratios to the
+  read ceiling, stock Megatron load and DCP load.
 Methods run in turn within a round (`--reps` rounds), so drifts hit all alike.
 
 Run (from the repository root):
     python benchmarks/load_bench.py --gib 1.5 --target /dev/shm/lb           # CPU, 1 rank
     python benchmarks/load_bench.py --preset qwen3-4b-dp8 --ranks 8 --share-gpu --target /dev/shm/lb
+    python benchmarks/load_bench.py --preset qwen3-4b-dp8 --gib 0.5 --keep-shards --target /dev/shm/lb  # small host
+    python benchmarks/load_bench.py --gib 8.6 --cold --target /var/tmp/lb                   # disk, cache dropped
 Writes <out>.json and <out>.md.
 """
 
@@ -35,6 +43,7 @@ import platform
 import shutil
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -52,12 +61,41 @@ def _evict(path: str) -> bool:
         if os.path.isfile(full):
             fd = os.open(full, os.O_RDONLY)
             try:
+                os.fdatasync(fd)  # dirty pages are not dropped
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             except OSError:
                 ok = False
             finally:
                 os.close(fd)
     return ok
+
+
+def _drop_cache(path: str, fs: str) -> str:
+    """Drop the checkpoint's pages from the page cache; returns how (or why not)."""
+    if fs == "tmpfs":
+        return "none (tmpfs)"
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("1\n")
+        return "drop_caches"
+    except OSError:
+        return "fadvise" if _evict(path) else "none (fadvise failed)"
+
+
+def _filesystem(path: str) -> str:
+    """The type of the filesystem ``path`` lies on (the longest mount point above it)."""
+    real, best, kind = os.path.realpath(path), "", "unknown"
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) >= 3 and (real == parts[1] or real.startswith(parts[1].rstrip("/") + "/")) \
+                        and len(parts[1]) >= len(best):
+                    best, kind = parts[1], parts[2]
+    except OSError:
+        pass
+    return kind
 
 
 def _ceiling(path: str, rank: int, threads: int) -> int:
@@ -132,7 +170,7 @@ def _measure(rank: int, world: int, args) -> dict:
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(0 if args.share_gpu else rank % torch.cuda.device_count())
-    state = build(args.preset, args.gib, "gpu", rank, world, seed=args.seed)
+    state = build(args.preset, args.gib, "gpu", rank, world, seed=args.seed, keep_shards=args.keep_shards)
     path = os.path.join(args.target, "ckpt")
     safe_ckpt.save(state.make_sharded(), path, options=safe_ckpt.SaveOptions(io_threads=args.threads))
     originals = {k: v.data for k, v in state.make_sharded().items() if isinstance(v, ShardedTensor)}
@@ -159,7 +197,7 @@ def _measure(rank: int, world: int, args) -> dict:
 
     reports: list = []
     opts = safe_ckpt.LoadOptions(io_threads=args.threads, on_read=reports.append)
-    opts_nosum = safe_ckpt.LoadOptions(io_threads=args.threads, verify_checksums=False)
+    opts_nosum = safe_ckpt.LoadOptions(io_threads=args.threads, verify_checksums=False, on_read=reports.append)
     runs = {
         "ceiling": lambda: _ceiling(path, rank, args.threads),
         "safe": lambda: safe_ckpt.load(sharded(), path, opts),
@@ -170,13 +208,14 @@ def _measure(rank: int, world: int, args) -> dict:
     methods = [m for m in args.methods.split(",") if m]
     rows = []
     check()
+    fs = _filesystem(path)
     for rep in range(args.reps):
         for m in methods:
             evicted = None
             if args.cold:
                 dist.barrier()
                 if rank == 0:
-                    evicted = _evict(path)
+                    evicted = _drop_cache(path, fs)
             dist.barrier()
             t0 = time.perf_counter()
             runs[m]()
@@ -190,35 +229,95 @@ def _measure(rank: int, world: int, args) -> dict:
             dist.all_reduce(bad_all)
             if int(bad_all) and rank == 0:
                 raise SystemExit(f"{m}: {int(bad_all)} tensors differ from what was saved")
+            read_s = reports[-1].seconds if m.startswith("safe") and reports else None  # this rank's reads alone
             rows.append({"rep": rep, "method": m, "seconds": float(slowest), "rank_seconds": seconds,
-                         "evicted": evicted, "mismatched": int(bad_all)})
+                         "read_seconds": read_s, "evicted": evicted, "mismatched": int(bad_all)})
     if rank == 0:
         shutil.rmtree(path, ignore_errors=True)
-    return {"rows": rows, "bytes": state.nbytes, "description": state.description,
+    return {"rows": rows, "bytes": state.nbytes, "description": state.description, "filesystem": fs,
             "report": reports[-1].__dict__ if reports else None}
 
 
-def _table(result: dict, world: int) -> str:
+def _span(xs: list) -> str:
+    return f"{statistics.median(xs):.3f} [{min(xs):.3f}-{max(xs):.3f}]"
+
+
+def _table(results: dict, world: int) -> str:
+    """Slowest-rank medians [min-max] with ratios; with several ranks, each rank's own medians too."""
     by = {}
-    for r in result["rows"]:
+    for r in results[0]["rows"]:
         by.setdefault(r["method"], []).append(r["seconds"])
-    total = result["bytes"] * world
-    ceiling = statistics.median(by["ceiling"]) if "ceiling" in by else None
-    stock = statistics.median(by["stock"]) if "stock" in by else None
-    lines = ["| method | median s | best s | GB/s (median) | of ceiling | vs stock |", "|---|---|---|---|---|---|"]
+    total = sum(results[k]["bytes"] for k in results)
+    med = {m: statistics.median(v) for m, v in by.items()}
+
+    def ratio(m, ref, fmt):
+        return fmt(med[ref] / med[m]) if ref in med else "-"
+
+    lines = ["| method | median [min-max] s | GB/s (median) | of ceiling | vs stock | vs DCP |",
+             "|---|---|---|---|---|---|"]
     for m in METHODS:
-        if m not in by:
-            continue
-        med = statistics.median(by[m])
-        lines.append(f"| {m} | {med:.3f} | {min(by[m]):.3f} | {total / med / 1e9:.2f} | "
-                     f"{f'{ceiling / med:.0%}' if ceiling else '-'} | {f'{stock / med:.2f}x' if stock else '-'} |")
+        if m in by:
+            lines.append(f"| {m} | {_span(by[m])} | {total / med[m] / 1e9:.2f} | {ratio(m, 'ceiling', '{:.0%}'.format)} "
+                         f"| {ratio(m, 'stock', '{:.2f}x'.format)} | {ratio(m, 'dcp', '{:.2f}x'.format)} |")
+    if world > 1:
+        lines += ["", f"Each rank's own time (median over rounds), {world} ranks: median [min-max] across ranks "
+                      f"(a load is collective: its ranks end together; safe_ckpt's read phase alone is per rank), "
+                      f"and the aggregate over all ranks' bytes by the slowest rank's time above.", "",
+                  "| method | per-rank median s [min-max across ranks] | read phase s [min-max across ranks] "
+                  "| per-rank GB/s (median rank) | aggregate GB/s |",
+                  "|---|---|---|---|---|"]
+        for m in METHODS:
+            if m not in by:
+                continue
+            per = [statistics.median(r["rank_seconds"] for r in results[k]["rows"] if r["method"] == m)
+                   for k in sorted(results)]
+            reads = [[r["read_seconds"] for r in results[k]["rows"] if r["method"] == m and r.get("read_seconds")]
+                     for k in sorted(results)]
+            read = _span([statistics.median(x) for x in reads]) if all(reads) else "-"
+            lines.append(f"| {m} | {_span(per)} | {read} | {results[0]['bytes'] / statistics.median(per) / 1e9:.2f} | "
+                         f"{total / med[m] / 1e9:.2f} |")
     return "\n".join(lines)
+
+
+def _machine() -> str:
+    cpu = platform.processor() or "cpu"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    gpu = f"{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}, " if torch.cuda.is_available() else "no GPU, "
+    try:
+        from importlib.metadata import version
+        mcore = version("megatron-core")
+    except Exception:
+        mcore = "?"
+    return (f"Host {socket.gethostname()}: {gpu}{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB RAM; torch "
+            f"{torch.__version__}, megatron-core {mcore}, Python {platform.python_version()}")
+
+
+def _commit(given: str | None) -> str:
+    if given:
+        return given
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
+                             cwd=os.path.dirname(os.path.abspath(__file__)))
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, timeout=10, cwd=os.path.dirname(os.path.abspath(__file__)))
+        if out.returncode == 0:
+            return out.stdout.strip() + (" (with uncommitted changes)" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return "unknown (no git here: pass --commit)"
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="anchor", choices=("anchor", "qwen3-4b-dp8"))
     p.add_argument("--gib", type=float, default=None, help="state size per rank (default: the preset's)")
+    p.add_argument("--keep-shards", action="store_true",
+                   help="with --gib, keep the preset's shard count (smaller shards) instead of fewer shards")
     p.add_argument("--ranks", type=int, default=1)
     p.add_argument("--share-gpu", action="store_true", help="every rank on GPU 0")
     p.add_argument("--pin", action="store_true", help="pinned host templates (GPU host only)")
@@ -228,6 +327,7 @@ def main() -> None:
     p.add_argument("--cold", action="store_true", help="evict the checkpoint's files from the page cache first")
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--commit", default=None, help="the commit measured, for the report (default: git rev-parse)")
     p.add_argument("--out", default=None, help="output prefix (default benchmarks/results/load_<host>_<date>)")
     args = p.parse_args()
 
@@ -253,12 +353,15 @@ def main() -> None:
         for pr in procs:
             pr.join()
     result = results[0]
-    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor() or "cpu"
-    head = (f"# Load: {result['description']}, {args.ranks} rank(s), {args.threads} threads, "
-            f"{'cold' if args.cold else 'warm'} page cache, target {args.target}\n\n"
-            f"Host {socket.gethostname()} ({device}, {os.cpu_count()} cores), torch {torch.__version__}, "
-            f"{datetime.date.today()}; {args.reps} rounds; times are the slowest rank's; every load bit-exact.\n")
-    table = _table(result, args.ranks)
+    cache = "warm page cache"
+    if args.cold:
+        used = sorted({r["evicted"] for r in result["rows"] if r["evicted"]})
+        cache = f"page cache dropped before every run ({', '.join(used) or 'not run'})"
+    head = (f"# Load: {result['description']}, {args.ranks} rank(s){' sharing one GPU' if args.share_gpu else ''}, "
+            f"{args.threads} threads per rank, {cache}, target {args.target} ({result['filesystem']})\n\n"
+            f"{_machine()}; {datetime.date.today()}; commit {_commit(args.commit)}; {args.reps} rounds; times are "
+            f"the slowest rank's; every load bit-exact. Median [min-max] over the rounds; ratios of medians.\n")
+    table = _table(results, args.ranks)
     report = result.get("report")
     tail = (f"\nsafe_ckpt's last read on rank 0: {report['items']} items, {report['verified']} checksums verified, "
             f"{report['decoded']} decoded by torch.load, {report['threads']} threads.\n") if report else ""
@@ -266,7 +369,8 @@ def main() -> None:
     print(text)
     out = args.out or os.path.join("benchmarks", "results", f"load_{socket.gethostname()}_{datetime.date.today()}")
     with open(out + ".json", "w") as f:
-        json.dump({"args": vars(args), "result": result}, f, indent=1)
+        json.dump({"args": vars(args), "machine": _machine(), "commit": _commit(args.commit),
+                   "result": result, "ranks": {str(k): v["rows"] for k, v in results.items()}}, f, indent=1)
     with open(out + ".md", "w") as f:
         f.write(text)
 

@@ -17,10 +17,11 @@ default, 9.2 GB of state), one process per mode, one GPU:
   save_model less its lowest value until the save is durable (sampled every 5 ms). Pinned bytes
   added: torch's pinned host allocator's peak over the save plus safe_ckpt's staging pool.
 - ``release`` (`--release-train`: the actors are killed after every step and recreated from
-  `--save`): per step, stock `load_checkpoint` of the last checkpoint, one train step, then slime's
-  `save_model(force_sync=True)` with stock Megatron (``stock``) or with safe_ckpt (``safe``);
-  per step cost = save + load. Each step's load and save run in the same process here (a new actor
-  is a new process in slime); safe_ckpt's staging pool is released after each save, so every
+  `--save`): per step, slime's `save_model(force_sync=True)`, then a load of that checkpoint, then
+  one train step: stock Megatron's save and load (``stock``), safe_ckpt's save and stock load
+  (``safe``), or safe_ckpt's save and `safe_ckpt.megatron.load_checkpoint` (``safe_load``, what
+  `--ckpt-backend safe` does by default); per step cost = save + load. Each step's load and save
+  run in the same process here (a new actor is a new process in slime); safe_ckpt's staging pool is released after each save, so every
   save pays its allocation as a new actor's first save would.
 
 Every checkpoint goes to `--target` (default tmpfs) and is removed once the next one is written.
@@ -197,6 +198,7 @@ def release_mode(rank, world, opts) -> dict:
     from megatron.training.checkpointing import load_checkpoint, save_checkpoint as stock_save_checkpoint
 
     from safe_ckpt.integrations import slime as integration
+    from safe_ckpt.megatron import load_checkpoint as safe_load_checkpoint
     from tests.helpers.megatron_evidence import restore_adam_steps
 
     args = get_args()
@@ -211,7 +213,7 @@ def release_mode(rank, world, opts) -> dict:
     it += 1
     out = {"state_bytes": _state_bytes(model, optimizer), "rows": []}
     for r in range(opts["rounds"]):
-        for variant in ("stock", "safe"):
+        for variant in ("stock", "safe", "safe_load"):
             model_module.save_checkpoint = stock_save_checkpoint if variant == "stock" else routed
             try:
                 start = time.monotonic()
@@ -223,7 +225,8 @@ def release_mode(rank, world, opts) -> dict:
             pool.release()  # the next actor is a new process: its first save allocates the pool again
             args.load = save_dir
             start = time.monotonic()
-            args.iteration, args.num_floating_point_operations_so_far = load_checkpoint(model, optimizer, scheduler)
+            load = safe_load_checkpoint if variant == "safe_load" else load_checkpoint
+            args.iteration, args.num_floating_point_operations_so_far = load(model, optimizer, scheduler)
             torch.cuda.synchronize()
             load_s = time.monotonic() - start
             restore_adam_steps(optimizer)
@@ -281,7 +284,8 @@ def table(results: dict) -> str:
     states = {mode: res.get("state_bytes") for mode, res in results.items()}
     lines.append("")
     lines.append(f"State per checkpoint (bytes): {states}. offload: 'save s' is save_model's own time; loop held "
-                 "adds the next wake_up's wait. release: per-step cost = save + stock load.")
+                 "adds the next wake_up's wait. release: per-step cost = save + load; stock Megatron's load "
+                 "but for safe_load, which loads through safe_ckpt.megatron.load_checkpoint.")
     return "\n".join(lines)
 
 

@@ -69,9 +69,6 @@ def _location(args: argparse.Namespace, path: str, spec_json: str | None = None,
     return tool_target(path, spec, args.endpoint)
 
 
-_kv_target = _location  # the name earlier callers knew
-
-
 def _target(args: argparse.Namespace, path: str, spec_json: str | None = None, flag: str = "--kvstore-spec"):
     """The `Target` a tool argument names (`targets.resolve`), with the command's request timeout."""
     from ..targets import TargetSettings, resolve

@@ -36,15 +36,22 @@ _PAYLOAD_SUFFIX = b"/data/0"
 class Frame:
     """The bytes around a chunk's payload in its archive."""
 
-    prefixes: tuple  # the accepted leading bytes (CRC-less and with CRCs)
+    prefix: bytes  # the leading bytes safe_ckpt's writer (and torch's, CRCs left out) produces
     prefix_bytes: int
     payload_bytes: int
     suffix_bytes: int
     payload_header_at: int  # where the payload record's local header starts
+    dtype: torch.dtype
+    sizes: tuple
 
     @property
     def item_bytes(self) -> int:
         return self.prefix_bytes + self.payload_bytes + self.suffix_bytes
+
+    def accepts(self, head: bytes) -> bool:
+        """Whether ``head`` is one of the accepted leading bytes: the CRC-less ones, or (built only
+        when needed: it costs as much again per shape, and safe_ckpt writes none) those with CRCs."""
+        return head == self.prefix or head == _prefix_with_crcs(self.dtype, self.sizes)
 
 
 @lru_cache(maxsize=4096)
@@ -54,11 +61,17 @@ def frame(dtype: torch.dtype, sizes: tuple) -> Frame | None:
     if not compat.is_saveable_dtype(dtype):
         return None
     plain = torchzip.tensor_container(dtype, sizes)
+    return Frame(plain.prefix, len(plain.prefix), plain.payload_bytes, len(plain.suffix_template),
+                 plain.prefix.rfind(b"PK\x03\x04"), dtype, tuple(sizes))
+
+
+@lru_cache(maxsize=4096)
+def _prefix_with_crcs(dtype: torch.dtype, sizes: tuple) -> bytes | None:
+    plain = torchzip.tensor_container(dtype, sizes)
     with_crcs = torchzip.build_container(torchzip.tensor_pickle(dtype, sizes), plain.payload_bytes, crc32=True)
     if len(with_crcs.prefix) != len(plain.prefix) or len(with_crcs.suffix_template) != len(plain.suffix_template):
-        return None
-    return Frame((plain.prefix, with_crcs.prefix), len(plain.prefix), plain.payload_bytes,
-                 len(plain.suffix_template), plain.prefix.rfind(b"PK\x03\x04"))
+        return None  # another layout: such an item is decoded by torch.load
+    return with_crcs.prefix
 
 
 def _central_directory(tail: memoryview, tail_at: int) -> tuple[int, int, int]:
@@ -83,8 +96,34 @@ def _central_directory(tail: memoryview, tail_at: int) -> tuple[int, int, int]:
 def payload_is_framed(frame_: Frame, head, tail) -> bool:
     """Whether an item whose first `prefix_bytes` are ``head`` and last `suffix_bytes` are ``tail``
     holds its payload, raw, right after ``head``."""
-    if bytes(head) not in frame_.prefixes:
+    if not frame_.accepts(bytes(head)):
         return False
+    known = _known_suffix(frame_.dtype, frame_.sizes)
+    if known is not None and _masked(tail, known[1]) == known[0]:
+        return True  # byte for byte the layout checked below, but for the id and CRC fields it never reads
+    return _suffix_is_framed(frame_, tail)
+
+
+def _masked(tail, windows: tuple) -> bytes:
+    out = bytearray(tail)
+    for start, end in windows:
+        out[start:end] = bytes(end - start)
+    return bytes(out)
+
+
+@lru_cache(maxsize=4096)
+def _known_suffix(dtype: torch.dtype, sizes: tuple):
+    """(suffix, windows) of safe_ckpt's own archive for a chunk, the serialization id and CRC fields
+    (``windows``) zeroed: a tail equal to it outside those windows passes `_suffix_is_framed`, which
+    reads none of them. None where that suffix itself would not pass."""
+    f, plain = frame(dtype, sizes), torchzip.tensor_container(dtype, sizes)
+    at = plain.serialization_id_at
+    windows = tuple((c, c + 4) for c in plain.crc_offsets) + ((at, at + plain.serialization_id_len),) * (at >= 0)
+    suffix = _masked(plain.suffix_template, windows)
+    return (suffix, windows) if f is not None and _suffix_is_framed(f, suffix) else None
+
+
+def _suffix_is_framed(frame_: Frame, tail) -> bool:
     tail = memoryview(tail).cast("B")
     tail_at = frame_.prefix_bytes + frame_.payload_bytes
     try:

@@ -20,6 +20,7 @@ import os
 import torch
 
 from ..coord import dist
+from ..host import gcfreeze
 from ..targets import endpoints
 from ..errors import ReadError, ValidationError, failure_from_exception
 from ..sinks.tensorstore import KvTarget, is_kvstore_url
@@ -98,6 +99,17 @@ def load(sharded_state_dict: dict, checkpoint_dir, options: LoadOptions | None =
     unreadable, truncated, corrupt or refused bytes, `ValidationError` for a state dict that does
     not match the checkpoint) on every rank when any rank fails.
     """
+    options = options or LoadOptions()
+    hold = gcfreeze.Hold(options.gc_freeze)
+    try:
+        return _load(sharded_state_dict, checkpoint_dir, options, strict, validate_access_integrity,
+                     verify_integrity, process_group)
+    finally:
+        hold.release()
+
+
+def _load(sharded_state_dict, checkpoint_dir, options, strict, validate_access_integrity, verify_integrity,
+          process_group):
     from megatron.core.dist_checkpointing.dict_utils import merge, nested_values
     from megatron.core.dist_checkpointing.mapping import apply_factory_merges
     from megatron.core.dist_checkpointing.state_dict_utils import load_preprocess
@@ -105,7 +117,6 @@ def load(sharded_state_dict: dict, checkpoint_dir, options: LoadOptions | None =
     from megatron.core.dist_checkpointing.validation import (StrictHandling, parse_strict_flag,
                                                              validate_integrity_and_strict_load)
 
-    options = options or LoadOptions()
     where = os.fspath(checkpoint_dir)
     coord = dist.coordinator(process_group, options.collective_timeout_s, target=f"load {where}")
     source, index, common, failure = None, None, None, None

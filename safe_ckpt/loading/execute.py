@@ -29,7 +29,7 @@ import torch
 
 from .. import integrity
 from ..errors import INTERRUPTS, RankFailure, ReadError, failure_from_exception
-from . import boxes, container
+from . import boxes, container, split
 from .plan import DIRECT, FLAT, Batch, ItemRead, ReadPlan
 
 log = logging.getLogger("safe_ckpt")
@@ -86,7 +86,7 @@ class _Worker:
         t = self.leases[slot].tensor[:nbytes]
         return slot, t, memoryview(t.numpy()).cast("B")
 
-    def _stream(self, device):
+    def stream(self, device):
         s = self.streams.get(device)
         if s is None:
             s = self.streams[device] = torch.cuda.Stream(device=device)
@@ -97,7 +97,7 @@ class _Worker:
         if dst.device.type != "cuda":
             dst.copy_(src)
             return
-        s = self._stream(dst.device)
+        s = self.stream(dst.device)
         with torch.cuda.stream(s):
             dst.copy_(src, non_blocking=slot is not None)
         if slot is not None:
@@ -161,7 +161,7 @@ class _Worker:
             frames.append((head, tail))
             parts.append(mine)
             iov += [memoryview(head), *mine, memoryview(tail)]
-        self.r.source.readv(first_path(batch), batch.items[0].item.offset_bytes, iov)
+        self.r.source.readv(batch.items[0].item.relative_path, batch.items[0].item.offset_bytes, iov)
         for read, (head, tail), mine in zip(batch.items, frames, parts):
             self.finish_whole(read, head, tail, mine)
 
@@ -183,7 +183,7 @@ class _Worker:
         dests = self.r.plan.destinations
         total = batch.length_bytes
         slot, t, mv = self.buffer(total)
-        self.r.source.readv(first_path(batch), batch.items[0].item.offset_bytes, [mv])
+        self.r.source.readv(batch.items[0].item.relative_path, batch.items[0].item.offset_bytes, [mv])
         at = 0
         for read in batch.items:
             f, length = read.frame, read.item.length_bytes
@@ -299,10 +299,6 @@ class _Worker:
         self.r.count(items=1, decoded=1, unverified=0 if hasher else 1, nbytes=len(data))
 
 
-def first_path(batch: Batch) -> str:
-    return batch.items[0].item.relative_path
-
-
 class Reader:
     """Reads one plan with ``threads`` threads; `run` returns (report, first failure or None)."""
 
@@ -311,7 +307,8 @@ class Reader:
         self.source = source
         self.plan = plan
         self.rank = rank
-        self.threads = max(1, min(threads, len(plan.batches) or 1))
+        self.threads = max(1, threads)
+        self.tasks: list = []
         self.piece_bytes = piece_bytes
         self.pool = pool  # () -> PinnedPool, called on the first read that needs a piece
         self.algorithm = algorithm
@@ -355,13 +352,17 @@ class Reader:
             while not self.cancel.is_set():
                 with self._lock:
                     i, self._next = self._next, self._next + 1
-                if i >= len(self.plan.batches):
+                if i >= len(self.tasks):
                     break
-                batch = self.plan.batches[i]
+                task = self.tasks[i]
+                piece = isinstance(task, split.PieceTask)
                 try:
-                    worker.run(batch)
+                    split.run_piece(worker, task) if piece else worker.run(task)
                 except BaseException as exc:
-                    self._fail(batch.items[0].fqn, exc)
+                    self._fail(task.fqn if piece else task.items[0].fqn, exc)
+                    if piece:
+                        with task.item.cond:  # a thread waiting for this piece stops now
+                            task.item.cond.notify_all()
                     break
         finally:
             try:
@@ -371,11 +372,16 @@ class Reader:
 
     def run(self) -> tuple[ReadReport, RankFailure | None]:
         t0 = time.perf_counter()
-        workers = [threading.Thread(target=self._loop, name=f"safe_ckpt-read-{i}", daemon=True)
-                   for i in range(self.threads)]
-        for w in workers:
-            w.start()
+        workers: list = []
         try:
+            self.tasks = split.tasks(self.plan.batches, self.source, piece_bytes=self.piece_bytes,
+                                     threads=self.threads, algorithm=self.algorithm,
+                                     destinations=self.plan.destinations)
+            self.threads = max(1, min(self.threads, len(self.tasks)))
+            workers = [threading.Thread(target=self._loop, name=f"safe_ckpt-read-{i}", daemon=True)
+                       for i in range(self.threads)]
+            for w in workers:
+                w.start()
             for w in workers:
                 while w.is_alive():
                     w.join(self.progress_interval_s or None)

@@ -94,16 +94,18 @@ def read_metadata(source: Source):
 
 
 def _tensors_and_objects(meta, where: str) -> tuple[dict, dict]:
-    from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     def item_of(info) -> StoredItem:
         return StoredItem(info.relative_path, info.offset, info.length)
 
     tensors, objects = {}, {}
-    storage = meta.storage_data
+    # keyed by plain tuples in one pass: hashing a MetadataIndex per chunk cost more than the rest of
+    # the index on thousands of shards (its hash and equality are those of its name and offsets)
+    storage = {(k.fqn, None if k.offset is None else tuple(k.offset)): v for k, v in meta.storage_data.items()}
     for fqn, md in meta.state_dict_metadata.items():
         if not isinstance(md, TensorStorageMetadata):
-            info = storage.get(MetadataIndex(fqn))
+            info = storage.get((fqn, None))
             if info is None:
                 raise ReadError(f"{where}: malformed: the bytes entry {fqn!r} has no storage entry")
             objects[fqn] = item_of(info)
@@ -115,7 +117,7 @@ def _tensors_and_objects(meta, where: str) -> tuple[dict, dict]:
             if any(o + s > d for o, s, d in zip(offsets, sizes, size)):
                 raise ReadError(f"{where}: malformed: key {fqn!r} has a chunk at {offsets} of {sizes} outside its "
                                 f"global shape {size}")
-            info = storage.get(MetadataIndex(fqn, torch.Size(offsets)))
+            info = storage.get((fqn, offsets))
             if info is None:
                 raise ReadError(f"{where}: malformed: key {fqn!r} lists a chunk at {offsets} with no storage entry")
             chunks.append(StoredChunk(offsets, sizes, item_of(info)))

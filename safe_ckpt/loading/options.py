@@ -45,6 +45,10 @@ class LoadOptions:
     kvstore_request_timeout_s: the most one kvstore read may take, TensorStore's own retries
         included; past it the load fails on every rank with `ReadError`.
     progress_interval_s: period of each rank's progress log lines during a long read (0: none).
+    gc_freeze: during the load, keep Python's cyclic garbage collector off the objects that
+        existed when it began, as `SaveOptions.gc_freeze` does for a save (a load of many shards
+        allocates tens of objects per shard; each collection that triggers would walk the whole
+        heap of a training process).
     on_read: called on each rank with its `ReadReport` (bytes, items, checksums verified, time)
         once its reads are done (benchmarks, monitoring); None: the report is only logged.
     """
@@ -59,6 +63,7 @@ class LoadOptions:
     kvstore_spec: Optional[dict] = None
     kvstore_request_timeout_s: float = 30.0
     progress_interval_s: float = 10.0
+    gc_freeze: bool = True
     on_read: Optional[Callable] = None
 
     def __post_init__(self) -> None:

@@ -135,9 +135,13 @@ class _Candidates:
 
 
 def _piece(dest_index: int, dest: Destination, chunk_box: Box, ov: Box, stored_dtype) -> Piece:
-    in_chunk, in_dest = ov.relative_to(chunk_box), ov.relative_to(dest.box)
     itemsize = compat.dtype_itemsize(stored_dtype)
     same = dest.view.dtype == stored_dtype and dest.flat_bytes is not None
+    if same and ov == chunk_box == dest.box:  # the shard is the stored chunk (no resharding): all of it
+        whole = Box((0,) * len(ov.sizes), ov.sizes)
+        return Piece(dest_index, whole, whole, DIRECT if dest.memory is not None else FLAT, 0,
+                     ov.numel * itemsize, 0)
+    in_chunk, in_dest = ov.relative_to(chunk_box), ov.relative_to(dest.box)
     if same and boxes.is_contiguous(in_chunk, chunk_box.sizes) and boxes.is_contiguous(in_dest, dest.box.sizes):
         start = boxes.flat_start(in_chunk, chunk_box.sizes) * itemsize
         dest_start = boxes.flat_start(in_dest, dest.box.sizes) * itemsize

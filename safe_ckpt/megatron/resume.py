@@ -25,22 +25,21 @@ Must not: remove or read checkpoints (tracker files only), or decide a retention
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
 from dataclasses import dataclass
 
+from .. import targets
 from ..names import ITERATION_DIR, RELEASE_DIR, TRACKER_FILE, iteration_dir
-from ..options import SaveOptions
-from ..sinks.tensorstore import KvDeadlines, KvTarget, is_kvstore_url, open_sink
+from ..targets import Target
 
 log = logging.getLogger("safe_ckpt")
 
 
 @dataclass(frozen=True)
 class LoadedCheckpoint:
-    root: tuple  # `root_key` of the directory holding it
+    root: str  # `Target.place_key` of the save root holding it
     name: str  # "iter_0000100" or "release"
     iteration: int | None  # None for a release checkpoint
     path: str  # as the caller named it, for log lines
@@ -53,19 +52,14 @@ class _Registry:
         self.lock = threading.Lock()
         self.loaded: list[LoadedCheckpoint] = []
         self.told = False  # something (possibly "nothing was loaded") was noted
-        self.tracker_fallback: dict = {}  # root key -> the iteration its tracker named at the first save
+        self.tracker_fallback: dict = {}  # place key -> the iteration its tracker named at the first save
 
 
 _registry = _Registry()
 
 
-def root_key(path: str, kv_root: KvTarget | None = None) -> tuple:
-    """How two spellings of one save root compare equal: a local directory by its real path, a
-    kvstore prefix by its store spec and path."""
-    if kv_root is None and not is_kvstore_url(path):
-        return ("local", os.path.realpath(os.path.abspath(path)))
-    target = kv_root or KvTarget(path)
-    return ("kvstore", target.path.rstrip("/"), json.dumps(target.spec, sort_keys=True, default=str))
+def _as_target(root: "Target | str") -> Target:
+    return root if isinstance(root, Target) else targets.resolve(root)
 
 
 def checkpoint_name(iteration: int | None, release: bool = False) -> str:
@@ -90,10 +84,7 @@ def note_loaded(checkpoint_dir: str | None, *, kvstore_spec: dict | None = None)
             log.warning("%s is not an iteration directory (iter_XXXXXXX or release); retention "
                         "cannot tell which iteration it is and protects nothing for it", path)
             return
-        if kvstore_spec is not None:
-            key = root_key(parent, KvTarget(parent, dict(kvstore_spec)))
-        else:
-            key = root_key(parent or ".")
+        key = targets.resolve(parent or ".", spec=None if kvstore_spec is None else dict(kvstore_spec)).place_key()
         loaded = LoadedCheckpoint(key, name, int(m.group(1)) if m else None, path)
         if loaded not in _registry.loaded:
             _registry.loaded.append(loaded)
@@ -108,8 +99,8 @@ def noted() -> bool:
 def loaded_from_args(args, read_tracker=None) -> str | None:
     """The checkpoint directory Megatron's `load_checkpoint` reads with these arguments, or None
     where it loads nothing. ``read_tracker(load_dir)`` returns the tracker's text ("" if there is
-    none); the default reads local directories."""
-    read_tracker = read_tracker or _read_local_tracker
+    none); the default reads it through the target the path names."""
+    read_tracker = read_tracker or (lambda d: tracker_text(targets.resolve(d)))
     load_dir = getattr(args, "load", None)
     tracker = read_tracker(load_dir) if load_dir else ""
     pretrained = getattr(args, "pretrained_checkpoint", None)
@@ -132,16 +123,18 @@ def loaded_from_args(args, read_tracker=None) -> str | None:
     return load_dir.rstrip("/") + "/" + checkpoint_name(iteration, release)
 
 
-def protected(save_dir: str, kv_root: KvTarget | None = None, options: SaveOptions | None = None) -> frozenset:
-    """The iterations retention keeps in the save root ``save_dir`` because this run resumed
-    from them: the loaded checkpoints that live there, or, where this process never said what
-    it loaded, the iteration the root's tracker named before this process first saved there."""
-    key = root_key(save_dir, kv_root)
+def protected(save_root: "Target | str") -> frozenset:
+    """The iterations retention keeps in ``save_root`` (a `Target`, or a path or URL naming one)
+    because this run resumed from them: the loaded checkpoints that live there, or, where this
+    process never said what it loaded, the iteration the root's tracker named before this
+    process first saved there."""
+    root = _as_target(save_root)
+    key = root.place_key()
     with _registry.lock:
         if _registry.told:
             return frozenset(c.iteration for c in _registry.loaded if c.root == key and c.iteration is not None)
         if key not in _registry.tracker_fallback:
-            text = read_tracker(save_dir, kv_root, options)
+            text = tracker_text(root)
             _registry.tracker_fallback[key] = int(text) if text.isdigit() else None
         value = _registry.tracker_fallback[key]
     return frozenset() if value is None else frozenset({value})
@@ -155,27 +148,12 @@ def forget() -> None:
         _registry.tracker_fallback.clear()
 
 
-def _read_local_tracker(directory: str) -> str:
+def tracker_text(root: Target) -> str:
+    """The text of the tracker (`TRACKER_FILE`) under the save root ``root``; "" where it has none
+    or cannot be read (retention then keeps only what its policy keeps)."""
     try:
-        with open(os.path.join(directory, TRACKER_FILE)) as f:
-            return f.read().strip()
-    except OSError:
-        return ""
-
-
-def _read_kv_tracker(kv_root: KvTarget, options: SaveOptions | None) -> str:
-    options = options or SaveOptions()
-    try:
-        return open_sink(kv_root, KvDeadlines(options.kvstore_request_timeout_s)).read(TRACKER_FILE) \
-            .decode(errors="replace").strip()
-    except FileNotFoundError:
-        return ""
-    except Exception as exc:  # retention then keeps only what its policy keeps
+        return root.read_tracker() or ""
+    except Exception as exc:
         log.warning("cannot read the tracker under %s (%s); retention cannot protect the "
-                    "checkpoint this run resumed from", kv_root.path, exc)
+                    "checkpoint this run resumed from", root.name, exc)
         return ""
-
-
-def read_tracker(load_dir: str, kv_root: KvTarget | None = None, options: SaveOptions | None = None) -> str:
-    """The text of the tracker under ``load_dir`` (a kvstore prefix with ``kv_root``), "" if none."""
-    return _read_local_tracker(load_dir) if kv_root is None else _read_kv_tracker(kv_root, options)

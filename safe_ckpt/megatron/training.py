@@ -29,7 +29,7 @@ from ..names import RELEASE_DIR, SHARDED_BACKEND
 from ..options import GiB, SaveOptions
 from ..results import SaveResult
 from ..targets.retention import Retention, prune
-from ..sinks.tensorstore import KvTarget, is_kvstore_url, resolve_target
+from ..sinks.tensorstore import resolve_target
 from ..staging import gates
 
 log = logging.getLogger("safe_ckpt")
@@ -127,17 +127,16 @@ def note_loaded_from_args(args) -> None:
     if resume.noted():
         return
 
-    def place(path: str):  # the load root resolved as the save root is (an s3:// URL at an endpoint)
+    def place(path: str) -> targets.Target:  # the load root resolved as the save root is (an s3:// URL at an endpoint)
         root, opts = save_target(path, SaveOptions(), os.environ)
-        kv = KvTarget(root, opts.kvstore_spec) if opts.kvstore_spec is not None or is_kvstore_url(root) else None
-        return root, kv
+        return targets.resolve(root, spec=opts.kvstore_spec, settings=targets.TargetSettings.of(opts))
 
-    loaded = resume.loaded_from_args(args, read_tracker=lambda d: resume.read_tracker(*place(d)))
+    loaded = resume.loaded_from_args(args, read_tracker=lambda d: resume.tracker_text(place(d)))
     if loaded is None:
         resume.note_loaded(None)
         return
-    path, kv = place(loaded)
-    resume.note_loaded(path, kvstore_spec=kv.spec if kv is not None else None)
+    checkpoint = place(loaded)
+    resume.note_loaded(checkpoint.location.path, kvstore_spec=checkpoint.location.spec)
 
 
 def save_state(state_dict: dict, save_dir: str, checkpoint_dir: str, tracker_value: str, *,
@@ -155,11 +154,8 @@ def save_state(state_dict: dict, save_dir: str, checkpoint_dir: str, tracker_val
     """
     options = options or SaveOptions()
     save_dir, checkpoint_dir, options = _endpoints().save_state_targets(save_dir, checkpoint_dir, options)
-    # A kvstore save root (a URL, or a path inside options.kvstore_spec): tracker and retention there.
-    kv_root = KvTarget(save_dir, options.kvstore_spec) \
-        if options.kvstore_spec is not None or is_kvstore_url(save_dir) else None
-    resumed = resume.protected(save_dir, kv_root, options)  # before this save moves the tracker
     root = targets.resolve(save_dir, spec=options.kvstore_spec, settings=targets.TargetSettings.of(options))
+    resumed = resume.protected(root)  # before this save moves the tracker
 
     def write_tracker(coord) -> None:
         failure = None

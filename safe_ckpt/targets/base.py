@@ -246,3 +246,8 @@ class Target(abc.ABC):
     @abc.abstractmethod
     def read_tracker(self) -> str | None:
         """On a save root: its tracker's content, stripped; None where it has none."""
+
+    @abc.abstractmethod
+    def place_key(self) -> str:
+        """Equal for two spellings of one location (a symbolic link and its target, a prefix with
+        and without its trailing slash); touches nothing, so it cannot fail on an absent place."""

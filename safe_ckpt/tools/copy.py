@@ -28,7 +28,6 @@ from ..errors import CommitError, PathUsageError
 from ..names import CONFIG_FILE, DATA_SUFFIX, METADATA_FILE, OWNER_OBJECT_PREFIX, SHARDED_BACKEND
 from ..sinks.tensorstore import DEFAULT_REQUEST_TIMEOUT_S, StoreNotFoundError
 from ..targets import TargetSettings, resolve
-from ..targets.directory.copying import LocalSource as _LocalSource  # noqa: F401  (the name tests patch)
 
 # progress(done_bytes, total_bytes or None when the source cannot say, note)
 ProgressFn = Callable[[int, Optional[int], str], None]

@@ -6,7 +6,9 @@ Presets:
 - ``qwen3-4b-dp8``: what one of 8 data-parallel ranks of Qwen3-4B (TP=1, 8xA100-40GB)
   saves with the distributed optimizer (`dp_reshardable`): its 1/8 row share of the
   bf16 weights and its 1/8 shard of fp32 main params / exp_avg / exp_avg_sq, cut into
-  40M-parameter buckets of per-parameter pieces (~7 GB). ``gib`` rescales it.
+  40M-parameter buckets of per-parameter pieces (~7 GB). ``gib`` rescales it (with
+  ``keep_shards``, the buckets shrink with it, so the 1217 shards stay: the many-shard case
+  at a size a small host holds).
 Residence mixes: ``gpu`` (all on the GPU), ``opt-pinned`` / ``opt-pageable`` (weights on
 the GPU, optimizer state in pinned / pageable host memory); without CUDA everything is
 host memory. Data is seeded random, never zeros. Must not: measure anything.
@@ -62,13 +64,13 @@ def _weights_spec(preset: str, scale: float, dp: int) -> list[tuple[str, int]]:
     return [(k, int(n * scale) // dp) for k, n in rows.items()]
 
 
-def _bucket_pieces(preset: str, scale: float, dp: int) -> list[list[int]]:
+def _bucket_pieces(preset: str, scale: float, dp: int, keep_shards: bool = False) -> list[list[int]]:
     """Per bucket, the sizes of this rank's per-parameter pieces (fp32 elements)."""
     if preset == "anchor":
         numel = int(scale * 8 * (1 << 30) * 7 / 8 / 3 / 4)  # 7/8 of the bytes, fp32, x3 tensors
         return [[numel // 4] for _ in range(4)]
     total = int(QWEN_PARAMS * scale) // dp
-    bucket = 40_000_000 // dp
+    bucket = max(1, int(40_000_000 * (scale if keep_shards else 1.0)) // dp)
     g = torch.Generator().manual_seed(11)
     out = []
     for start in range(0, total, bucket):
@@ -80,7 +82,7 @@ def _bucket_pieces(preset: str, scale: float, dp: int) -> list[list[int]]:
 
 
 def build(preset: str = "anchor", gib: float | None = None, residence: str = "gpu", rank: int = 0,
-          world: int = 1, seed: int = 0) -> BenchState:
+          world: int = 1, seed: int = 0, keep_shards: bool = False) -> BenchState:
     from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
 
     cuda = torch.cuda.is_available()
@@ -97,7 +99,7 @@ def build(preset: str = "anchor", gib: float | None = None, residence: str = "gp
     for key, n in _weights_spec(preset, scale, dp):
         pieces_t.append((key, _fill(n, torch.bfloat16, wdev, g), n * world, n * rank))
     prefix = "optimizer.distributed.dp_group_idx_0.gbuf_idx_0.dtype_(torch.bfloat16, torch.float32)"
-    for b, sizes in enumerate(_bucket_pieces(preset, scale, dp)):
+    for b, sizes in enumerate(_bucket_pieces(preset, scale, dp, keep_shards)):
         local = sum(sizes)
         for name in ("param", "exp_avg", "exp_avg_sq"):
             key = f"{prefix}.bucket_idx_{b}.{name}"

@@ -72,6 +72,17 @@ def test_only_loads_inside_the_save_root_are_protected(tmp_path):
     assert resume.protected(str(tmp_path / "base")) == {7}
 
 
+def test_an_object_store_root_matches_by_store_and_prefix_not_by_spelling():
+    resume.note_loaded("s3://bucket/run/iter_0000100")
+    resume.note_loaded("run/iter_0000200", kvstore_spec={"driver": "memory"})
+    assert resume.protected("s3://bucket/run/") == {100}  # a trailing slash names the same prefix
+    assert resume.protected("s3://bucket/other") == frozenset()
+    from safe_ckpt import targets
+    assert resume.protected(targets.resolve("run", spec={"driver": "memory"})) == {200}
+    assert resume.protected(targets.resolve("run", spec={"driver": "file", "path": "/x"})) == frozenset()
+    assert resume.protected("run") == frozenset()  # a local directory of that name is another place
+
+
 def test_a_process_that_never_said_what_it_loaded_keeps_the_tracker_fallback(tmp_path):
     run = _run(tmp_path, "run", "300")
     assert resume.protected(run) == {300}

@@ -146,10 +146,10 @@ def test_the_python_api_the_command_line_and_the_adapter_share_one_endpoint_rule
     with pytest.raises(safe_ckpt.ValidationError, match="one store"):
         endpoints.save_state_targets("s3://bkt/run", "s3://other/run/iter_0000001", safe_ckpt.SaveOptions())
     args = cli.build_parser().parse_args(["verify", "s3://bkt/run/iter_0000001"])
-    target = cli.commands._kv_target(args, args.directory, None)
+    target = cli.commands._location(args, args.directory, None)
     assert (target.path, target.spec) == ("run/iter_0000001", expected)
     args = cli.build_parser().parse_args(["verify", "s3://bkt/x", "--endpoint", "http://flag:3"])
-    assert cli.commands._kv_target(args, args.directory, None).spec["endpoint"] == "http://flag:3"  # the flag first
+    assert cli.commands._location(args, args.directory, None).spec["endpoint"] == "http://flag:3"  # the flag first
     monkeypatch.delenv("AWS_ENDPOINT_URL_S3")
     generic = endpoints.save_target("s3://bkt/x", safe_ckpt.SaveOptions())[1].kvstore_spec
     assert generic["endpoint"] == "http://generic:1"

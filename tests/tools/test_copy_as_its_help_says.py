@@ -55,8 +55,6 @@ def test_replace_leaves_exactly_the_copied_checkpoint(tmp_path):
 
 
 def test_copy_over_a_checkpoint_replaces_it_and_a_failed_copy_leaves_it_whole(tmp_path, monkeypatch):
-    from safe_ckpt.tools import copy as copy_tool
-
     old, new, dst = (str(tmp_path / n) for n in ("old", "new", "dst"))
     safe_ckpt.save(_state(1), old, options=safe_ckpt.SaveOptions(**OPTS))
     safe_ckpt.save(_state(2), new, options=safe_ckpt.SaveOptions(**OPTS))
@@ -64,7 +62,8 @@ def test_copy_over_a_checkpoint_replaces_it_and_a_failed_copy_leaves_it_whole(tm
     before = _files(dst)
     # the third file read fails: the data files share their names with the checkpoint at DST
     reads = []
-    real = copy_tool._LocalSource.read
+    from safe_ckpt.targets.directory.copying import LocalSource
+    real = LocalSource.read
 
     def failing(self, name):
         reads.append(name)
@@ -72,7 +71,7 @@ def test_copy_over_a_checkpoint_replaces_it_and_a_failed_copy_leaves_it_whole(tm
             raise OSError(5, "Input/output error")
         return real(self, name)
 
-    monkeypatch.setattr(copy_tool._LocalSource, "read", failing)
+    monkeypatch.setattr(LocalSource, "read", failing)
     rc, out, err = _cli("copy", new, dst)
     assert rc == 1 and out == "" and f"cannot read {new}/{reads[-1]} from the source" in err, err
     assert _files(dst) == before  # untouched

@@ -129,5 +129,8 @@ class DirectoryTarget(Target):
         except FileNotFoundError:
             return None
 
+    def place_key(self) -> str:
+        return "dir:" + os.path.realpath(self.name)
+
 
 register(DirectoryTarget, paths=True)

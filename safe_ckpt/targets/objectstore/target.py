@@ -10,6 +10,7 @@ complete iterations and removals (`root`), gc (`gc`). Must not: read environment
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import tempfile
 import time
@@ -134,6 +135,10 @@ class ObjectStoreTarget(Target):
                 .decode().strip()
         except FileNotFoundError:
             return None
+
+    def place_key(self) -> str:
+        spec = json.dumps(self.location.spec, sort_keys=True, default=str)
+        return "kvstore:" + self.location.path.rstrip("/") + "|" + spec
 
 
 register(ObjectStoreTarget, urls=True)
