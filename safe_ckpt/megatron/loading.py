@@ -12,8 +12,8 @@ One job: put safe_ckpt's reader behind the two ways Megatron code loads a torch_
   not used: each rank reads only what it needs.
 - `SafeTorchDistLoadStrategy`: a load strategy for code that calls
   `dist_checkpointing.load(..., sharded_strategy=...)` itself (stock then runs the rest).
-After a load, `loaded_checkpoint()` says which save root and iteration it read; where
-`safe_ckpt.megatron.training.note_loaded` exists it is told too (retention keeps that one).
+After a load, `loaded_checkpoint()` says which save root and iteration it read, and
+`resume.note_loaded` records it, so retention keeps that checkpoint.
 Must not: change Megatron's state beyond what its own load_checkpoint changes.
 """
 
@@ -121,11 +121,9 @@ def _note(reader: _ReadBySafeCkpt, load_dir: str) -> None:
     loaded = LoadedCheckpoint(os.path.abspath(load_dir), checkpoint_dir, iteration)
     with _loaded_lock:
         _loaded[:] = [loaded]
-    from . import training
+    from . import resume
 
-    note = getattr(training, "note_loaded", None)
-    if note is not None:
-        note(loaded.save_root, loaded.iteration)
+    resume.note_loaded(checkpoint_dir)  # retention keeps it (a local directory: URLs are refused above)
 
 
 def load_checkpoint(ddp_model, optimizer, opt_param_scheduler, load_arg="load", strict=True,

@@ -84,7 +84,9 @@ def note_loaded(checkpoint_dir: str | None, *, kvstore_spec: dict | None = None)
             log.warning("%s is not an iteration directory (iter_XXXXXXX or release); retention "
                         "cannot tell which iteration it is and protects nothing for it", path)
             return
-        key = targets.resolve(parent or ".", spec=None if kvstore_spec is None else dict(kvstore_spec)).place_key()
+        # a local checkpoint with no parent lies in ".", one at a store's root in its root ("")
+        root = parent if kvstore_spec is not None else (parent or ".")
+        key = targets.resolve(root, spec=None if kvstore_spec is None else dict(kvstore_spec)).place_key()
         loaded = LoadedCheckpoint(key, name, int(m.group(1)) if m else None, path)
         if loaded not in _registry.loaded:
             _registry.loaded.append(loaded)

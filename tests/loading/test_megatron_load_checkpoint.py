@@ -18,6 +18,7 @@ def test_load_checkpoint_resumes_like_stock_under_every_flag(tmp_path):
             assert res["differences"] == [], (name, rank, res["differences"])
             assert res["module_restored"], name
             assert res["loaded"] == (os.path.abspath(str(tmp_path)), cases.CASES[name][1]), (name, res["loaded"])
+            assert res["protected"] == [cases.CASES[name][1]], (name, res["protected"])  # retention keeps it
         latest, step = resumes["latest"], resumes["ckpt_step"]
         assert latest["iteration"] == 7 and latest["flops"] == 21 and latest["consumed"] == 700
         assert latest["model"] == [] and latest["optimizer_loaded"] and latest["scheduler"]["num_steps"] == 70

@@ -138,7 +138,8 @@ class ObjectStoreTarget(Target):
 
     def place_key(self) -> str:
         spec = json.dumps(self.location.spec, sort_keys=True, default=str)
-        return "kvstore:" + self.location.path.rstrip("/") + "|" + spec
+        path = self.location.path.strip("/")
+        return "kvstore:" + ("" if path == "." else path) + "|" + spec
 
 
 register(ObjectStoreTarget, urls=True)

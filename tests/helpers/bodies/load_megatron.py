@@ -181,19 +181,22 @@ def resume_every_way(rank, world, root) -> dict:
     from megatron.training import checkpointing as stock
 
     import safe_ckpt.megatron as safe_megatron
+    from safe_ckpt.megatron import resume
 
     if not mpu.model_parallel_is_initialized():
         mpu.initialize_model_parallel(world, 1)
     out = {}
     for name, (flags, it) in CASES.items():
+        resume.forget()
         ours = _resume(safe_megatron.load_checkpoint, rank, world, root, flags, it)
         loaded = safe_megatron.loaded_checkpoint()
+        protected = sorted(resume.protected(root))  # what retention keeps for this load
         theirs = _resume(stock.load_checkpoint, rank, world, root, flags, it)
         out[name] = {"differences": _differences(ours, theirs), "iteration": ours["iteration"],
                      "model": _model_matches(ours["model"], rank, world, it), "draws": ours["draws"],
                      "optimizer_loaded": ours["optimizer"] is not None, "reloaded": ours["reloaded"],
                      "scheduler": ours["scheduler"], "flops": ours["flops"], "consumed": ours["consumed"],
-                     "loaded": (loaded.save_root, loaded.iteration) if loaded else None,
+                     "loaded": (loaded.save_root, loaded.iteration) if loaded else None, "protected": protected,
                      "module_restored": stock.dist_checkpointing.__name__ == "megatron.core.dist_checkpointing"}
     return out
 
@@ -212,6 +215,7 @@ def installed_in_place(rank, world, root) -> dict:
     from megatron.training import checkpointing as mck
 
     import safe_ckpt.megatron as safe_megatron
+    from safe_ckpt.megatron import resume
 
     if not mpu.model_parallel_is_initialized():
         mpu.initialize_model_parallel(world, 1)
