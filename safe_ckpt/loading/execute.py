@@ -1,23 +1,20 @@
 """Carrying out a read plan: a bounded pool of threads moving bytes from the source to the tensors.
 
-One job: read every batch of a `plan.ReadPlan` into its destinations. Each thread takes the
-next batch (batches are in file order, so reads stay nearly sequential) and:
-- reads a batch of whole items bound for contiguous host tensors with one positioned call
-  straight into the tensors' memory (the items' small leading and trailing archive bytes go
-  to scratch buffers in the same call);
-- reads what goes to GPU tensors into two pieces of the process-wide pinned pool, in turn, and
-  copies each piece host-to-device on its own CUDA stream (ordered after the caller's stream),
-  so the next read overlaps the copy; a piece is reused only once its copy has finished;
+One job: read every batch of a `plan.ReadPlan` into its destinations. Each thread takes the next
+task (a large item's pieces first, `split`; then batches in file order) and:
+- reads whole items bound for contiguous host tensors with one positioned call straight into
+  their memory (the small archive bytes around them into scratch buffers in the same call);
+- reads what goes to GPU tensors into its two pieces of the process-wide pinned pool, in turn,
+  copied host-to-device on its own stream (after the caller's), so the next read overlaps the
+  copy; a piece is reused only once its copy has finished;
 - reads strided overlaps (resharding across a non-leading axis, dtype conversion, tensor
   subclasses) as whole rows of the stored chunk into a piece, then copies the sub-box;
-- checks each item's archive framing (`container`), decoding an item that is not the standard
-  archive with torch's weights-only loader instead, and, where the manifest records a
-  checksum, hashes every item it reads whole on the way and refuses a mismatch.
+- checks each item's archive framing (`container`), decoding a non-standard archive with torch's
+  weights-only loader, and hashes every item it reads whole where the manifest has a checksum.
 The first failure stops the other threads; the caller votes on it, so every rank fails together.
 Must not: talk to other ranks, allocate pinned memory outside the pool, or block on the device
 beyond the copies it issued.
 """
-
 from __future__ import annotations
 
 import logging
@@ -34,9 +31,7 @@ from .plan import DIRECT, FLAT, Batch, ItemRead, ReadPlan
 
 log = logging.getLogger("safe_ckpt")
 
-# A whole item that is checksummed is read (and hashed) this much at a time, so the hash reads
-# bytes the read just brought into cache instead of fetching them from memory a second time.
-HASH_PIECE_BYTES = 4 << 20
+HASH_PIECE_BYTES = 4 << 20  # a checksummed whole item is read and hashed this much at a time, while in cache
 
 
 @dataclass(frozen=True)
@@ -75,16 +70,20 @@ class _Worker:
         if nbytes > self.r.piece_bytes:
             t = torch.empty(nbytes, dtype=torch.uint8)
             return None, t, memoryview(t.numpy()).cast("B")
-        if not self.leases:
-            pool = self.r.pool()
-            for _ in range(2):
-                self.leases.append(pool.lease(self.r.piece_bytes, timeout_s=self.r.timeout_s, cancel=self.r.cancel))
+        self.take_pieces()
         slot, self.turn = self.turn, self.turn ^ 1
         if self.events[slot] is not None:
             self.events[slot].synchronize()
             self.events[slot] = None
         t = self.leases[slot].tensor[:nbytes]
         return slot, t, memoryview(t.numpy()).cast("B")
+
+    def take_pieces(self) -> None:
+        """This thread's two pool pieces, held until `finish`."""
+        if not self.leases:
+            pool = self.r.pool()
+            for _ in range(2):
+                self.leases.append(pool.lease(self.r.piece_bytes, timeout_s=self.r.timeout_s, cancel=self.r.cancel))
 
     def stream(self, device):
         s = self.streams.get(device)
@@ -307,8 +306,7 @@ class Reader:
         self.source = source
         self.plan = plan
         self.rank = rank
-        self.threads = max(1, threads)
-        self.tasks: list = []
+        self.threads, self.tasks, self.pieces_first = max(1, threads), [], False  # pieces_first: see `run`
         self.piece_bytes = piece_bytes
         self.pool = pool  # () -> PinnedPool, called on the first read that needs a piece
         self.algorithm = algorithm
@@ -349,6 +347,8 @@ class Reader:
     def _loop(self) -> None:
         worker = _Worker(self)
         try:
+            if self.pieces_first:  # a thread waiting for pool memory then holds no piece another's hash waits for
+                worker.take_pieces()
             while not self.cancel.is_set():
                 with self._lock:
                     i, self._next = self._next, self._next + 1
@@ -364,6 +364,8 @@ class Reader:
                         with task.item.cond:  # a thread waiting for this piece stops now
                             task.item.cond.notify_all()
                     break
+        except BaseException as exc:  # waiting for pool pieces: timed out or cancelled
+            self._fail(None, exc)
         finally:
             try:
                 worker.finish()
@@ -378,6 +380,7 @@ class Reader:
                                      threads=self.threads, algorithm=self.algorithm,
                                      destinations=self.plan.destinations)
             self.threads = max(1, min(self.threads, len(self.tasks)))
+            self.pieces_first = split.through_pool(self.tasks)
             workers = [threading.Thread(target=self._loop, name=f"safe_ckpt-read-{i}", daemon=True)
                        for i in range(self.threads)]
             for w in workers:

@@ -209,6 +209,11 @@ def tasks(batches: tuple, source, *, piece_bytes: int, threads: int, algorithm: 
     return out + [b for b in batches if id(b) not in split_ids]
 
 
+def through_pool(tasks: list) -> bool:
+    """Whether some split item goes through pool pieces (then a thread takes its pieces first)."""
+    return any(isinstance(t, PieceTask) and any(p.mode != DIRECT for p in t.item.read.pieces) for t in tasks)
+
+
 def run_piece(worker, task: PieceTask) -> None:
     """Read one piece of a split item into its destinations (through a pool piece where one is not
     plain host memory), hash it, and check the item once its last piece is in."""

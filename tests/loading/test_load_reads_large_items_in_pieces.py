@@ -37,7 +37,8 @@ def saved(tmp_path):
     return path, state
 
 
-def _load(path: str, state: dict, pool: bool = False, **kw):
+def _load(path: str, state: dict, pool: bool = False, threads: int | None = None,
+          staging_budget_bytes: int = 1 << 20, **kw):
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     reports = []
@@ -47,7 +48,8 @@ def _load(path: str, state: dict, pool: bool = False, **kw):
         plan.destination = lambda sh: dataclasses.replace(stock(sh), memory=None)
     try:
         safe_ckpt.load({k: ShardedTensor.from_rank_offsets(k, out[k]) for k in state}, path,
-                       safe_ckpt.LoadOptions(io_threads=3, staging_budget_bytes=1 << 20, piece_bytes=PIECE,
+                       safe_ckpt.LoadOptions(io_threads=threads or 3, staging_budget_bytes=staging_budget_bytes,
+                                             piece_bytes=PIECE,
                                              batch_bytes=16 << 10, on_read=reports.append, **kw))
     finally:
         plan.destination = stock
@@ -189,3 +191,44 @@ def test_the_archive_tail_shortcut_gives_the_full_checks_verdict_for_every_chang
         verdicts.add(full)
     assert verdicts == {True, False}  # some bytes are never read (ids, CRCs), the rest are
     assert not container.payload_is_framed(f, c.prefix, tail[:-1])
+
+
+@pytest.mark.timeout(90)
+def test_pieces_finish_when_another_user_holds_part_of_the_pool(saved, monkeypatch):
+    """A thread blocked waiting for pool memory must not hold a piece whose hash another thread
+    waits for. Half the pool is held elsewhere (a save's staging, another load), so only one of the
+    two threads gets pieces; the first piece's read waits until the other thread is blocked in the
+    pool, the order in which a thread holding a task there would stall the load until its timeout."""
+    import threading
+
+    from safe_ckpt.staging import pool as pool_mod
+
+    path, state = saved
+    budget = 4 * PIECE  # two threads x two pieces each
+    shared = pool_mod.shared_pool(budget)
+    other = shared.lease(2 * PIECE)
+    blocked, callers, stock_lease = threading.Event(), set(), type(shared).lease
+
+    def lease(self, *a, **kw):
+        callers.add(threading.get_ident())
+        if len(callers) == 2:
+            blocked.set()
+        return stock_lease(self, *a, **kw)
+
+    chunk, f = _item(path, "a")
+    first_payload = chunk.item.offset_bytes + f.prefix_bytes
+    stock_readv = DirectorySource.readv
+
+    def readv(self, name, offset_bytes, buffers):
+        if name == chunk.item.relative_path and offset_bytes == first_payload:
+            assert blocked.wait(30), "the second reader thread never asked the pool for memory"
+        return stock_readv(self, name, offset_bytes, buffers)
+
+    monkeypatch.setattr(type(shared), "lease", lease)
+    monkeypatch.setattr(DirectorySource, "readv", readv)
+    try:
+        out, report = _load(path, state, pool=True, threads=2, staging_budget_bytes=budget, collective_timeout_s=20)
+    finally:
+        other.release()
+    assert all(torch.equal(out[k], state[k]) for k in state)
+    assert report.verified == report.items
