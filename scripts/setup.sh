@@ -30,4 +30,5 @@ if ! python -c 'import torch' 2>/dev/null; then
   pip install "${index[@]}" "$torch_spec"
 fi
 MCORE_VERSION=${MCORE_VERSION:-0.16.1}
-pip install -q "megatron-core==${MCORE_VERSION}" -e '.[test]'
+# compat: the clone's path on sys.path, so Python started beside the clone still imports the package
+pip install -q "megatron-core==${MCORE_VERSION}" -e '.[test]' --config-settings editable_mode=compat

@@ -13,13 +13,14 @@ Must not: read tensor data, or unpickle anything but through the restricted read
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 
 import torch
 
 from .. import integrity
 from ..errors import ReadError
-from ..names import (COMMON_STATE_KEY, CONFIG_FILE, MANIFEST_FILE, METADATA_FILE, RELEASE_DIR, SHARDED_BACKEND,
+from ..names import (COMMON_STATE_KEY, ITERATION_DIR, CONFIG_FILE, MANIFEST_FILE, METADATA_FILE, RELEASE_DIR, SHARDED_BACKEND,
                      TRACKER_FILE, iteration_dir)
 from ..encoding import safe_read
 from .source import Source
@@ -168,8 +169,21 @@ def _save_root_hint(source: Source) -> str:
     try:
         tracker = source.read_whole(TRACKER_FILE, _SMALL_FILE_BYTES).decode(errors="replace").strip()
     except (OSError, ReadError):
+        inside = sorted(n for n in _local_names(source) if ITERATION_DIR.match(n) or n == RELEASE_DIR)
+        if inside:  # a save root without a tracker
+            return (f"it holds checkpoints, not one: load one of {', '.join(inside[-5:])}"
+                    f"{' (the newest five shown)' if len(inside) > 5 else ''}")
         return "a checkpoint whose save did not finish has none"
     name = RELEASE_DIR if tracker == RELEASE_DIR else iteration_dir(int(tracker)) if tracker.isdigit() else None
     if name is None:
         return f"it is a save root whose tracker ({TRACKER_FILE}) reads {tracker[:40]!r}, not an iteration"
     return f"it is a save root whose tracker names {name}: load {source.describe(name)}"
+
+
+def _local_names(source: Source) -> list:
+    """The entries of a local directory source ([] for other sources: listing a store costs requests)."""
+    root = getattr(source, "root", None)
+    try:
+        return os.listdir(root) if isinstance(root, str) and "://" not in root and os.path.isdir(root) else []
+    except OSError:
+        return []

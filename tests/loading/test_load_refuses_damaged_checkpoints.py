@@ -57,5 +57,8 @@ def test_a_save_root_passed_to_load_is_named_with_the_checkpoint_its_tracker_nam
     with pytest.raises(safe_ckpt.ReadError, match=r"save root whose tracker names iter_0000042: load .*iter_0000042"):
         safe_ckpt.load(template, str(root))
     (root / "latest_checkpointed_iteration.txt").unlink()
+    with pytest.raises(safe_ckpt.ReadError, match="holds checkpoints, not one: load one of iter_0000042"):
+        safe_ckpt.load(template, str(root))
+    (root / "iter_0000042").rmdir()
     with pytest.raises(safe_ckpt.ReadError, match="did not finish"):
         safe_ckpt.load(template, str(root))
