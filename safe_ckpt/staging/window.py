@@ -173,15 +173,16 @@ class CopyWindow:
     def captured(self, index: int, chunk_bytes: int) -> None:
         """One more chunk of host source ``index`` is in the pool or written."""
         source = self.sources[index]
-        with self._cond:
+        with self._cond:  # checked before the gate may let a step go: a later write is the step's own
+            if source.tensor._version != source.version:
+                self._fail_locked(self._modified_error(source, "its version counter moved before all its bytes "
+                                                       "were captured"))
             self._left[index] -= 1
             self._captured += chunk_bytes
             self._pending_bytes -= chunk_bytes
             if self._left[index] == 0:
                 self._incomplete -= 1
                 self._cond.notify_all()
-        if source.tensor._version != source.version:
-            self._modified(source, "its version counter moved before all its bytes were captured")
 
     def on_settled(self, callback: Callable[[], None]) -> None:
         with self._cond:

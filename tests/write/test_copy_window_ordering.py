@@ -582,3 +582,41 @@ def test_a_deferred_window_opens_at_its_trigger_or_at_the_latest_at_the_next_gat
         assert opened_in == [threading.current_thread().name]  # the training thread, once
         assert writer.finished.wait(WAIT_S)
         expect_written(writer, "w", pre)
+
+
+class _PauseAfterLastCapture(type(threading.Condition())):
+    """The window's lock; the capturing thread pauses right after leaving it once every chunk is in
+    (a preemption there), until the test lets it go."""
+
+    def __init__(self, window) -> None:
+        super().__init__()
+        self.window, self.left_lock, self.go = window, threading.Event(), threading.Event()
+
+    def __exit__(self, *exc):
+        out = super().__exit__(*exc)
+        if threading.current_thread().name == "capturer" and self.window._incomplete == 0 \
+                and not self.left_lock.is_set():
+            self.left_lock.set()
+            assert self.go.wait(WAIT_S)
+        return out
+
+
+def test_a_step_the_gate_let_go_after_the_last_capture_does_not_fail_the_save(tmp_path):
+    """Once the last chunk of a host source is captured the gate lets the step go; the step's write
+    is after the capture, so the save stays valid even if the capturing thread is preempted then."""
+    w = torch.randn(2 * CHUNK, generator=torch.Generator().manual_seed(30))
+    window, _ = make_window({"w": w}, name=str(tmp_path / "ck"))
+    window._cond = _PauseAfterLastCapture(window)
+    window.open()
+    window.order_opening()
+    gates.track(window)
+    window.captured(0, CHUNK_BYTES)
+    capturer = threading.Thread(target=window.captured, args=(0, CHUNK_BYTES), name="capturer", daemon=True)
+    capturer.start()
+    assert window._cond.left_lock.wait(WAIT_S)
+    gates.before_update("the step")  # every byte is in: the gate lets the step go
+    w.add_(1.0)
+    window._cond.go.set()
+    capturer.join(WAIT_S)
+    window.settle()
+    assert window.error is None
