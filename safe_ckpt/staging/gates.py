@@ -13,7 +13,8 @@ One job: send each guarded write to the open windows' `CopyWindow.before_update`
 A window is tracked from its opening until it settles (`CopyWindow.on_settled`), failed or not:
 a failed window's gates return at once, but a pause still waits for copies already issued.
 A save whose copies start later leaves an opener (`defer`): whoever comes first runs it, in its
-own thread: `open_deferred()` (the next step's trigger) or any gate.
+own thread: `open_deferred()` (the next step's trigger; also the save's handle when waited for or
+polled, and the next save's start) or any gate.
 An async save's host gate (`staging.host_gate`) uses the step hook and `before_update`; a save
 that returns right after planning (`write.window_staging`) uses them all.
 

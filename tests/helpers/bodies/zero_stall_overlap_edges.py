@@ -1,0 +1,64 @@
+"""Rank bodies for the edges of `return_after="planned"` (spawned ranks, see mp.py): a window left
+for its trigger, an interrupt at the opening, a pool too small for the integrity manifest's order,
+what a kept handle holds. On a CPU-only torch every source is host memory, copied by the window's
+simulated copy stream into the pool and content-checked."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+N = 1 << 19  # 2 MiB per fp32 tensor: above the window's small-source size
+BOUND_S = 10.0  # on the old code these waits ran out; with the fix they return at once
+
+
+def _sharded(tensors: dict) -> dict:
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    return {k: ShardedTensor.from_rank_offsets(k, t, replica_id=0) for k, t in tensors.items()}
+
+
+def _load(path: str, keys) -> dict:
+    from megatron.core import dist_checkpointing
+
+    return dist_checkpointing.load(_sharded({k: torch.empty(N) for k in keys}), path)
+
+
+def _deferred(tensors: dict, path: str, opts):
+    from safe_ckpt.saving import start
+
+    return start(_sharded(tensors), path, options=opts, asynchronous=True, copy_start="deferred").in_background()
+
+
+def deferred_window_opened_by_whoever_waits(rank, world, root) -> dict:
+    """A save whose copies wait for the next step's trigger, and no step comes: waiting on its handle
+    (or polling it) opens the window, and so does the next save's start."""
+    import safe_ckpt
+
+    w = torch.randn(N, generator=torch.Generator().manual_seed(70 + rank))
+    opts = safe_ckpt.SaveOptions(return_after="planned", collective_timeout_s=BOUND_S, progress_interval_s=0)
+    out = {}
+    for how in ("wait", "exception", "done", "wait_window_closed"):
+        handle = _deferred({"w": w}, os.path.join(root, how), opts)
+        if how == "wait":
+            out[how] = handle.wait(BOUND_S) is not None
+        elif how == "exception":
+            out[how] = handle.exception(BOUND_S) is None and handle.done()
+        elif how == "done":
+            handle.done()
+            out[how] = handle._window.is_open or handle._window.is_settled
+        else:
+            out[how] = handle.wait_window_closed(BOUND_S)
+        handle.wait(BOUND_S)
+        out[how] = out[how] and torch.equal(_load(os.path.join(root, how), ["w"])["w"], w)
+    first = _deferred({"w": w}, os.path.join(root, "first"), opts)
+    try:  # the next save's start opens the earlier window instead of waiting for its slot
+        safe_ckpt.save(_sharded({"w": w}), os.path.join(root, "second"),
+                       options=safe_ckpt.SaveOptions(collective_timeout_s=BOUND_S, progress_interval_s=0))
+        out["second"] = None
+    except safe_ckpt.CheckpointError as exc:
+        out["second"] = f"{type(exc).__name__}: {exc}"
+    first.wait(BOUND_S)
+    out["both_saved"] = all(torch.equal(_load(os.path.join(root, d), ["w"])["w"], w) for d in ("first", "second"))
+    return out
