@@ -183,6 +183,8 @@ class SaveJob:
                                            name=self.checkpoint_dir, rank=self.coord.rank,
                                            timeout_s=opts.collective_timeout_s)
         writer.start()
+        if writer.overlap is not None:  # a Ctrl-C at the window's opening: the save fails, the caller sees it
+            writer.overlap.raise_interrupt()
 
     @property
     def window(self):
@@ -210,6 +212,8 @@ class SaveJob:
         where it returns right after planning."""
         from .handle import SaveHandle
 
+        if self.ballot.interrupt is not None:  # interrupted in this call: raised as itself, as `save` would
+            self.finish()
         if self.overlapped:
             return SaveHandle(self, time.perf_counter() - self.t0)
         return SaveHandle(self, self.wait_staged())

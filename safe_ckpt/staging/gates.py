@@ -95,11 +95,15 @@ def open_deferred() -> None:
     """Open every deferred window now, in this thread (a training step's trigger)."""
     with _registry.lock:
         openers, _registry.deferred = _registry.deferred, ()
-    for opener in openers:
+    for k, opener in enumerate(openers):
         try:
             opener()
         except Exception as exc:  # the opener fails its own save; the training step goes on
             log.warning("opening a deferred copy window failed: %s", exc)
+        except BaseException:  # an interrupt: its own save failed; the others open at the next trigger
+            with _registry.lock:
+                _registry.deferred = openers[k + 1:] + _registry.deferred
+            raise
 
 
 def open_windows() -> tuple[CopyWindow, ...]:

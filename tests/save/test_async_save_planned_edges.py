@@ -2,6 +2,8 @@
 that never comes, an interrupt at the window's opening, the integrity manifest with a small pool,
 what a kept handle holds. Real ranks, stock `megatron.core.dist_checkpointing.load`."""
 
+import pytest
+
 from tests.helpers.mp import run_world, values
 
 
@@ -15,3 +17,13 @@ def test_a_deferred_window_opens_when_its_handle_is_waited_for_or_the_next_save_
     (out,) = values(run_world(1, _bodies().deferred_window_opened_by_whoever_waits, (str(tmp_path),)))
     assert out["wait"] and out["exception"] and out["done"] and out["wait_window_closed"], out
     assert out["second"] is None and out["both_saved"], out
+
+
+
+
+@pytest.mark.parametrize("copy_start", ["now", "deferred"])
+def test_an_interrupt_while_the_window_opens_is_raised_by_the_call_that_opened_it(tmp_path, copy_start):
+    (out,) = values(run_world(1, _bodies().interrupt_at_the_opening, (str(tmp_path), copy_start)))
+    assert out["raised_by"] == "the opening call", out
+    assert out["handle_error"] in (None, "KeyboardInterrupt"), out
+    assert not out["published"] and out["open_windows"] == 0 and out["next_saved"], out

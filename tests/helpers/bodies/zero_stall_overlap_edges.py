@@ -62,3 +62,43 @@ def deferred_window_opened_by_whoever_waits(rank, world, root) -> dict:
     first.wait(BOUND_S)
     out["both_saved"] = all(torch.equal(_load(os.path.join(root, d), ["w"])["w"], w) for d in ("first", "second"))
     return out
+
+
+def interrupt_at_the_opening(rank, world, root, copy_start: str) -> dict:
+    """A KeyboardInterrupt (a Ctrl-C) in the thread that opens the copy window, injected where the
+    opening orders the caller's streams: the call that opened it raises it as itself, the save
+    publishes nothing, no gate is left waiting, and the next save goes through."""
+    import safe_ckpt
+    from safe_ckpt.staging import gates
+    from safe_ckpt.staging.window import CopyWindow
+
+    w = torch.randn(N, generator=torch.Generator().manual_seed(80 + rank))
+    inner = CopyWindow.order_opening
+
+    def interrupted(self):
+        CopyWindow.order_opening = inner
+        raise KeyboardInterrupt
+
+    CopyWindow.order_opening = interrupted
+    opts = safe_ckpt.SaveOptions(return_after="planned", collective_timeout_s=BOUND_S, progress_interval_s=0)
+    out = {"raised_by": None, "handle_error": None}
+    path = os.path.join(root, "ck")
+    handle = None
+    try:
+        if copy_start == "now":
+            safe_ckpt.async_save(_sharded({"w": w}), path, options=opts)
+        else:
+            handle = _deferred({"w": w}, path, opts)
+            safe_ckpt.before_update()  # the trigger opens it in this thread
+    except KeyboardInterrupt:
+        out["raised_by"] = "the opening call"
+    if handle is not None:
+        try:
+            handle.wait(BOUND_S)
+        except BaseException as exc:
+            out["handle_error"] = type(exc).__name__
+    out["published"] = os.path.exists(path)
+    out["open_windows"] = len(gates.open_windows())
+    safe_ckpt.async_save(_sharded({"w": w}), os.path.join(root, "next"), options=opts).wait(BOUND_S)
+    out["next_saved"] = torch.equal(_load(os.path.join(root, "next"), ["w"])["w"], w)
+    return out
