@@ -230,6 +230,7 @@ class CopyWindow:
                     raise CheckpointError(f"rank {self.rank}: the copies of the save to {self.name} did not land "
                                           f"within {self.timeout_s:.0f} s; is the device hung?")
                 mark.synchronize()  # raises a failed copy's error
+            self._check_unsummed_versions()
             if self.error is None and self._slots:
                 by_slot = {slot: self.sources[index] for index, slot in self._slots.items()}
                 changed = [by_slot[slot] for slot in self.sums.changed()]
@@ -250,6 +251,16 @@ class CopyWindow:
                 callback()
         if self.error is not None:
             raise self.error
+
+    def _check_unsummed_versions(self) -> None:
+        """Every copy landed: a device source no content sums cover (non-contiguous) and no gate
+        released, whose version counter moved, may have been written while its copies ran."""
+        with self._cond:
+            moved = [s for i, s in self.sources.items() if s.device is not None and i not in self._slots
+                     and i not in self._released and s.tensor._version != s.version]
+            if moved and self.error is None:
+                self._fail_locked(self._modified_error(moved[0], "its version counter moved before its copies were "
+                                                       "known to have landed, with no gate in between"))
 
     # ------------------------------------------------------------------ gates
     def _all_in_locked(self) -> bool:

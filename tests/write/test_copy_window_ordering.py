@@ -620,3 +620,34 @@ def test_a_step_the_gate_let_go_after_the_last_capture_does_not_fail_the_save(tm
     capturer.join(WAIT_S)
     window.settle()
     assert window.error is None
+
+
+def test_an_in_place_write_to_a_non_contiguous_source_while_its_copies_run_fails_the_save(tmp_path):
+    """No content sums cover a non-contiguous source: an in-place write after its copies were
+    issued but before they landed, with no gate between, is seen by its version counter once they
+    land. After a gate the same write is the step's own and the save stands."""
+    for gated in (False, True):
+        base = torch.randn(8, 2 * CHUNK, generator=torch.Generator().manual_seed(31))
+        t = base[:, :CHUNK]  # rows of one chunk each, every other chunk skipped: not contiguous
+        streams = QueuedStreams()
+        source = WindowSource(index=0, key="t", tensor=t, device=0, chunks=8, size_bytes=t.numel() * 4,
+                              version=t._version)
+        window = CopyWindow([source], streams, HostSums(), name=str(tmp_path / f"ck{gated}"), rank=0,
+                            timeout_s=WAIT_S, small_source_bytes=4096)
+        jobs = [ChunkJob(0, t[k], ("t", 0, k)) for k in range(8)]
+        writer = Writer(window, gated=False)
+        held = streams.hold(0)  # no copy lands until the write was made
+        stager, _ = start(window, jobs, writer, PinnedPool(1 << 20, pinned=False))
+        stager.join(WAIT_S)
+        assert window.all_in()
+        if gated:  # the step's write is queued after the last copy (the current stream waits for it)
+            gates.before_update("the step")
+            assert streams.ordered_after[-1] is window.last_marks()[0]
+        t.add_(1.0)
+        held.set()
+        if gated:
+            window.settle()
+            assert writer.finished.wait(WAIT_S) and window.error is None
+        else:
+            with pytest.raises(SourceModifiedError, match="'t' on rank 0"):
+                window.settle()
