@@ -26,7 +26,7 @@ import torch
 from ..errors import INTERRUPTS, CheckpointError
 from ..residence.classify import HOST_RESIDENCES, Residence
 from ..staging import gates
-from ..staging.pool import PinnedPool
+from ..staging.pool import PinnedPool, reserved_bytes
 from ..staging.source_sums import DeviceSums, HostSums
 from ..staging.streams import streams_for
 from ..staging.views import chunk_view
@@ -68,6 +68,14 @@ def build_window(items, residences, sources, versions, *, name: str, rank: int, 
     streams = streams_for(devices if not simulate else set(), page_locked=page_locked)
     sums = DeviceSums(streams) if devices and not simulate else HostSums()
     return CopyWindow(window_sources, streams, sums, name=name, rank=rank, timeout_s=timeout_s)
+
+
+def pool_holds_every_chunk(items, pool: PinnedPool) -> bool:
+    """The pool holds every chunk of the rank's placed ``items`` at once. Handed on in file order,
+    the small sources copied first keep their leases until the items before them arrive: with a
+    smaller pool those items may never get one."""
+    return sum(reserved_bytes(item.chunk.payload_bytes) for item in items if item.chunk is not None) \
+        <= pool.capacity_bytes
 
 
 class WindowStaging:

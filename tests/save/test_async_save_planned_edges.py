@@ -27,3 +27,10 @@ def test_an_interrupt_while_the_window_opens_is_raised_by_the_call_that_opened_i
     assert out["raised_by"] == "the opening call", out
     assert out["handle_error"] in (None, "KeyboardInterrupt"), out
     assert not out["published"] and out["open_windows"] == 0 and out["next_saved"], out
+
+
+def test_with_the_integrity_manifest_and_a_pool_smaller_than_the_state_the_save_returns_once_staged(tmp_path):
+    (out,) = values(run_world(1, _bodies().integrity_manifest_with_a_small_pool, (str(tmp_path),)))
+    assert out["error"] is None, out["error"]
+    assert len(out["why"]) == 1 and "staging_budget_bytes" in out["why"][0], out
+    assert out["digests_match"] and out["content_equal"], out

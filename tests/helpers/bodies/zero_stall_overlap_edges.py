@@ -102,3 +102,50 @@ def interrupt_at_the_opening(rank, world, root, copy_start: str) -> dict:
     safe_ckpt.async_save(_sharded({"w": w}), os.path.join(root, "next"), options=opts).wait(BOUND_S)
     out["next_saved"] = torch.equal(_load(os.path.join(root, "next"), ["w"])["w"], w)
     return out
+
+
+def integrity_manifest_with_a_small_pool(rank, world, root) -> dict:
+    """The integrity manifest (items handed on in file order) and a pool of one chunk, smaller than
+    the rank's saved bytes: the save returns once staged instead (one INFO line says why), so no
+    small source copied first can hold the lease an earlier item of its file needs."""
+    import hashlib
+    import json
+    import logging
+
+    import safe_ckpt
+
+    g = torch.Generator().manual_seed(90 + rank)
+    tensors = {}
+    for i in range(2):
+        tensors[f"big{i}"] = torch.randn(N, generator=g)
+    for i in range(6):
+        tensors[f"small{i}"] = torch.randn(1 << 16, generator=g)  # 256 KiB: copied at the opening
+    records = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = records.append
+    logging.getLogger("safe_ckpt").addHandler(handler)
+    logging.getLogger("safe_ckpt").setLevel(logging.INFO)
+    path = os.path.join(root, "ck")
+    opts = safe_ckpt.SaveOptions(return_after="planned", integrity_manifest=True, chunk_bytes=N, io_threads=1,
+                                 staging_budget_bytes=N, collective_timeout_s=BOUND_S, progress_interval_s=0)
+    handle = safe_ckpt.async_save(_sharded(tensors), path, options=opts)
+    out = {"error": None}
+    try:
+        handle.wait(BOUND_S)
+    except TimeoutError as exc:
+        out["error"] = repr(exc)
+        safe_ckpt.before_update()  # abandons the stuck save, so the process can end
+        handle.exception(BOUND_S)
+        return out
+    except safe_ckpt.CheckpointError as exc:
+        out["error"] = f"{type(exc).__name__}: {exc}"
+        return out
+    out["why"] = [r.getMessage() for r in records if "integrity_manifest" in r.getMessage()]
+    manifest = json.load(open(os.path.join(path, "integrity.json")))["files"]
+    out["digests_match"] = all(hashlib.sha256(open(os.path.join(path, name), "rb").read()).hexdigest() == digest
+                               for name, digest in manifest.items())
+    from megatron.core import dist_checkpointing
+
+    loaded = dist_checkpointing.load(_sharded({k: torch.empty_like(t) for k, t in tensors.items()}), path)
+    out["content_equal"] = all(torch.equal(loaded[k], t) for k, t in tensors.items())
+    return out
