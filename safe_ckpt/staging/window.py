@@ -172,7 +172,9 @@ class CopyWindow:
 
     def captured(self, index: int, chunk_bytes: int) -> None:
         """One more chunk of host source ``index`` is in the pool or written."""
-        source = self.sources[index]
+        source = self.sources.get(index)
+        if source is None:  # settled (a failed save's late snapshot): nothing reads it any more
+            return
         with self._cond:  # checked before the gate may let a step go: a later write is the step's own
             if source.tensor._version != source.version:
                 self._fail_locked(self._modified_error(source, "its version counter moved before all its bytes "
@@ -213,8 +215,9 @@ class CopyWindow:
 
     def settle(self) -> None:
         """In the save's thread once the copier is done: wait for every issued copy to land,
-        compare the content sums, close. Raises the window's failure, if any. Once settled, a
-        second call only raises that failure again."""
+        compare the content sums, close (the sources and sums are dropped: only the stats stay).
+        Raises the window's failure, if any. Once settled, a second call only raises that failure
+        again."""
         with self._cond:
             if self._settled_at is not None:
                 if self.error is not None:
@@ -245,6 +248,8 @@ class CopyWindow:
             with self._cond:
                 self._settled_at = time.monotonic()
                 callbacks, self._on_settled = self._on_settled, []
+                # A kept handle keeps the window (for its stats): it must not keep the saved tensors or sums.
+                self.sources, self.sums, self._slots, self._kept = {}, None, {}, set()
                 self._cond.notify_all()
             self.streams.close()
             for callback in callbacks:

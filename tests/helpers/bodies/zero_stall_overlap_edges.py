@@ -149,3 +149,27 @@ def integrity_manifest_with_a_small_pool(rank, world, root) -> dict:
     loaded = dist_checkpointing.load(_sharded({k: torch.empty_like(t) for k, t in tensors.items()}), path)
     out["content_equal"] = all(torch.equal(loaded[k], t) for k, t in tensors.items())
     return out
+
+
+def kept_handle_holds_no_source(rank, world, root) -> dict:
+    """A handle kept after its save (a training loop keeps the last one) must not keep the saved
+    tensors alive, nor the window's sums; its window's stats stay readable."""
+    import gc
+    import weakref
+
+    import safe_ckpt
+
+    out = {}
+    for mode in ("planned", "staged"):
+        w = torch.randn(N, generator=torch.Generator().manual_seed(95 + rank))
+        handle = safe_ckpt.async_save(_sharded({"w": w}), os.path.join(root, mode),
+                                      options=safe_ckpt.SaveOptions(return_after=mode, progress_interval_s=0))
+        held = [weakref.ref(s.tensor) for s in handle._window.sources.values()]
+        handle.wait(BOUND_S)
+        del w
+        gc.collect()
+        stats = handle.window_stats()
+        out[mode] = {"sources_alive": sum(r() is not None for r in held), "watched": len(held),
+                     "sums": handle._window.sums is not None,
+                     "stats_bytes": stats.copied_bytes + stats.captured_bytes}
+    return out
