@@ -231,7 +231,7 @@ class CopyWindow:
             for mark in marks:
                 if not self.streams.wait(mark, self.timeout_s):
                     raise CheckpointError(f"rank {self.rank}: the copies of the save to {self.name} did not land "
-                                          f"within {self.timeout_s:.0f} s; is the device hung?")
+                                          f"within {self.timeout_s:g} s; is the device hung?")
                 mark.synchronize()  # raises a failed copy's error
             self._check_unsummed_versions()
             if self.error is None and self._slots:
@@ -283,7 +283,8 @@ class CopyWindow:
                 if moved:
                     self._fail_locked(self._modified_error(moved[0], f"its version counter moved before {what}: an "
                                                            "in-place write came before its bytes were copied"))
-            if self.error is None and not self._all_in_locked():
+            blocked = self.error is None and not self._all_in_locked()
+            if blocked:
                 self._block_locked(what)
             if self.error is None:
                 self._released.update(i for i, left in self._left.items() if left == 0)
@@ -293,6 +294,8 @@ class CopyWindow:
             if unmap:
                 self._wait_landed(marks, what)
             return
+        t0 = time.monotonic()
+        waits = getattr(self.streams, "ordering_blocks_host", False) and not all(mark.done() for mark in marks)
         for mark in marks:
             try:
                 self.streams.order_current_after(mark)
@@ -300,6 +303,10 @@ class CopyWindow:
                 self.fail(exc)
                 raise CheckpointError(f"rank {self.rank}: {what} could not be ordered after the copies of the save to "
                                       f"{self.name} ({type(exc).__name__}: {exc}); that save fails") from exc
+        if waits:  # the host itself waited for the copies to land
+            with self._cond:
+                self._wait_s += time.monotonic() - t0
+                self._blocked += 0 if blocked else 1
         if unmap:
             self._wait_landed(marks, what)
 
@@ -317,7 +324,7 @@ class CopyWindow:
                 "host tensors are written from their own memory, at the target's speed, before the next step may "
                 "change them: a faster target, a larger collective_timeout_s or a synchronous save")
             self._fail_locked(StagingTimeoutError(
-                f"rank {self.rank} abandoned the save to {self.name}: {what} waited {self.timeout_s:.0f} s for "
+                f"rank {self.rank} abandoned the save to {self.name}: {what} waited {self.timeout_s:g} s for "
                 f"{human_bytes(self._pending_bytes)} still to be copied or written; {remedy}"))
         if self.error is not None:
             log.warning("the save to %s failed while %s waited for it (%s); training goes on, the save publishes "
@@ -326,7 +333,7 @@ class CopyWindow:
     def _wait_landed(self, marks: list[Mark], what: str) -> None:
         for mark in marks:
             if not self.streams.wait(mark, self.timeout_s):
-                raise CheckpointError(f"rank {self.rank}: {what} waited {self.timeout_s:.0f} s for the copies of the "
+                raise CheckpointError(f"rank {self.rank}: {what} waited {self.timeout_s:g} s for the copies of the "
                                       f"save to {self.name} to land; not going on while they may still read that "
                                       "memory")
 

@@ -41,3 +41,9 @@ def test_a_kept_handle_holds_no_saved_tensor_once_its_window_settled(tmp_path):
     for mode, kept in out.items():
         assert kept["watched"] == 1 and kept["sources_alive"] == 0 and not kept["sums"], (mode, out)
         assert kept["stats_bytes"] == 4 * (1 << 19), (mode, out)
+
+
+def test_a_synchronous_save_given_return_after_planned_says_it_applies_to_async_saves_only(tmp_path):
+    (out,) = values(run_world(1, _bodies().sync_save_asked_to_return_after_planning, (str(tmp_path),)))
+    assert len(out["lines"]) == 1 and "asynchronous saves only" in out["lines"][0], out
+    assert out["saved"], out

@@ -217,6 +217,8 @@ class QueuedStreams(HostStreams):
     """HostStreams whose caller's stream queues a wait instead of blocking, as a CUDA current
     stream does (`wait_event` returns at once): shows what the gate itself blocks on."""
 
+    ordering_blocks_host = False
+
     def __init__(self, fail_order: BaseException | None = None) -> None:
         super().__init__()
         self.ordered_after: list = []
@@ -397,6 +399,7 @@ def test_a_gate_that_waits_too_long_abandons_the_save_and_training_goes_on(tmp_p
     assert isinstance(window.error, StagingTimeoutError)
     message = str(window.error)
     assert "rank 1" in message and name in message and "staging_budget_bytes" in message, message
+    assert "waited 0.2 s" in message, message
     stager.join(WAIT_S)
     writer.allow(8)
     with pytest.raises(StagingTimeoutError):
@@ -651,3 +654,40 @@ def test_an_in_place_write_to_a_non_contiguous_source_while_its_copies_run_fails
         else:
             with pytest.raises(SourceModifiedError, match="'t' on rank 0"):
                 window.settle()
+
+
+class _SignalledStreams(HostStreams):
+    """HostStreams that tell the test when a gate starts waiting for a mark on the host."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ordering = threading.Event()
+
+    def order_current_after(self, mark) -> None:
+        self.ordering.set()
+        super().order_current_after(mark)
+
+
+def test_a_gate_waiting_on_the_host_for_copies_to_land_counts_in_the_window_stats(tmp_path):
+    """Without CUDA the caller's "current stream" is the host: a gate met once every copy is issued
+    but before they landed blocks the host, and the window's stats say so."""
+    w, opt = adamw_state(4 * CHUNK, seed=32)
+    streams = _SignalledStreams()
+    window, jobs = make_window({"w": w}, device_keys=("w",), streams=streams, name=str(tmp_path / "ck"))
+    writer = Writer(window, gated=False)
+    copier = WindowCopier(window, PinnedPool(1 << 20, pinned=False))
+    rest = copier.open(jobs, writer.put)
+    gates.track(window)
+    held = streams.hold(0)  # after the opening: no copy of the rest lands until the test says so
+    stager, _, stage_errors = in_thread(lambda: copier.run(rest, writer.put))
+    stager.join(WAIT_S)
+    writer.close()
+    assert window.all_in() and not stage_errors, stage_errors
+    stepper, stepped, errors = in_thread(opt.step)
+    assert streams.ordering.wait(WAIT_S) and not stepped.is_set()
+    held.set()
+    assert stepped.wait(WAIT_S) and not errors, errors
+    window.settle()
+    assert writer.finished.wait(WAIT_S)
+    stats = window.stats()
+    assert stats.gates == 1 and stats.blocked_gates == 1 and stats.gate_wait_s > 0, stats

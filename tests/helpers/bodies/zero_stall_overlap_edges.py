@@ -173,3 +173,23 @@ def kept_handle_holds_no_source(rank, world, root) -> dict:
                      "sums": handle._window.sums is not None,
                      "stats_bytes": stats.copied_bytes + stats.captured_bytes}
     return out
+
+
+def sync_save_asked_to_return_after_planning(rank, world, root) -> dict:
+    """`return_after="planned"` given to a synchronous save: one INFO line says it applies to
+    asynchronous saves only; the save is made as usual."""
+    import logging
+
+    import safe_ckpt
+
+    records = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = records.append
+    logging.getLogger("safe_ckpt").addHandler(handler)
+    logging.getLogger("safe_ckpt").setLevel(logging.INFO)
+    w = torch.randn(N, generator=torch.Generator().manual_seed(97 + rank))
+    path = os.path.join(root, "ck")
+    safe_ckpt.save(_sharded({"w": w}), path,
+                   options=safe_ckpt.SaveOptions(return_after="planned", progress_interval_s=0))
+    return {"lines": [r.getMessage() for r in records if "return_after" in r.getMessage()],
+            "saved": torch.equal(_load(path, ["w"])["w"], w)}
