@@ -41,14 +41,19 @@ lives in plan/, residence/, staging/, encoding/, write/, sinks/, targets/).
 
 from __future__ import annotations
 
+import logging
+
 from ..coord import slot
 from ..host import gcfreeze
 from ..options import SaveOptions
 from ..results import SaveResult
+from ..staging import gates
 from .. import targets
 from ..targets import PublishMode, endpoints
 from .handle import SaveHandle
 from .job import SaveJob
+
+log = logging.getLogger("safe_ckpt")
 
 __all__ = ["SaveHandle", "SaveJob", "async_save", "save", "start"]
 
@@ -70,6 +75,10 @@ def start(sharded_state_dict: dict, checkpoint_dir, *, process_group=None, optio
     job = SaveJob(sharded_state_dict, targets.for_save(checkpoint_dir, options), process_group, options,
                   content_metadata, mode=mode, post_commit=post_commit, asynchronous=asynchronous,
                   copy_start=copy_start)
+    if not asynchronous and options.return_after == "planned":
+        log.info("return_after='planned' applies to asynchronous saves only: the save to %s returns once published",
+                 checkpoint_dir)
+    gates.open_deferred()  # an earlier save's window waiting for its trigger would hold the slot until it times out
     job.slot = slot.acquire(job.checkpoint_dir, options.collective_timeout_s)
     try:
         job.gc_hold = gcfreeze.Hold(options.gc_freeze)

@@ -76,7 +76,16 @@ class SaveHandle:
                 _unobserved.remove(self)
         return self._error
 
+    def _open_deferred(self) -> None:
+        """A copy window still waiting for its trigger opens now, in this thread: whoever waits
+        for the save (or polls it) must not wait for a training step that may never come."""
+        if self._thread.is_alive():
+            from ..staging import gates
+
+            gates.open_deferred()
+
     def done(self) -> bool:
+        self._open_deferred()
         return not self._thread.is_alive()
 
     def before_update(self) -> None:
@@ -98,6 +107,7 @@ class SaveHandle:
         """Block until `window_closed()` (True) or ``timeout`` seconds passed (False)."""
         if self._window is None:
             return True
+        self._open_deferred()
         closed = threading.Event()
         self._window.on_settled(closed.set)
         return closed.wait(timeout)
@@ -107,6 +117,7 @@ class SaveHandle:
         return None if self._window is None else self._window.stats()
 
     def wait(self, timeout: float | None = None):
+        self._open_deferred()
         self._thread.join(timeout)
         if self._thread.is_alive():
             raise TimeoutError(f"safe_ckpt: save still running after {timeout} s")
@@ -115,6 +126,7 @@ class SaveHandle:
         return self._result
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
+        self._open_deferred()
         self._thread.join(timeout)
         if self._thread.is_alive():
             return None

@@ -33,7 +33,7 @@ from ..staging.pool import PinnedPool, shared_pool
 from ..staging.stager import Stager, record_producer_fence
 from ..targets import LayoutRules, Prepared, PublishMode, Target, WriterSink
 from ..write.pipeline import ItemWriteFailed, RankWork, RankWriter
-from ..write.window_staging import WindowStaging, build_window
+from ..write.window_staging import WindowStaging, build_window, pool_holds_every_chunk
 from ..write.progress import Progress, log_saved
 from . import committing
 from .local_plan import plan_locally
@@ -152,6 +152,10 @@ class SaveJob:
         pool = shared_pool(opts.staging_budget_bytes)
         allocations_before = pool.stats().allocations
         devices = {s.device.index for s in sources if s.device.type == "cuda"}
+        if self.overlapped and opts.integrity_manifest and not pool_holds_every_chunk(planned.layout.items, pool):
+            log.info("the save to %s returns once staged, not right after planning: with integrity_manifest the "
+                     "staging pool (staging_budget_bytes) must hold the rank's saved bytes", self.checkpoint_dir)
+            self.overlapped = False
         fence = record_producer_fence(devices) if devices and not self.overlapped else None  # the window fences
         routed = self.target.route_whole_files(local.whole_files)
         sink = self.target.writer_sink(planned.prepared, opts.sink_factory)
@@ -183,6 +187,8 @@ class SaveJob:
                                            name=self.checkpoint_dir, rank=self.coord.rank,
                                            timeout_s=opts.collective_timeout_s)
         writer.start()
+        if writer.overlap is not None:  # a Ctrl-C at the window's opening: the save fails, the caller sees it
+            writer.overlap.raise_interrupt()
 
     @property
     def window(self):
@@ -210,6 +216,8 @@ class SaveJob:
         where it returns right after planning."""
         from .handle import SaveHandle
 
+        if self.ballot.interrupt is not None:  # interrupted in this call: raised as itself, as `save` would
+            self.finish()
         if self.overlapped:
             return SaveHandle(self, time.perf_counter() - self.t0)
         return SaveHandle(self, self.wait_staged())

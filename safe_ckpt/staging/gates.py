@@ -13,7 +13,8 @@ One job: send each guarded write to the open windows' `CopyWindow.before_update`
 A window is tracked from its opening until it settles (`CopyWindow.on_settled`), failed or not:
 a failed window's gates return at once, but a pause still waits for copies already issued.
 A save whose copies start later leaves an opener (`defer`): whoever comes first runs it, in its
-own thread: `open_deferred()` (the next step's trigger) or any gate.
+own thread: `open_deferred()` (the next step's trigger; also the save's handle when waited for or
+polled, and the next save's start) or any gate.
 An async save's host gate (`staging.host_gate`) uses the step hook and `before_update`; a save
 that returns right after planning (`write.window_staging`) uses them all.
 
@@ -94,11 +95,15 @@ def open_deferred() -> None:
     """Open every deferred window now, in this thread (a training step's trigger)."""
     with _registry.lock:
         openers, _registry.deferred = _registry.deferred, ()
-    for opener in openers:
+    for k, opener in enumerate(openers):
         try:
             opener()
         except Exception as exc:  # the opener fails its own save; the training step goes on
             log.warning("opening a deferred copy window failed: %s", exc)
+        except BaseException:  # an interrupt: its own save failed; the others open at the next trigger
+            with _registry.lock:
+                _registry.deferred = openers[k + 1:] + _registry.deferred
+            raise
 
 
 def open_windows() -> tuple[CopyWindow, ...]:

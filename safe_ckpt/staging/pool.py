@@ -102,7 +102,7 @@ class PinnedPool:
               on_wait=None) -> Lease:
         """Block until ``nbytes`` are free; give up at ``timeout_s`` or once ``cancel`` is set.
         ``on_wait()`` runs once, outside the pool's lock, before the first wait."""
-        reserved = max(_ALIGN_BYTES, -(-nbytes // _ALIGN_BYTES) * _ALIGN_BYTES)
+        reserved = reserved_bytes(nbytes)
         if reserved > self.capacity_bytes:
             raise CheckpointError(f"a chunk of {nbytes} bytes does not fit the staging pool of {self.capacity_bytes}")
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -188,6 +188,11 @@ def host_buffer(nbytes: int) -> torch.Tensor:
 
 _shared_lock = threading.Lock()
 _shared: dict[str, PinnedPool] = {}
+
+
+def reserved_bytes(nbytes: int) -> int:
+    """What a lease of ``nbytes`` takes from a pool."""
+    return max(_ALIGN_BYTES, -(-nbytes // _ALIGN_BYTES) * _ALIGN_BYTES)
 
 
 def shared_pool(capacity_bytes: int) -> PinnedPool:

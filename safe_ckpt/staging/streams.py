@@ -47,6 +47,8 @@ class Mark(Protocol):
 
 
 class CopyStreams(Protocol):
+    ordering_blocks_host: bool  # `order_current_after` blocks the host until the mark (counted as a gate's wait)
+
     def fence(self, device: int) -> None:
         """From here on, the device's copy stream runs after what the caller's current stream holds now."""
 
@@ -89,6 +91,8 @@ class CudaMark:
 
 class CudaStreams:
     """One side stream per device, created at its first use (per window, as the stager's)."""
+
+    ordering_blocks_host = False
 
     def __init__(self, page_locked: bool = True, driver_copies: bool | None = None) -> None:
         """``page_locked``: destinations are pinned (the pool is); ``driver_copies``: enqueue
@@ -198,6 +202,8 @@ class _Worker:
 
 class HostStreams:
     """Copy streams simulated by worker threads (see the module docstring)."""
+
+    ordering_blocks_host = True  # the host is the caller's "current stream"
 
     def __init__(self) -> None:
         self._workers: dict[int, _Worker] = {}

@@ -172,16 +172,19 @@ class CopyWindow:
 
     def captured(self, index: int, chunk_bytes: int) -> None:
         """One more chunk of host source ``index`` is in the pool or written."""
-        source = self.sources[index]
-        with self._cond:
+        source = self.sources.get(index)
+        if source is None:  # settled (a failed save's late snapshot): nothing reads it any more
+            return
+        with self._cond:  # checked before the gate may let a step go: a later write is the step's own
+            if source.tensor._version != source.version:
+                self._fail_locked(self._modified_error(source, "its version counter moved before all its bytes "
+                                                       "were captured"))
             self._left[index] -= 1
             self._captured += chunk_bytes
             self._pending_bytes -= chunk_bytes
             if self._left[index] == 0:
                 self._incomplete -= 1
                 self._cond.notify_all()
-        if source.tensor._version != source.version:
-            self._modified(source, "its version counter moved before all its bytes were captured")
 
     def on_settled(self, callback: Callable[[], None]) -> None:
         with self._cond:
@@ -212,8 +215,9 @@ class CopyWindow:
 
     def settle(self) -> None:
         """In the save's thread once the copier is done: wait for every issued copy to land,
-        compare the content sums, close. Raises the window's failure, if any. Once settled, a
-        second call only raises that failure again."""
+        compare the content sums, close (the sources and sums are dropped: only the stats stay).
+        Raises the window's failure, if any. Once settled, a second call only raises that failure
+        again."""
         with self._cond:
             if self._settled_at is not None:
                 if self.error is not None:
@@ -227,8 +231,9 @@ class CopyWindow:
             for mark in marks:
                 if not self.streams.wait(mark, self.timeout_s):
                     raise CheckpointError(f"rank {self.rank}: the copies of the save to {self.name} did not land "
-                                          f"within {self.timeout_s:.0f} s; is the device hung?")
+                                          f"within {self.timeout_s:g} s; is the device hung?")
                 mark.synchronize()  # raises a failed copy's error
+            self._check_unsummed_versions()
             if self.error is None and self._slots:
                 by_slot = {slot: self.sources[index] for index, slot in self._slots.items()}
                 changed = [by_slot[slot] for slot in self.sums.changed()]
@@ -243,12 +248,24 @@ class CopyWindow:
             with self._cond:
                 self._settled_at = time.monotonic()
                 callbacks, self._on_settled = self._on_settled, []
+                # A kept handle keeps the window (for its stats): it must not keep the saved tensors or sums.
+                self.sources, self.sums, self._slots, self._kept = {}, None, {}, set()
                 self._cond.notify_all()
             self.streams.close()
             for callback in callbacks:
                 callback()
         if self.error is not None:
             raise self.error
+
+    def _check_unsummed_versions(self) -> None:
+        """Every copy landed: a device source no content sums cover (non-contiguous) and no gate
+        released, whose version counter moved, may have been written while its copies ran."""
+        with self._cond:
+            moved = [s for i, s in self.sources.items() if s.device is not None and i not in self._slots
+                     and i not in self._released and s.tensor._version != s.version]
+            if moved and self.error is None:
+                self._fail_locked(self._modified_error(moved[0], "its version counter moved before its copies were "
+                                                       "known to have landed, with no gate in between"))
 
     # ------------------------------------------------------------------ gates
     def _all_in_locked(self) -> bool:
@@ -266,7 +283,8 @@ class CopyWindow:
                 if moved:
                     self._fail_locked(self._modified_error(moved[0], f"its version counter moved before {what}: an "
                                                            "in-place write came before its bytes were copied"))
-            if self.error is None and not self._all_in_locked():
+            blocked = self.error is None and not self._all_in_locked()
+            if blocked:
                 self._block_locked(what)
             if self.error is None:
                 self._released.update(i for i, left in self._left.items() if left == 0)
@@ -276,6 +294,8 @@ class CopyWindow:
             if unmap:
                 self._wait_landed(marks, what)
             return
+        t0 = time.monotonic()
+        waits = getattr(self.streams, "ordering_blocks_host", False) and not all(mark.done() for mark in marks)
         for mark in marks:
             try:
                 self.streams.order_current_after(mark)
@@ -283,6 +303,10 @@ class CopyWindow:
                 self.fail(exc)
                 raise CheckpointError(f"rank {self.rank}: {what} could not be ordered after the copies of the save to "
                                       f"{self.name} ({type(exc).__name__}: {exc}); that save fails") from exc
+        if waits:  # the host itself waited for the copies to land
+            with self._cond:
+                self._wait_s += time.monotonic() - t0
+                self._blocked += 0 if blocked else 1
         if unmap:
             self._wait_landed(marks, what)
 
@@ -300,7 +324,7 @@ class CopyWindow:
                 "host tensors are written from their own memory, at the target's speed, before the next step may "
                 "change them: a faster target, a larger collective_timeout_s or a synchronous save")
             self._fail_locked(StagingTimeoutError(
-                f"rank {self.rank} abandoned the save to {self.name}: {what} waited {self.timeout_s:.0f} s for "
+                f"rank {self.rank} abandoned the save to {self.name}: {what} waited {self.timeout_s:g} s for "
                 f"{human_bytes(self._pending_bytes)} still to be copied or written; {remedy}"))
         if self.error is not None:
             log.warning("the save to %s failed while %s waited for it (%s); training goes on, the save publishes "
@@ -309,7 +333,7 @@ class CopyWindow:
     def _wait_landed(self, marks: list[Mark], what: str) -> None:
         for mark in marks:
             if not self.streams.wait(mark, self.timeout_s):
-                raise CheckpointError(f"rank {self.rank}: {what} waited {self.timeout_s:.0f} s for the copies of the "
+                raise CheckpointError(f"rank {self.rank}: {what} waited {self.timeout_s:g} s for the copies of the "
                                       f"save to {self.name} to land; not going on while they may still read that "
                                       "memory")
 

@@ -196,7 +196,7 @@ class WindowCopier:
         streams = self.window.streams
         try:
             if not streams.wait(streams.mark(device), self.window.timeout_s):
-                raise TimeoutError(f"copies still running after {self.window.timeout_s:.0f} s")
+                raise TimeoutError(f"copies still running after {self.window.timeout_s:g} s")
         except BaseException as exc:  # better a smaller pool than a reused range a copy may still fill
             log.warning("keeping a %d-byte staging lease whose copies cannot be waited for: %s", lease.nbytes, exc)
             return

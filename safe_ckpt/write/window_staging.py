@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..errors import CheckpointError
+from ..errors import INTERRUPTS, CheckpointError
 from ..residence.classify import HOST_RESIDENCES, Residence
 from ..staging import gates
-from ..staging.pool import PinnedPool
+from ..staging.pool import PinnedPool, reserved_bytes
 from ..staging.source_sums import DeviceSums, HostSums
 from ..staging.streams import streams_for
 from ..staging.views import chunk_view
@@ -70,6 +70,14 @@ def build_window(items, residences, sources, versions, *, name: str, rank: int, 
     return CopyWindow(window_sources, streams, sums, name=name, rank=rank, timeout_s=timeout_s)
 
 
+def pool_holds_every_chunk(items, pool: PinnedPool) -> bool:
+    """The pool holds every chunk of the rank's placed ``items`` at once. Handed on in file order,
+    the small sources copied first keep their leases until the items before them arrive: with a
+    smaller pool those items may never get one."""
+    return sum(reserved_bytes(item.chunk.payload_bytes) for item in items if item.chunk is not None) \
+        <= pool.capacity_bytes
+
+
 class WindowStaging:
     """The staging of one writer through a copy window (see the module docstring)."""
 
@@ -93,6 +101,7 @@ class WindowStaging:
         self._next: dict[int, int] = {}  # file index -> the next item to hand on (in file order)
         self._held: dict[int, dict[int, tuple]] = {}  # file index -> {position: (item, staged)}
         self._seq: dict[int, int] = {}  # id(item) -> its position in its file
+        self.interrupt: BaseException | None = None  # an interrupt in `begin`, raised once the threads run
 
     # ------------------------------------------------------------------ caller's thread
     def begin(self, writer: "RankWriter") -> None:
@@ -104,11 +113,21 @@ class WindowStaging:
         except BaseException as exc:  # the save fails through its vote; the staging thread goes on at once
             writer.fail(None, exc)
             self.abandon()
+            if isinstance(exc, INTERRUPTS):
+                self.interrupt = exc
             return
         if self.copy_start == "deferred":
             gates.defer(self.open)
-        else:
+            return
+        try:
             self.open()
+        except INTERRUPTS as exc:  # the writer's threads must start first: the job raises it (`raise_interrupt`)
+            self.interrupt = exc
+
+    def raise_interrupt(self) -> None:
+        """In the caller's thread once the writer's threads run: an interrupt met in `begin`, as itself."""
+        if self.interrupt is not None:
+            raise self.interrupt
 
     def _prepare(self, writer: "RankWriter") -> None:
         self.copier = WindowCopier(self.window, self.pool, snapshot_host=True, on_wait=writer.release_writers)
@@ -137,8 +156,10 @@ class WindowStaging:
             if not self.window.cancelled.is_set():  # the writer fails the window on any failure
                 self._rest = self.copier.open(self._jobs, self._put)
                 gates.track(self.window)
-        except BaseException as exc:  # the save fails through its vote; the caller goes on
+        except BaseException as exc:  # the save fails through its vote; the caller goes on, unless interrupted
             writer.fail(None, exc)
+            if isinstance(exc, INTERRUPTS):
+                raise
         finally:
             self._go.set()
 

@@ -217,6 +217,8 @@ class QueuedStreams(HostStreams):
     """HostStreams whose caller's stream queues a wait instead of blocking, as a CUDA current
     stream does (`wait_event` returns at once): shows what the gate itself blocks on."""
 
+    ordering_blocks_host = False
+
     def __init__(self, fail_order: BaseException | None = None) -> None:
         super().__init__()
         self.ordered_after: list = []
@@ -397,6 +399,7 @@ def test_a_gate_that_waits_too_long_abandons_the_save_and_training_goes_on(tmp_p
     assert isinstance(window.error, StagingTimeoutError)
     message = str(window.error)
     assert "rank 1" in message and name in message and "staging_budget_bytes" in message, message
+    assert "waited 0.2 s" in message, message
     stager.join(WAIT_S)
     writer.allow(8)
     with pytest.raises(StagingTimeoutError):
@@ -582,3 +585,109 @@ def test_a_deferred_window_opens_at_its_trigger_or_at_the_latest_at_the_next_gat
         assert opened_in == [threading.current_thread().name]  # the training thread, once
         assert writer.finished.wait(WAIT_S)
         expect_written(writer, "w", pre)
+
+
+class _PauseAfterLastCapture(type(threading.Condition())):
+    """The window's lock; the capturing thread pauses right after leaving it once every chunk is in
+    (a preemption there), until the test lets it go."""
+
+    def __init__(self, window) -> None:
+        super().__init__()
+        self.window, self.left_lock, self.go = window, threading.Event(), threading.Event()
+
+    def __exit__(self, *exc):
+        out = super().__exit__(*exc)
+        if threading.current_thread().name == "capturer" and self.window._incomplete == 0 \
+                and not self.left_lock.is_set():
+            self.left_lock.set()
+            assert self.go.wait(WAIT_S)
+        return out
+
+
+def test_a_step_the_gate_let_go_after_the_last_capture_does_not_fail_the_save(tmp_path):
+    """Once the last chunk of a host source is captured the gate lets the step go; the step's write
+    is after the capture, so the save stays valid even if the capturing thread is preempted then."""
+    w = torch.randn(2 * CHUNK, generator=torch.Generator().manual_seed(30))
+    window, _ = make_window({"w": w}, name=str(tmp_path / "ck"))
+    window._cond = _PauseAfterLastCapture(window)
+    window.open()
+    window.order_opening()
+    gates.track(window)
+    window.captured(0, CHUNK_BYTES)
+    capturer = threading.Thread(target=window.captured, args=(0, CHUNK_BYTES), name="capturer", daemon=True)
+    capturer.start()
+    assert window._cond.left_lock.wait(WAIT_S)
+    gates.before_update("the step")  # every byte is in: the gate lets the step go
+    w.add_(1.0)
+    window._cond.go.set()
+    capturer.join(WAIT_S)
+    window.settle()
+    assert window.error is None
+
+
+def test_an_in_place_write_to_a_non_contiguous_source_while_its_copies_run_fails_the_save(tmp_path):
+    """No content sums cover a non-contiguous source: an in-place write after its copies were
+    issued but before they landed, with no gate between, is seen by its version counter once they
+    land. After a gate the same write is the step's own and the save stands."""
+    for gated in (False, True):
+        base = torch.randn(8, 2 * CHUNK, generator=torch.Generator().manual_seed(31))
+        t = base[:, :CHUNK]  # rows of one chunk each, every other chunk skipped: not contiguous
+        streams = QueuedStreams()
+        source = WindowSource(index=0, key="t", tensor=t, device=0, chunks=8, size_bytes=t.numel() * 4,
+                              version=t._version)
+        window = CopyWindow([source], streams, HostSums(), name=str(tmp_path / f"ck{gated}"), rank=0,
+                            timeout_s=WAIT_S, small_source_bytes=4096)
+        jobs = [ChunkJob(0, t[k], ("t", 0, k)) for k in range(8)]
+        writer = Writer(window, gated=False)
+        held = streams.hold(0)  # no copy lands until the write was made
+        stager, _ = start(window, jobs, writer, PinnedPool(1 << 20, pinned=False))
+        stager.join(WAIT_S)
+        assert window.all_in()
+        if gated:  # the step's write is queued after the last copy (the current stream waits for it)
+            gates.before_update("the step")
+            assert streams.ordered_after[-1] is window.last_marks()[0]
+        t.add_(1.0)
+        held.set()
+        if gated:
+            window.settle()
+            assert writer.finished.wait(WAIT_S) and window.error is None
+        else:
+            with pytest.raises(SourceModifiedError, match="'t' on rank 0"):
+                window.settle()
+
+
+class _SignalledStreams(HostStreams):
+    """HostStreams that tell the test when a gate starts waiting for a mark on the host."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ordering = threading.Event()
+
+    def order_current_after(self, mark) -> None:
+        self.ordering.set()
+        super().order_current_after(mark)
+
+
+def test_a_gate_waiting_on_the_host_for_copies_to_land_counts_in_the_window_stats(tmp_path):
+    """Without CUDA the caller's "current stream" is the host: a gate met once every copy is issued
+    but before they landed blocks the host, and the window's stats say so."""
+    w, opt = adamw_state(4 * CHUNK, seed=32)
+    streams = _SignalledStreams()
+    window, jobs = make_window({"w": w}, device_keys=("w",), streams=streams, name=str(tmp_path / "ck"))
+    writer = Writer(window, gated=False)
+    copier = WindowCopier(window, PinnedPool(1 << 20, pinned=False))
+    rest = copier.open(jobs, writer.put)
+    gates.track(window)
+    held = streams.hold(0)  # after the opening: no copy of the rest lands until the test says so
+    stager, _, stage_errors = in_thread(lambda: copier.run(rest, writer.put))
+    stager.join(WAIT_S)
+    writer.close()
+    assert window.all_in() and not stage_errors, stage_errors
+    stepper, stepped, errors = in_thread(opt.step)
+    assert streams.ordering.wait(WAIT_S) and not stepped.is_set()
+    held.set()
+    assert stepped.wait(WAIT_S) and not errors, errors
+    window.settle()
+    assert writer.finished.wait(WAIT_S)
+    stats = window.stats()
+    assert stats.gates == 1 and stats.blocked_gates == 1 and stats.gate_wait_s > 0, stats
