@@ -59,4 +59,4 @@ def test_torch_index_cpu_takes_the_cpu_build(tmp_path):
     assert "CUDA" not in r.stderr
     calls = log.read_text().splitlines()
     assert calls[0] == "pip install --index-url https://download.pytorch.org/whl/cpu torch>=2.6"
-    assert calls[1] == "pip install -q megatron-core==0.16.1 -e .[test]"
+    assert calls[1] == "pip install -q megatron-core==0.16.1 -e .[test] --config-settings editable_mode=compat"
