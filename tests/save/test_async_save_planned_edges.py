@@ -39,7 +39,7 @@ def test_with_the_integrity_manifest_and_a_pool_smaller_than_the_state_the_save_
 def test_a_kept_handle_holds_no_saved_tensor_once_its_window_settled(tmp_path):
     (out,) = values(run_world(1, _bodies().kept_handle_holds_no_source, (str(tmp_path),)))
     for mode, kept in out.items():
-        assert kept["watched"] == 1 and kept["sources_alive"] == 0 and not kept["sums"], (mode, out)
+        assert not kept["source_alive"] and kept["sources_left"] == 0 and not kept["sums"], (mode, out)
         assert kept["stats_bytes"] == 4 * (1 << 19), (mode, out)
 
 
