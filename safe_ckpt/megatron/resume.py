@@ -58,8 +58,17 @@ class _Registry:
 _registry = _Registry()
 
 
-def _as_target(root: "Target | str") -> Target:
-    return root if isinstance(root, Target) else targets.resolve(root)
+def _as_target(root: "Target | str", spec: dict | None = None) -> Target:
+    if isinstance(root, Target):
+        return root
+    if spec is None and root.startswith("s3://"):
+        # the save's endpoint rule (AWS_ENDPOINT_URL...), so a URL names the place a save there uses
+        from ..options import SaveOptions
+        from ..targets import endpoints
+
+        root, options = endpoints.save_target(root, SaveOptions())
+        spec = options.kvstore_spec
+    return targets.resolve(root, spec=spec)
 
 
 def checkpoint_name(iteration: int | None, release: bool = False) -> str:
@@ -86,7 +95,7 @@ def note_loaded(checkpoint_dir: str | None, *, kvstore_spec: dict | None = None)
             return
         # a local checkpoint with no parent lies in ".", one at a store's root in its root ("")
         root = parent if kvstore_spec is not None else (parent or ".")
-        key = targets.resolve(root, spec=None if kvstore_spec is None else dict(kvstore_spec)).place_key()
+        key = _as_target(root, None if kvstore_spec is None else dict(kvstore_spec)).place_key()
         loaded = LoadedCheckpoint(key, name, int(m.group(1)) if m else None, path)
         if loaded not in _registry.loaded:
             _registry.loaded.append(loaded)
