@@ -168,7 +168,7 @@ part_slimemodes() {
 # LOAD_COMMIT names the commit measured (the GPU machine's copy has no git).
 part_load() {
   local T tag cold pre size n=${LOAD_N:-8} th=${THREADS:-16} gib=${LOAD_GIB:-8}
-  local common="--reps ${LOAD_REPS:-${REPS:-3}} --methods ${LOAD_METHODS:-ceiling,safe,safe_nosum,stock,dcp}"
+  local common="--reps ${LOAD_REPS:-${REPS:-3}} --methods ${LOAD_METHODS:-ceiling,ceiling_gpu,safe,safe_nosum,stock,dcp}"
   [ -n "${LOAD_COMMIT:-}" ] && common="$common --commit $LOAD_COMMIT"
   for T in ${LOAD_TARGETS:-tmpfs disk}; do
     case "$T" in

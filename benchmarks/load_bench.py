@@ -12,6 +12,10 @@ host every rank's templates live on the GPU it is given, `--share-gpu` puts all 
     (its `mcore_to_pyt_state_dict` and `MCoreLoadPlanner`), without Megatron's other steps;
   - `ceiling`: the same threads `preadv`-ing every byte of this rank's files into one reused
     host buffer (no parsing, no device copy): what reading alone takes;
+  - `ceiling_gpu` (GPU hosts): the same threads reading the same 8 MiB ranges into two pinned
+    buffers each, in turn, each copied to its place in one GPU byte tensor on the thread's own
+    stream while the next range is read: what reading into GPU memory takes (no parsing, no
+    checksums);
 - with `--cold`, the checkpoint's pages leave the page cache before every timed run: all of it
   through `/proc/sys/vm/drop_caches` where the process may write it (root, writable /proc/sys),
   else each file with `posix_fadvise(DONTNEED)` (after a sync); the report names which one ran,
@@ -51,7 +55,8 @@ import time
 
 import torch
 
-METHODS = ("ceiling", "safe", "safe_nosum", "stock", "dcp")
+METHODS = ("ceiling", "ceiling_gpu", "safe", "safe_nosum", "stock", "dcp")
+PIECE = 8 << 20
 
 
 def _evict(path: str) -> bool:
@@ -98,33 +103,54 @@ def _filesystem(path: str) -> str:
     return kind
 
 
-def _ceiling(path: str, rank: int, threads: int) -> int:
-    """Read every byte of this rank's files with ``threads`` threads, 8 MiB at a time."""
+def _ranges(path: str, rank: int) -> list:
+    """(file, offset, length, place in the rank's bytes) of every 8 MiB range of this rank's files."""
     files = [os.path.join(path, n) for n in sorted(os.listdir(path)) if n.startswith(f"__{rank}_")]
-    pieces = []
+    pieces, place = [], 0
     for f in files:
         size = os.path.getsize(f)
-        pieces += [(f, at, min(8 << 20, size - at)) for at in range(0, size, 8 << 20)]
+        pieces += [(f, at, min(PIECE, size - at), place + at) for at in range(0, size, PIECE)]
+        place += size
+    return pieces
+
+
+def _ceiling(pieces: list, threads: int, gpu=None) -> int:
+    """Read every range with ``threads`` threads; with ``gpu`` (per-thread pairs of pinned buffers and
+    one GPU byte tensor), each range through a pinned buffer into its place on the GPU."""
     lock, nxt, total = threading.Lock(), [0], [0]
 
-    def work():
-        buf = bytearray(8 << 20)
-        fds = {}
+    def work(k: int):
+        bufs = [bytearray(PIECE)] if gpu is None else gpu["pinned"][k]
+        stream = None if gpu is None else torch.cuda.Stream()
+        events, turn, fds = [None, None], 0, {}
         while True:
             with lock:
                 i = nxt[0]
                 nxt[0] += 1
             if i >= len(pieces):
                 break
-            f, at, n = pieces[i]
+            f, at, n, place = pieces[i]
             fd = fds.get(f) or fds.setdefault(f, os.open(f, os.O_RDONLY))
-            got = os.preadv(fd, [memoryview(buf)[:n]], at)
+            if gpu is None:
+                got = os.preadv(fd, [memoryview(bufs[0])[:n]], at)
+            else:
+                if events[turn] is not None:
+                    events[turn].synchronize()
+                buf = bufs[turn]
+                got = os.preadv(fd, [memoryview(buf.numpy())[:n]], at)
+                with torch.cuda.stream(stream):
+                    gpu["dest"][place:place + n].copy_(buf[:n], non_blocking=True)
+                    events[turn] = torch.cuda.Event()
+                    events[turn].record(stream)
+                turn ^= 1
             with lock:
                 total[0] += got
+        if stream is not None:
+            stream.synchronize()
         for fd in fds.values():
             os.close(fd)
 
-    ts = [threading.Thread(target=work) for _ in range(threads)]
+    ts = [threading.Thread(target=work, args=(k,)) for k in range(threads)]
     for t in ts:
         t.start()
     for t in ts:
@@ -198,14 +224,21 @@ def _measure(rank: int, world: int, args) -> dict:
     reports: list = []
     opts = safe_ckpt.LoadOptions(io_threads=args.threads, on_read=reports.append)
     opts_nosum = safe_ckpt.LoadOptions(io_threads=args.threads, verify_checksums=False, on_read=reports.append)
+    pieces = _ranges(path, rank)
+    gpu = None
+    if cuda and "ceiling_gpu" in args.methods:
+        gpu = {"pinned": [[torch.empty(PIECE, dtype=torch.uint8).pin_memory() for _ in range(2)]
+                          for _ in range(args.threads)],
+               "dest": torch.empty(max((p[3] + p[2] for p in pieces), default=0), dtype=torch.uint8, device="cuda")}
     runs = {
-        "ceiling": lambda: _ceiling(path, rank, args.threads),
+        "ceiling": lambda: _ceiling(pieces, args.threads),
+        "ceiling_gpu": lambda: _ceiling(pieces, args.threads, gpu),
         "safe": lambda: safe_ckpt.load(sharded(), path, opts),
         "safe_nosum": lambda: safe_ckpt.load(sharded(), path, opts_nosum),
         "stock": lambda: dist_checkpointing.load(sharded(), path),
         "dcp": lambda: _dcp_load(sharded(), path),
     }
-    methods = [m for m in args.methods.split(",") if m]
+    methods = [m for m in args.methods.split(",") if m and (m != "ceiling_gpu" or cuda)]
     rows = []
     check()
     fs = _filesystem(path)
@@ -224,14 +257,16 @@ def _measure(rank: int, world: int, args) -> dict:
             seconds = time.perf_counter() - t0
             slowest = torch.tensor([seconds], dtype=torch.float64)
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-            bad = 0 if m == "ceiling" else check()
+            bad = 0 if m.startswith("ceiling") else check()
             bad_all = torch.tensor([bad])
             dist.all_reduce(bad_all)
             if int(bad_all) and rank == 0:
                 raise SystemExit(f"{m}: {int(bad_all)} tensors differ from what was saved")
-            read_s = reports[-1].seconds if m.startswith("safe") and reports else None  # this rank's reads alone
+            last = reports[-1] if m.startswith("safe") and reports else None
+            read_s = last.seconds if last else None  # this rank's reads alone
             rows.append({"rep": rep, "method": m, "seconds": float(slowest), "rank_seconds": seconds,
-                         "read_seconds": read_s, "evicted": evicted, "mismatched": int(bad_all)})
+                         "read_seconds": read_s, "evicted": evicted, "mismatched": int(bad_all),
+                         "thread_s": {k: getattr(last, k, 0.0) for k in ("read_s", "wait_s", "hash_s")} if last else None})
     if rank == 0:
         shutil.rmtree(path, ignore_errors=True)
     return {"rows": rows, "bytes": state.nbytes, "description": state.description, "filesystem": fs,
@@ -253,12 +288,18 @@ def _table(results: dict, world: int) -> str:
     def ratio(m, ref, fmt):
         return fmt(med[ref] / med[m]) if ref in med else "-"
 
-    lines = ["| method | median [min-max] s | GB/s (median) | of ceiling | vs stock | vs DCP |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| method | median [min-max] s | GB/s (median) | of ceiling | of GPU ceiling | vs stock | vs DCP |",
+             "|---|---|---|---|---|---|---|"]
     for m in METHODS:
         if m in by:
             lines.append(f"| {m} | {_span(by[m])} | {total / med[m] / 1e9:.2f} | {ratio(m, 'ceiling', '{:.0%}'.format)} "
+                         f"| {ratio(m, 'ceiling_gpu', '{:.0%}'.format)} "
                          f"| {ratio(m, 'stock', '{:.2f}x'.format)} | {ratio(m, 'dcp', '{:.2f}x'.format)} |")
+    for m in ("safe", "safe_nosum"):
+        spent = [r["thread_s"] for r in results[0]["rows"] if r["method"] == m and r.get("thread_s")]
+        if spent:
+            lines.append(f"\n{m}, rank 0, thread seconds (summed over its threads; median over rounds): " + ", ".join(
+                f"{k[:-2]} {statistics.median(x[k] for x in spent):.3f}" for k in ("read_s", "wait_s", "hash_s")))
     if world > 1:
         lines += ["", f"Each rank's own time (median over rounds), {world} ranks: median [min-max] across ranks "
                       f"(a load is collective: its ranks end together; safe_ckpt's read phase alone is per rank), "

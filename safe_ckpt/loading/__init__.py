@@ -16,7 +16,7 @@ Data flow (one module per step):
 """
 
 from .contract import load
-from .execute import ReadReport
+from .report import ReadReport
 from .options import LoadOptions
 
 __all__ = ["LoadOptions", "ReadReport", "load"]

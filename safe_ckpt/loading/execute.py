@@ -20,7 +20,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -28,21 +27,11 @@ from .. import integrity
 from ..errors import INTERRUPTS, RankFailure, ReadError, failure_from_exception
 from . import boxes, container, split
 from .plan import DIRECT, FLAT, Batch, ItemRead, ReadPlan
+from .report import ReadReport, Tally
 
 log = logging.getLogger("safe_ckpt")
 
 HASH_PIECE_BYTES = 4 << 20  # a checksummed whole item is read and hashed this much at a time, while in cache
-
-
-@dataclass(frozen=True)
-class ReadReport:
-    bytes_read: int
-    items: int
-    verified: int  # items whose checksum matched
-    unverified: int  # items read in part (resharded), or with no checksum recorded
-    decoded: int  # items decoded with torch.load (not the standard archive)
-    threads: int
-    seconds: float
 
 
 def _where(source, read: ItemRead) -> str:
@@ -62,6 +51,17 @@ class _Worker:
         self.events: list = [None, None]
         self.turn = 0
         self.streams: dict = {}
+        self.read_s = self.wait_s = self.hash_s = 0.0
+
+    def readv(self, path: str, offset: int, buffers: list) -> None:
+        t0 = time.perf_counter()
+        self.r.source.readv(path, offset, buffers)
+        self.read_s += time.perf_counter() - t0
+
+    def hash(self, hasher, data) -> None:
+        t0 = time.perf_counter()
+        hasher.update(data)
+        self.hash_s += time.perf_counter() - t0
 
     # ---- buffers and copies -------------------------------------------------------------
     def buffer(self, nbytes: int):
@@ -73,7 +73,9 @@ class _Worker:
         self.take_pieces()
         slot, self.turn = self.turn, self.turn ^ 1
         if self.events[slot] is not None:
+            t0 = time.perf_counter()
             self.events[slot].synchronize()
+            self.wait_s += time.perf_counter() - t0
             self.events[slot] = None
         t = self.leases[slot].tensor[:nbytes]
         return slot, t, memoryview(t.numpy()).cast("B")
@@ -81,9 +83,11 @@ class _Worker:
     def take_pieces(self) -> None:
         """This thread's two pool pieces, held until `finish`."""
         if not self.leases:
+            t0 = time.perf_counter()
             pool = self.r.pool()
             for _ in range(2):
                 self.leases.append(pool.lease(self.r.piece_bytes, timeout_s=self.r.timeout_s, cancel=self.r.cancel))
+            self.wait_s += time.perf_counter() - t0
 
     def stream(self, device):
         s = self.streams.get(device)
@@ -106,9 +110,12 @@ class _Worker:
 
     def finish(self) -> None:
         try:
+            t0 = time.perf_counter()
             for s in self.streams.values():
                 s.synchronize()
+            self.wait_s += time.perf_counter() - t0
         finally:
+            self.r.count(read_s=self.read_s, wait_s=self.wait_s, hash_s=self.hash_s)
             for lease in self.leases:
                 lease.release()
             self.leases = []
@@ -160,7 +167,7 @@ class _Worker:
             frames.append((head, tail))
             parts.append(mine)
             iov += [memoryview(head), *mine, memoryview(tail)]
-        self.r.source.readv(batch.items[0].item.relative_path, batch.items[0].item.offset_bytes, iov)
+        self.readv(batch.items[0].item.relative_path, batch.items[0].item.offset_bytes, iov)
         for read, (head, tail), mine in zip(batch.items, frames, parts):
             self.finish_whole(read, head, tail, mine)
 
@@ -173,7 +180,7 @@ class _Worker:
             self.r.count(items=1, unverified=1, nbytes=read.item.length_bytes)
             return
         for part in (head, *payload_parts, tail):
-            hasher.update(part)
+            self.hash(hasher, part)
         self.check(read, hasher)
         self.r.count(items=1, nbytes=read.item.length_bytes)
 
@@ -182,7 +189,7 @@ class _Worker:
         dests = self.r.plan.destinations
         total = batch.length_bytes
         slot, t, mv = self.buffer(total)
-        self.r.source.readv(batch.items[0].item.relative_path, batch.items[0].item.offset_bytes, [mv])
+        self.readv(batch.items[0].item.relative_path, batch.items[0].item.offset_bytes, [mv])
         at = 0
         for read in batch.items:
             f, length = read.frame, read.item.length_bytes
@@ -192,7 +199,7 @@ class _Worker:
             else:
                 hasher = self.hasher(read)
                 if hasher is not None:
-                    hasher.update(mv[at:at + length])
+                    self.hash(hasher, mv[at:at + length])
                     self.check(read, hasher)
                 payload_at = at + f.prefix_bytes
                 for p in read.pieces:
@@ -208,10 +215,10 @@ class _Worker:
         if f is None:
             self.decode(read)
             return
-        source, path, base = self.r.source, read.item.relative_path, read.item.offset_bytes
+        path, base = read.item.relative_path, read.item.offset_bytes
         head, tail = bytearray(f.prefix_bytes), bytearray(f.suffix_bytes)
-        source.readv(path, base, [memoryview(head)])
-        source.readv(path, base + read.item.length_bytes - f.suffix_bytes, [memoryview(tail)])
+        self.readv(path, base, [memoryview(head)])
+        self.readv(path, base + read.item.length_bytes - f.suffix_bytes, [memoryview(tail)])
         if not container.payload_is_framed(f, head, tail):
             self.decode(read)
             return
@@ -222,7 +229,7 @@ class _Worker:
 
         def feed(start: int, data) -> None:
             if hasher is not None and start == cursor[0]:
-                hasher.update(data)
+                self.hash(hasher, data)
                 cursor[0] += data.nbytes
 
         payload_at = base + f.prefix_bytes
@@ -236,14 +243,14 @@ class _Worker:
                     n = min(step, p.payload_end - start)
                     at = p.dest_start + start - p.payload_start
                     m = dest.memory[at:at + n]
-                    source.readv(path, payload_at + start, [m])
+                    self.readv(path, payload_at + start, [m])
                     feed(start, m)
                     read_bytes += n
             elif p.mode == FLAT:
                 for start in range(p.payload_start, p.payload_end, self.r.piece_bytes):
                     n = min(self.r.piece_bytes, p.payload_end - start)
                     slot, t, mv = self.buffer(n)
-                    source.readv(path, payload_at + start, [mv])
+                    self.readv(path, payload_at + start, [mv])
                     at = p.dest_start + start - p.payload_start
                     self.copy(dest.flat_bytes[at:at + n], t, slot)
                     feed(start, mv)
@@ -262,7 +269,7 @@ class _Worker:
         itemsize = read.dtype.itemsize
         if not read.sizes:  # a 0-dim tensor: its one element
             slot, t, mv = self.buffer(itemsize)
-            self.r.source.readv(read.item.relative_path, payload_at, [mv])
+            self.readv(read.item.relative_path, payload_at, [mv])
             feed(0, mv)
             self.copy(dest.view, t.view(read.dtype).view(()), slot)
             return itemsize
@@ -275,7 +282,7 @@ class _Worker:
         for r in range(first, end, rows):
             k = min(rows, end - r)
             slot, t, mv = self.buffer(k * row)
-            self.r.source.readv(read.item.relative_path, payload_at + r * row, [mv])
+            self.readv(read.item.relative_path, payload_at + r * row, [mv])
             feed(r * row, mv)
             src = t.view(read.dtype).view((k, *read.sizes[1:]))[(slice(None), *inner_src)]
             d0 = p.in_dest.offsets[0] + r - first
@@ -286,10 +293,10 @@ class _Worker:
     def decode(self, read: ItemRead) -> None:
         """The general path: the whole item through torch's weights-only loader, then sub-box copies."""
         data = bytearray(read.item.length_bytes)
-        self.r.source.readv(read.item.relative_path, read.item.offset_bytes, [memoryview(data)])
+        self.readv(read.item.relative_path, read.item.offset_bytes, [memoryview(data)])
         hasher = self.hasher(read)
         if hasher is not None:
-            hasher.update(data)
+            self.hash(hasher, data)
             self.check(read, hasher)
         tensor = container.decode_chunk(data, _where(self.r.source, read), read.sizes)
         dests = self.r.plan.destinations
@@ -320,19 +327,15 @@ class Reader:
                     self.caller_streams[d.view.device] = torch.cuda.current_stream(d.view.device)
         self._lock = threading.Lock()
         self._next = 0
-        self._counts = dict(items=0, verified=0, unverified=0, decoded=0, nbytes=0)
+        self.tally = Tally()
+        self.count = self.tally.add
         self._failure: RankFailure | None = None
-
-    def count(self, **kw) -> None:
-        with self._lock:
-            for k, v in kw.items():
-                self._counts[k] += v
 
     def _progress(self, t0: float) -> None:
         """A log line for a long read (every `progress_interval_s`)."""
         if not self.progress_interval_s:
             return
-        done, total, took = self._counts["nbytes"], self.plan.payload_bytes, time.perf_counter() - t0
+        done, total, took = self.tally.counts["nbytes"], self.plan.payload_bytes, time.perf_counter() - t0
         log.info("rank %d read %.2f of %.2f GiB in %.0f s (%.2f GiB/s) from %s", self.rank, done / 2**30,
                  total / 2**30, took, done / took / 2**30 if took else 0.0, self.source.root)
 
@@ -393,7 +396,4 @@ class Reader:
             self._fail(None, exc)
             for w in workers:
                 w.join()
-        c = self._counts
-        report = ReadReport(c["nbytes"], c["items"], c["verified"], c["unverified"], c["decoded"], self.threads,
-                            time.perf_counter() - t0)
-        return report, self._failure
+        return self.tally.report(self.threads, time.perf_counter() - t0), self._failure

@@ -12,8 +12,6 @@ the coordinator's votes.
 
 from __future__ import annotations
 
-import logging
-import math
 import threading
 
 from ..host import cpu
@@ -21,10 +19,10 @@ from ..errors import CheckpointError, RankFailure, combine, failure_from_excepti
 from ..options import SaveOptions
 from ..staging.pool import shared_pool
 from . import objects, plan
-from .execute import Reader, ReadReport
+from .execute import Reader
+from .report import ReadReport, log_read
 from .options import LoadOptions
 
-log = logging.getLogger("safe_ckpt")
 
 
 def vote(coord, stage: str, where: str, failure: RankFailure | None) -> None:
@@ -142,7 +140,7 @@ def read_sharded(tree, source, index, options: LoadOptions, coord, where: str):
 
     for sh_ten, dest in zip(tensors, read_plan.destinations):  # one each: any problem stopped the load above
         values[id(sh_ten)] = dest.tensor
-    _log(report, where, coord.rank)
+    log_read(report, where, coord.rank)
     if options.on_read is not None:
         options.on_read(report)
     return _rebuild(tree, values)
@@ -156,12 +154,3 @@ def _first(problems: list) -> RankFailure:
     more = f" (and {len(problems) - 1} more problem(s) on this rank, e.g. " + \
         "; ".join(f"key {p.key!r}: {p.message}" for p in problems[1:4]) + ")"
     return RankFailure(head.rank, head.stage, head.kind, head.message + more, key=head.key, lineage=head.lineage)
-
-
-def _log(report: ReadReport, where: str, rank: int) -> None:
-    if not report.items:
-        return
-    rate = report.bytes_read / report.seconds / 2**30 if report.seconds > 0 else math.inf
-    log.info("rank %d read %.3f GiB of %s in %.3f s (%.2f GiB/s, %d threads): %d items, %d checksums "
-             "verified, %d unverified, %d decoded by torch.load", rank, report.bytes_read / 2**30, where,
-             report.seconds, rate, report.threads, report.items, report.verified, report.unverified, report.decoded)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import struct
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -228,12 +229,12 @@ def run_piece(worker, task: PieceTask) -> None:
     if all(p.mode == DIRECT for p, _, _ in spans):
         parts = [dests[p.dest].memory[p.dest_start + lo - p.payload_start:p.dest_start + hi - p.payload_start]
                  for p, lo, hi in spans]
-        worker.r.source.readv(path, payload_at + task.start, parts)
-        item.feed(task.index, parts, task.start, worker.r.cancel)
+        worker.readv(path, payload_at + task.start, parts)
+        _feed(worker, item, task, parts)
     else:
         slot, t, mv = worker.buffer(task.end - task.start)
-        worker.r.source.readv(path, payload_at + task.start, [mv])
-        item.feed(task.index, [mv], task.start, worker.r.cancel)
+        worker.readv(path, payload_at + task.start, [mv])
+        _feed(worker, item, task, [mv])
         for p, lo, hi in spans:
             at = p.dest_start + lo - p.payload_start
             worker.copy(dests[p.dest].flat_bytes[at:at + hi - lo], t[lo - task.start:hi - task.start], slot)
@@ -253,6 +254,12 @@ def run_piece(worker, task: PieceTask) -> None:
         worker.check(read, _Mismatch())
     worker.r.count(items=1, verified=1 if checked else 0, unverified=0 if checked else 1,
                    nbytes=read.frame.prefix_bytes + read.frame.suffix_bytes)
+
+
+def _feed(worker, item: SplitItem, task: PieceTask, parts: list) -> None:
+    t0 = time.perf_counter()  # hashing, and waiting for the pieces before this one where hashed in order
+    item.feed(task.index, parts, task.start, worker.r.cancel)
+    worker.hash_s += time.perf_counter() - t0
 
 
 def _mark(worker, device):

@@ -125,11 +125,13 @@ def test_pieces_load_bit_exact_and_every_checksum_is_checked(saved, pool, grid):
     out, report = _load(path, state, pool)
     assert all(torch.equal(out[k], state[k]) for k in state)
     assert report.verified == report.items and report.unverified == 0 and report.decoded == 0, report
+    assert report.read_s > 0 and report.hash_s > 0 and report.wait_s >= 0, report  # where the threads' time went
     _flip_payload_byte(path, "a")
     with pytest.raises(ReadError, match=r"key 'a'.*checksum mismatch"):
         _load(path, state, pool)
     out, report = _load(path, state, pool, verify_checksums=False)
     assert report.verified == 0 and not torch.equal(out["a"], state["a"])
+    assert report.read_s > 0, report
 
 
 @pytest.mark.timeout(60)
