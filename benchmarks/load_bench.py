@@ -16,7 +16,8 @@ host every rank's templates live on the GPU it is given, `--share-gpu` puts all 
     buffers each, in turn, each copied to its place in one GPU byte tensor on the thread's own
     stream while the next range is read: what reading into GPU memory takes (no parsing, no
     checksums);
-- with `--cold`, the checkpoint's pages leave the page cache before every timed run: all of it
+- with `--cold`, the checkpoint's pages leave the page cache before every timed run (what stays cached is
+  counted with mincore and reported): all of it
   through `/proc/sys/vm/drop_caches` where the process may write it (root, writable /proc/sys),
   else each file with `posix_fadvise(DONTNEED)` (after a sync); the report names which one ran,
   or that neither could (pages of a tmpfs cannot be dropped: there it is always warm);
@@ -86,6 +87,43 @@ def _drop_cache(path: str, fs: str) -> str:
         return "drop_caches"
     except OSError:
         return "fadvise" if _evict(path) else "none (fadvise failed)"
+
+
+def _resident_fraction(path: str) -> float | None:
+    """The share of the checkpoint's file pages in the page cache now (mincore), None where it cannot tell."""
+    import ctypes
+    import mmap
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype, libc.mmap.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                                                 ctypes.c_int, ctypes.c_int, ctypes.c_long]
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    except (OSError, AttributeError):
+        return None
+    page, resident, total = mmap.PAGESIZE, 0, 0
+    for name in os.listdir(path):
+        full = os.path.join(path, name)
+        size = os.path.getsize(full) if os.path.isfile(full) else 0
+        if size == 0:
+            continue
+        fd = os.open(full, os.O_RDONLY)
+        try:
+            addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+            if addr in (None, ctypes.c_void_p(-1).value):
+                return None
+            pages = (size + page - 1) // page
+            vec = ctypes.create_string_buffer(pages)
+            ok = libc.mincore(ctypes.c_void_p(addr), size, vec) == 0
+            libc.munmap(ctypes.c_void_p(addr), size)
+            if not ok:
+                return None
+            resident += sum(b & 1 for b in vec.raw)
+            total += pages
+        finally:
+            os.close(fd)
+    return resident / total if total else None
 
 
 def _filesystem(path: str) -> str:
@@ -249,6 +287,8 @@ def _measure(rank: int, world: int, args) -> dict:
                 dist.barrier()
                 if rank == 0:
                     evicted = _drop_cache(path, fs)
+                    left = _resident_fraction(path)  # what the drop left cached (mincore)
+                    evicted += f", {left:.1%} still cached" if left is not None else ", residency unknown"
             dist.barrier()
             t0 = time.perf_counter()
             runs[m]()
@@ -396,8 +436,11 @@ def main() -> None:
     result = results[0]
     cache = "warm page cache"
     if args.cold:
-        used = sorted({r["evicted"] for r in result["rows"] if r["evicted"]})
-        cache = f"page cache dropped before every run ({', '.join(used) or 'not run'})"
+        used = sorted({r["evicted"].split(",")[0] for r in result["rows"] if r["evicted"]})
+        left = [float(r["evicted"].split(", ")[1].split("%")[0]) for r in result["rows"]
+                if r["evicted"] and "% still cached" in r["evicted"]]
+        seen = f"; at most {max(left):.1f} % of its pages still cached after a drop (mincore)" if left else ""
+        cache = f"page cache dropped before every run ({', '.join(used) or 'not run'}{seen})"
     head = (f"# Load: {result['description']}, {args.ranks} rank(s){' sharing one GPU' if args.share_gpu else ''}, "
             f"{args.threads} threads per rank, {cache}, target {args.target} ({result['filesystem']})\n\n"
             f"{_machine()}; {datetime.date.today()}; commit {_commit(args.commit)}; {args.reps} rounds; times are "
