@@ -100,9 +100,15 @@ def run_steps(trainer, n: int, hooks=None, sampler=None) -> list[dict]:
     return rows
 
 
+# "MODE:KEY=V+KEY=V": a mode with some safe_ckpt settings changed, as Megatron flags would
+OVERRIDES = {"io": "safe_ckpt_io_threads", "nice": "safe_ckpt_writer_nice"}
+
+
 def run_mode(name: str, trainer, opts: dict, sampler) -> list[dict]:
-    mode = MODE_CLASSES[name](trainer, opts)
-    saves = opts["saves_per_mode"].get(name, opts["saves"])
+    base, _, spec = name.partition(":")
+    trainer.overrides = {OVERRIDES[k]: int(v) for k, v in (p.split("=") for p in spec.split("+") if p)}
+    mode = MODE_CLASSES[base](trainer, opts)
+    saves = opts["saves_per_mode"].get(name, opts["saves_per_mode"].get(base, opts["saves"]))
     rows = []
     try:
         for k in range(saves + (1 if mode.verifies else 0)):
@@ -129,6 +135,7 @@ def run_mode(name: str, trainer, opts: dict, sampler) -> list[dict]:
                 shutil.rmtree(extra, ignore_errors=True)
     finally:
         mode.close()
+        trainer.overrides = {}
     return rows
 
 
@@ -154,6 +161,11 @@ def body(rank, world, opts) -> dict:
             except Unavailable as exc:
                 out["modes"][name] = {"skipped": str(exc)}
                 print(f"{name}: skipped ({exc})", flush=True)
+            except Exception as exc:  # one mode's failure leaves the others' rows
+                import traceback
+
+                traceback.print_exc()
+                out["modes"][name] = {"skipped": f"failed: {type(exc).__name__}: {str(exc)[:300]}"}
         out["baseline_after"] = run_steps(trainer, max(2, opts["baseline_steps"] // 2), sampler=sampler)
     finally:
         if sampler is not None:
@@ -168,7 +180,8 @@ def main() -> None:
     parser.add_argument("--target", help="directory for the checkpoints (tmpfs: /dev/shm/...)")
     parser.add_argument("--out", required=True, help="results prefix: PREFIX.json and PREFIX.md")
     parser.add_argument("--modes", default="overlap,safe_async,dcp_async,megatron_async",
-                        help="comma-separated, from: window_core,overlap,safe_async,dcp_async,megatron_async")
+                        help="comma-separated, from: window_core,overlap,safe_async,dcp_async,megatron_async; "
+                             "MODE:io=N+nice=K changes the safe_ckpt writer threads / niceness of that run")
     parser.add_argument("--saves", type=int, default=3, help="timed saves per mode")
     parser.add_argument("--saves-per-mode", default="dcp_async=2,megatron_async=1",
                         help="MODE=N,...: other counts (stock Megatron's cold save alone takes ~40 s)")

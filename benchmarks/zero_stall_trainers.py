@@ -215,6 +215,8 @@ class MegatronTrainer:
 
     def _save_args(self, directory: str, overlap: bool):
         args = self.args
+        for name in ("safe_ckpt_io_threads", "safe_ckpt_writer_nice"):  # a mode's overrides (zero_stall_bench)
+            setattr(args, name, getattr(self, "overrides", {}).get(name))
         args.save = directory
         args.async_save = True
         args.safe_ckpt_staging_budget_gib = self.budget_gib
@@ -351,7 +353,10 @@ class TinyTrainer:
         from megatron.core.dist_checkpointing import ShardedTensor
 
         sharded = {k: ShardedTensor.from_rank_offsets(k, t, replica_id=0) for k, t in self.window_sources()}
-        opts = safe_ckpt.SaveOptions(staging_budget_bytes=int(self.budget_gib * GiB), io_threads=self.opts["threads"],
+        over = getattr(self, "overrides", {})
+        opts = safe_ckpt.SaveOptions(staging_budget_bytes=int(self.budget_gib * GiB),
+                                     io_threads=over.get("safe_ckpt_io_threads", self.opts["threads"]),
+                                     writer_nice=over.get("safe_ckpt_writer_nice"),
                                      progress_interval_s=0, fsync=False,
                                      return_after="planned" if overlap else "staged")
         handle = safe_ckpt.async_save(sharded, os.path.join(directory, "iter_%07d" % self.iteration), options=opts)

@@ -181,7 +181,8 @@ class SaveJob:
                                          name=self.checkpoint_dir, rank=self.coord.rank,
                                          timeout_s=opts.collective_timeout_s, page_locked=pool.pinned)
             writer.overlap = WindowStaging(writer.window, pool, copy_start=self.copy_start,
-                                           in_file_order=opts.integrity_manifest)
+                                           in_file_order=opts.integrity_manifest,
+                                           grid=opts.checksums and opts.device_checksums and not opts.integrity_manifest)
         elif self.asynchronous:  # the next optimizer step waits until the host sources are written
             writer.window = open_host_gate(planned.layout.items, residences, sources, work.versions,
                                            name=self.checkpoint_dir, rank=self.coord.rank,

@@ -29,8 +29,9 @@ from typing import Any, Callable
 import torch
 
 from ..errors import CheckpointError
+from ..integrity import grid_bytes, grid_sums
 from .pool import Lease, PinnedPool
-from .stager import StagedChunk, Stager
+from .stager import GRID_MIN_PAYLOAD_BYTES, StagedChunk, Stager
 from .views import run_split, run_views
 from .window import CopyWindow
 
@@ -67,17 +68,21 @@ class _Snapshot:
 class WindowCopier:
     def __init__(self, window: CopyWindow, pool: PinnedPool, *, snapshot_host: bool = True,
                  lease_timeout_s: float | None = None, on_wait: Callable[[], None] | None = None,
-                 snapshot_threads: int = 4) -> None:
+                 snapshot_threads: int = 4, grid: bool = False) -> None:
         """``snapshot_host``: host chunks are copied into the pool (else written from their own
         memory, and reported by the writer); ``on_wait``: called once when a lease must wait
         for space (the pipeline lets its writers start there); ``snapshot_threads``: threads that
-        copy host chunks during `run` (a memcpy releases the GIL; one thread copies ~5-10 GB/s)."""
+        copy host chunks during `run` (a memcpy releases the GIL; one thread copies ~5-10 GB/s);
+        ``grid``: a device chunk of `GRID_MIN_PAYLOAD_BYTES` or more also gets its grid sums on
+        the copy stream, as the stager's do (else a writer hashes it on the host, holding the GIL
+        the training thread needs while the window is open)."""
         self.window = window
         self.pool = pool
         self.snapshot_host = snapshot_host
         self.lease_timeout_s = lease_timeout_s
         self.on_wait = on_wait
         self.snapshot_threads = max(1, snapshot_threads)
+        self.grid = grid
         self._snapshots: ThreadPoolExecutor | None = None
         self._host_stager = Stager(pool, lease_timeout_s=lease_timeout_s, driver_copies=False)
 
@@ -131,7 +136,8 @@ class WindowCopier:
                 return StagedChunk(0, keep=view)
             return StagedChunk(0, keep=view, event=window.issued(job.source, 0))
         window.before_copy(job.source)
-        lease = self._lease(nbytes, wait)
+        sums_at = self._sums_offset(view, nbytes) if source.device is not None else None
+        lease = self._lease(nbytes if sums_at is None else sums_at + grid_bytes(nbytes), wait)
         if lease is None:
             return None
         try:
@@ -144,10 +150,46 @@ class WindowCopier:
                 return StagedChunk(nbytes, keep=view, lease=lease,
                                    event=self._snapshot(job.source, dst, view, nbytes))
             self._copy(source.device, dst, view)
-            return StagedChunk(nbytes, keep=view, lease=lease, event=window.issued(job.source, nbytes))
+            sums = self._sums(source.device, view, lease, sums_at) if sums_at is not None else None
+            mark = window.issued(job.source, nbytes)  # after the sums: the gates and writers wait for them too
+            staged = StagedChunk(nbytes, keep=view, lease=lease, event=mark, sums_at=sums_at or 0)
+            if sums is not None:
+                staged._sums, staged._sums_event = sums, mark
+            return staged
         except BaseException:
             self._release_after_copies(lease, source.device)
             raise
+
+    def _sums_offset(self, view: torch.Tensor, nbytes: int) -> int | None:
+        """Where this device chunk's grid sums go in its lease, or None to hash it on the host."""
+        if not (self.grid and view.is_contiguous() and nbytes >= GRID_MIN_PAYLOAD_BYTES
+                and view.data_ptr() % 4 == 0 and self.pool.pinned == (view.device.type == "cuda")):
+            return None
+        at = -(-nbytes // 16) * 16
+        return at if at + grid_bytes(nbytes) <= self.pool.capacity_bytes - 4096 else None
+
+    def _sums(self, device: int, view: torch.Tensor, lease: Lease, at: int) -> list | None:
+        """Enqueue on the copy stream the chunk's grid sums and their copy into the lease after
+        ``at``; returns what keeps the sums alive until the writer has them (they are freed in the
+        stream's order), or None where they cannot be enqueued (the host hashes the chunk)."""
+        dst = lease.tensor[at:at + grid_bytes(view.numel() * view.element_size())].view(torch.int32)
+        kept: list = []
+
+        def enqueue() -> None:
+            sums = grid_sums(view)
+            dst.copy_(sums, non_blocking=True)  # into the pinned pool: ordered on the copy stream
+            kept.append(sums)
+
+        try:
+            self.window.streams.call(device, enqueue)
+        except torch.cuda.OutOfMemoryError:
+            log.warning("no device memory for checksum sums; hashing this save's remaining chunks on the host")
+            self.grid = False
+            return None
+        except RuntimeError as exc:  # a layout the int32 view refuses
+            log.debug("device sums of a chunk refused (%s); host hashing", exc)
+            return None
+        return kept
 
     def _snapshot(self, index: int, dst: torch.Tensor, view: torch.Tensor, nbytes: int) -> _Snapshot:
         """Copy a host chunk into its lease on a snapshot thread; the window hears of it once copied."""

@@ -82,13 +82,14 @@ class WindowStaging:
     """The staging of one writer through a copy window (see the module docstring)."""
 
     def __init__(self, window: CopyWindow, pool: PinnedPool, *, copy_start: str = "now",
-                 in_file_order: bool = False) -> None:
+                 in_file_order: bool = False, grid: bool = False) -> None:
         if copy_start not in COPY_STARTS:
             raise ValueError(f"copy_start={copy_start!r} must be one of {COPY_STARTS}")
         self.window = window
         self.pool = pool
         self.copy_start = copy_start
         self.in_file_order = in_file_order
+        self.grid = grid  # device chunks' grid sums on the copy stream (`WindowCopier`)
         self.copier: WindowCopier | None = None
         self._writer: RankWriter | None = None
         self._lock = threading.Lock()
@@ -130,7 +131,8 @@ class WindowStaging:
             raise self.interrupt
 
     def _prepare(self, writer: "RankWriter") -> None:
-        self.copier = WindowCopier(self.window, self.pool, snapshot_host=True, on_wait=writer.release_writers)
+        self.copier = WindowCopier(self.window, self.pool, snapshot_host=True, on_wait=writer.release_writers,
+                                   grid=self.grid)
         per_file: dict[int, int] = {}
         for file_index, item in writer._interleaved():
             self._seq[id(item)] = per_file.get(file_index, 0)

@@ -62,3 +62,14 @@ def test_before_update_waits_at_most_the_timeout_then_the_save_is_abandoned(tmp_
     assert out["error"] is not None and out["error"].startswith("StagingTimeoutError"), out
     assert "staging_budget_bytes" in out["error"] and "SaveHandle.before_update()" in out["error"], out["error"]
     assert not out["published"] and out["window_closed"], out
+
+
+def test_large_chunks_get_grid_sums_in_the_window_and_a_flipped_byte_is_caught(tmp_path):
+    """Writers hashing payloads on the host hold the GIL the training thread needs while the window
+    is open; the window sums large chunks on their copy stream instead, as the staged save does."""
+    (out,) = values(run_world(1, _cases().big_chunks_get_grid_sums_in_the_window, (str(tmp_path),)))
+    big = {fqn: a for fqn, a in out["algorithms"].items() if fqn.startswith("big")}
+    assert big and all(a.startswith("grid32+") for a in big.values()), out["algorithms"]
+    assert all(not a.startswith("grid32+") for fqn, a in out["algorithms"].items() if fqn.startswith("small")), out
+    assert out["equal"] and out["stock_equal"] and out["verified"] == out["items"] > 0, out
+    assert out["after_flip"] is not None and "checksum mismatch" in out["after_flip"], out["after_flip"]

@@ -298,3 +298,42 @@ def before_update_past_the_timeout(rank, world, root) -> dict:
     out["published"] = os.path.exists(path)
     out["window_closed"] = handle.window_closed()
     return out
+
+
+def big_chunks_get_grid_sums_in_the_window(rank, world, root) -> dict:
+    """A planned save whose chunks are large enough for grid sums: the window enqueues them on the
+    (here simulated) copy stream, so the writers fold sums instead of hashing payloads on the host.
+    Returns the manifest's algorithms per key, whether both loaders read it back equal with every
+    checksum verified, and the error `safe_ckpt.load` raises once a payload byte is flipped."""
+    import safe_ckpt
+    from safe_ckpt.integrity import Manifest
+    from safe_ckpt.names import MANIFEST_FILE
+
+    g = torch.Generator().manual_seed(11 + rank)
+    tensors = {"big": torch.randn(5 << 20, generator=g), "small": torch.randn(1 << 12, generator=g)}
+    path = os.path.join(root, "ck")
+    opts = safe_ckpt.SaveOptions(io_threads=1, progress_interval_s=0, return_after="planned", chunk_bytes=10 << 20)
+    safe_ckpt.async_save(_sharded(tensors), path, options=opts).wait(timeout=WAIT_S)
+    manifest = Manifest.parse(open(os.path.join(path, MANIFEST_FILE), "rb").read())
+    out = {"algorithms": {it.fqn: it.algorithm or manifest.algorithm for it in manifest.items}}
+    reports = []
+    loaded = safe_ckpt.load(_sharded({k: torch.empty_like(t) for k, t in tensors.items()}), path,
+                            options=safe_ckpt.LoadOptions(on_read=reports.append))
+    out["equal"] = all(torch.equal(loaded[k], t) for k, t in tensors.items())
+    out["verified"], out["items"] = reports[-1].verified, reports[-1].items
+    from megatron.core import dist_checkpointing
+
+    stock = dist_checkpointing.load(_sharded({k: torch.empty_like(t) for k, t in tensors.items()}), path)
+    out["stock_equal"] = all(torch.equal(stock[k], t) for k, t in tensors.items())
+    data = sorted(n for n in os.listdir(path) if n.endswith(".distcp"))
+    with open(os.path.join(path, data[0]), "r+b") as f:  # a byte in the middle of the big payload
+        f.seek(os.path.getsize(os.path.join(path, data[0])) // 2)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x40]))
+    try:
+        safe_ckpt.load(_sharded({k: torch.empty_like(t) for k, t in tensors.items()}), path)
+        out["after_flip"] = None
+    except safe_ckpt.CheckpointError as exc:
+        out["after_flip"] = f"{type(exc).__name__}: {exc}"
+    return out
