@@ -159,7 +159,10 @@ def _ceiling(pieces: list, threads: int, gpu=None) -> int:
 
     def work(k: int):
         bufs = [bytearray(PIECE)] if gpu is None else gpu["pinned"][k]
-        stream = None if gpu is None else torch.cuda.Stream()
+        stream = None
+        if gpu is not None:  # a new thread's current device is device 0: name the destination's
+            torch.cuda.set_device(gpu["dest"].device)
+            stream = torch.cuda.Stream(device=gpu["dest"].device)
         events, turn, fds = [None, None], 0, {}
         while True:
             with lock:

@@ -30,7 +30,7 @@ import torch
 
 from ..errors import CheckpointError
 from ..integrity import grid_bytes, grid_sums
-from .pool import Lease, PinnedPool
+from .pool import Lease, PinnedPool, reserved_bytes
 from .stager import GRID_MIN_PAYLOAD_BYTES, StagedChunk, Stager
 from .views import run_split, run_views
 from .window import CopyWindow
@@ -91,6 +91,7 @@ class WindowCopier:
         lease is not free at once is left for `run`), order the caller's streams after them.
         Returns the jobs left for `run`, in window order."""
         try:
+            self._settle_grid(jobs)
             self.window.open()
             small, rest = window_order(jobs, self.window)
             later = []
@@ -160,10 +161,28 @@ class WindowCopier:
             self._release_after_copies(lease, source.device)
             raise
 
+    def _settle_grid(self, jobs: list[ChunkJob]) -> None:
+        """No sums where they alone would make a pool that holds every chunk at once too small (its
+        gates would then wait for writes): the host hashes those chunks instead."""
+        if not self.grid:
+            return
+        plain = with_sums = 0
+        for job in jobs:
+            device = self.window.sources[job.source].device
+            nbytes = job.view.numel() * job.view.element_size()
+            if nbytes == 0 or (device is None and not self.snapshot_host):
+                continue
+            at = self._sums_offset(job.view, nbytes) if device is not None else None
+            plain += reserved_bytes(nbytes)
+            with_sums += reserved_bytes(nbytes if at is None else at + grid_bytes(nbytes))
+        if plain <= self.pool.capacity_bytes < with_sums:
+            self.grid = False
+
     def _sums_offset(self, view: torch.Tensor, nbytes: int) -> int | None:
         """Where this device chunk's grid sums go in its lease, or None to hash it on the host."""
         if not (self.grid and view.is_contiguous() and nbytes >= GRID_MIN_PAYLOAD_BYTES
-                and view.data_ptr() % 4 == 0 and self.pool.pinned == (view.device.type == "cuda")):
+                and view.data_ptr() % 4 == 0 and view.storage_offset() * view.element_size() % 4 == 0
+                and self.pool.pinned == (view.device.type == "cuda")):
             return None
         at = -(-nbytes // 16) * 16
         return at if at + grid_bytes(nbytes) <= self.pool.capacity_bytes - 4096 else None
