@@ -95,7 +95,11 @@ def note_loaded(checkpoint_dir: str | None, *, kvstore_spec: dict | None = None)
             return
         # a local checkpoint with no parent lies in ".", one at a store's root in its root ("")
         root = parent if kvstore_spec is not None else (parent or ".")
-        key = _as_target(root, None if kvstore_spec is None else dict(kvstore_spec)).place_key()
+        try:
+            key = _as_target(root, None if kvstore_spec is None else dict(kvstore_spec)).place_key()
+        except Exception as exc:  # a URL no save could use either: nothing of a save root to protect
+            log.warning("cannot tell which place %s names (%s); retention protects nothing for it", path, exc)
+            return
         loaded = LoadedCheckpoint(key, name, int(m.group(1)) if m else None, path)
         if loaded not in _registry.loaded:
             _registry.loaded.append(loaded)

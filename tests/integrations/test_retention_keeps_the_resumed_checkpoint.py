@@ -108,3 +108,10 @@ def test_save_state_keeps_what_note_loaded_named_not_what_the_tracker_names(tmp_
     assert _iters(root) == [f"iter_{i:07d}" for i in (100, 120, 200, 300)]
     newer = [r.getMessage() for r in caplog.records if "[200, 300]" in r.getMessage()]
     assert newer and all("iteration 100, which this run resumed from" in m for m in newer), newer
+
+
+def test_a_malformed_url_is_noted_as_nothing_with_a_warning(monkeypatch, caplog):
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # the save's endpoint rule applies
+    resume.note_loaded("s3:///iter_0000100")  # no bucket: no save could have written it
+    assert "retention protects nothing" in caplog.text
+    assert resume.protected("s3://bucket/run") == frozenset()
