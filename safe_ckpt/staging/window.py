@@ -208,7 +208,7 @@ class CopyWindow:
         return SourceModifiedError(
             f"{source.key!r} on rank {self.rank} changed while the save to {self.name} was copying it ({how}); "
             "the checkpoint would be torn, so it is not committed. Change saved tensors only in "
-            "`optimizer.step()` or after `before_update()` (see safe_ckpt.staging.gates)")
+            "`optimizer.step()` or after `before_update()` (docs/options.md, \"Returning right after planning\")")
 
     def _modified(self, source: WindowSource, how: str) -> None:
         self.fail(self._modified_error(source, how))
