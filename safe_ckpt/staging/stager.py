@@ -35,6 +35,16 @@ log = logging.getLogger(__name__)
 GRID_MIN_PAYLOAD_BYTES = 8 << 20
 
 
+def sums_offset(chunk: torch.Tensor, nbytes: int, capacity_bytes: int) -> int | None:
+    """Where a device chunk's grid sums go in its lease (after the payload, 16-byte aligned), or None
+    where the host must hash it: too small, not contiguous, not viewable as int32, or no room."""
+    if not (chunk.is_contiguous() and nbytes >= GRID_MIN_PAYLOAD_BYTES and chunk.data_ptr() % 4 == 0
+            and chunk.storage_offset() * chunk.element_size() % 4 == 0):
+        return None
+    at = -(-nbytes // 16) * 16
+    return at if at + grid_bytes(nbytes) <= capacity_bytes - 4096 else None
+
+
 class StagedChunk:
     """A chunk's payload on its way to host memory; `ready()`, then `grid()`, then `release()`."""
 
@@ -323,11 +333,7 @@ class Stager:
 
     def _sums_offset(self, chunk: torch.Tensor, nbytes: int, contiguous: bool) -> int | None:
         """Where in the lease the grid sums of this device chunk go, or None to hash it on the host."""
-        if not (self.grid and contiguous and nbytes >= GRID_MIN_PAYLOAD_BYTES and chunk.data_ptr() % 4 == 0
-                and chunk.storage_offset() * chunk.element_size() % 4 == 0):
-            return None
-        at = -(-nbytes // 16) * 16
-        return at if at + grid_bytes(nbytes) <= self.pool.capacity_bytes - 4096 else None
+        return sums_offset(chunk, nbytes, self.pool.capacity_bytes) if self.grid and contiguous else None
 
     def wait_copies(self) -> None:
         """Flush the deferred sums, then block until every device-to-host copy issued so far

@@ -31,7 +31,7 @@ import torch
 from ..errors import CheckpointError
 from ..integrity import grid_bytes, grid_sums
 from .pool import Lease, PinnedPool, reserved_bytes
-from .stager import GRID_MIN_PAYLOAD_BYTES, StagedChunk, Stager
+from .stager import StagedChunk, Stager, sums_offset
 from .views import run_split, run_views
 from .window import CopyWindow
 
@@ -73,7 +73,7 @@ class WindowCopier:
         memory, and reported by the writer); ``on_wait``: called once when a lease must wait
         for space (the pipeline lets its writers start there); ``snapshot_threads``: threads that
         copy host chunks during `run` (a memcpy releases the GIL; one thread copies ~5-10 GB/s);
-        ``grid``: a device chunk of `GRID_MIN_PAYLOAD_BYTES` or more also gets its grid sums on
+        ``grid``: a device chunk of `stager.GRID_MIN_PAYLOAD_BYTES` or more also gets its grid sums on
         the copy stream, as the stager's do (else a writer hashes it on the host, holding the GIL
         the training thread needs while the window is open)."""
         self.window = window
@@ -180,12 +180,9 @@ class WindowCopier:
 
     def _sums_offset(self, view: torch.Tensor, nbytes: int) -> int | None:
         """Where this device chunk's grid sums go in its lease, or None to hash it on the host."""
-        if not (self.grid and view.is_contiguous() and nbytes >= GRID_MIN_PAYLOAD_BYTES
-                and view.data_ptr() % 4 == 0 and view.storage_offset() * view.element_size() % 4 == 0
-                and self.pool.pinned == (view.device.type == "cuda")):
+        if not self.grid or self.pool.pinned != (view.device.type == "cuda"):
             return None
-        at = -(-nbytes // 16) * 16
-        return at if at + grid_bytes(nbytes) <= self.pool.capacity_bytes - 4096 else None
+        return sums_offset(view, nbytes, self.pool.capacity_bytes)
 
     def _sums(self, device: int, view: torch.Tensor, lease: Lease, at: int) -> list | None:
         """Enqueue on the copy stream the chunk's grid sums and their copy into the lease after

@@ -28,7 +28,7 @@ def pool_of_the_saved_bytes(rank, world, root, device_checksums: bool) -> dict:
                                  device_checksums=device_checksums,
                                  sink_factory=lambda d: _held_first_write(release)(d), collective_timeout_s=60.0)
     handle = safe_ckpt.async_save(_sharded(tensors), os.path.join(root, "ck"), options=opts)
-    closed = handle.wait_window_closed(3.0)  # the first write is held: only the pool decides
+    closed = handle.wait_window_closed(20.0)  # the first write is held: only the pool decides
     release.set()
     handle.wait(timeout=60.0)
     return {"closed_while_first_write_held": closed, "saved_bytes": saved_bytes}
