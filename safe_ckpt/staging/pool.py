@@ -56,6 +56,49 @@ class Lease:
         self.release()
 
 
+class LeasePart:
+    """One range of a lease shared by several chunks (`split`); the lease goes back to the pool
+    once every part is released."""
+
+    def __init__(self, shared: "_Shared", start: int, nbytes: int) -> None:
+        self._shared = shared
+        self.nbytes = nbytes
+        self.tensor = shared.lease.tensor[start:start + nbytes]
+
+    def release(self) -> None:
+        if self.tensor is not None:
+            self.tensor = None
+            self._shared.release_one()
+
+
+class _Shared:
+    def __init__(self, lease: Lease, parts: int) -> None:
+        self.lease = lease
+        self._left = parts
+        self._lock = threading.Lock()
+
+    def release_one(self) -> None:
+        with self._lock:
+            self._left -= 1
+            last = self._left == 0
+        if last:
+            self.lease.release()
+
+
+def split(lease: Lease, sizes: list[int]) -> list[LeasePart]:
+    """Cut ``lease`` into parts of ``sizes`` bytes, each starting on the pool's alignment (the
+    lease must hold ``sum(reserved_bytes(n))``): one lease for many small chunks, one pool
+    lock taken instead of one a chunk."""
+    shared = _Shared(lease, len(sizes))
+    parts, at = [], 0
+    for n in sizes:
+        parts.append(LeasePart(shared, at, n))
+        at += reserved_bytes(n)
+    if at > lease.nbytes:
+        raise ValueError(f"parts of {at} bytes do not fit a lease of {lease.nbytes}")
+    return parts
+
+
 class PinnedPool:
     """First-fit allocator over one buffer; `lease` blocks until enough room is free."""
 

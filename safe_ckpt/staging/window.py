@@ -8,10 +8,12 @@ landed, whether a source changed under the window (its version counter at copy t
 sums at the opening and after its last copy).
 
 Lifecycle of one save's window: `open()` in the caller's thread (copy streams ordered after the
-caller's current streams; opening sums enqueued); the copier reports every chunk (`before_copy`,
-then `issued` or `captured`); `order_opening()` once the small sources are copied; `settle()` in
-the save's own thread after the copier is done: waits for every issued copy to land, compares the
-sums, closes. `fail(exc)` may come at any time, from any thread.
+caller's current streams); the copier reports every chunk (`before_copy`, then `issued`,
+`issued_together` or `captured`); `order_opening()` once the small sources are copied (the opening
+sums of every source not yet wholly copied are enqueued, and the caller's streams wait for all of
+it: a source copied before that needs no sums); `settle()` in the save's own thread after the
+copier is done: waits for every issued copy to land, compares the sums, closes. `fail(exc)` may
+come at any time, from any thread.
 
 A gate (`before_update`), in the thread about to write:
 1. a source not yet released whose version counter moved fails the save (an in-place write came
@@ -59,6 +61,12 @@ class WindowSource:
     chunks: int  # chunks to copy or capture
     size_bytes: int
     version: int  # the tensor's version counter when the save planned it
+
+
+@dataclass(frozen=True)
+class WindowChunk:
+    index: int  # the source's index
+    size_bytes: int
 
 
 @dataclass(frozen=True)
@@ -116,22 +124,23 @@ class CopyWindow:
             self._opened_at = time.monotonic()
         for device in self._devices:
             self.streams.fence(device)
-        if self.sums is None:
-            return
-        checked = [s for s in self.sources.values() if s.device is not None and s.chunks and self.sums.checks(s.tensor)]
-        for slot, source in enumerate(checked):
-            self._slots[source.index] = slot
-            self.sums.reserve(slot, source.tensor)
-        for source in checked:
-            self._measure(source, 0)
 
     def _measure(self, source: WindowSource, phase: int) -> None:
         slot, sums, tensor = self._slots[source.index], self.sums, source.tensor
         self.streams.call(source.device, lambda: sums.measure(slot, phase, tensor))
 
     def order_opening(self) -> None:
-        """In the caller's thread once the small sources are copied: its current streams wait
-        for those copies and the opening sums; the small sources are released."""
+        """In the caller's thread once the small sources are copied: the opening sums of every
+        source with copies still to come are enqueued, its current streams wait for those
+        copies and sums; the sources wholly copied are released."""
+        if self.sums is not None:
+            checked = [s for s in self.sources.values() if s.device is not None and self._left[s.index] > 0
+                       and self.sums.checks(s.tensor)]
+            for slot, source in enumerate(checked):
+                self._slots[source.index] = slot
+                self.sums.reserve(slot, source.tensor)
+            for source in checked:
+                self._measure(source, 0)
         marks = [self.streams.mark(device) for device in self._devices]
         with self._cond:
             for mark in marks:
@@ -141,14 +150,15 @@ class CopyWindow:
         with self._cond:
             self._released.update(i for i, left in self._left.items() if left == 0)
 
-    def before_copy(self, index: int) -> None:
+    def before_copy(self, index: int, keep: bool = True) -> None:
         """A chunk of source ``index`` is about to be copied or snapshotted: its memory is kept
-        from reuse, and a moved version counter fails the save (raised here too)."""
+        from reuse (not with ``keep=False``: a copy before `order_opening`, which the caller's
+        streams wait for), and a moved version counter fails the save (raised here too)."""
         source = self.sources[index]
         if source.tensor._version != source.version:
             self._modified(source, "its version counter moved before its bytes were copied")
             raise self.error
-        if source.device is not None and index not in self._kept:
+        if keep and source.device is not None and index not in self._kept:
             self._kept.add(index)
             self.streams.keep(source.device, source.tensor)
 
@@ -168,6 +178,21 @@ class CopyWindow:
             if left == 0:
                 self._incomplete -= 1
                 self._cond.notify_all()
+        return mark
+
+    def issued_together(self, device: int, chunks: list[WindowChunk]) -> Mark:
+        """Copies of several whole sources on ``device`` are enqueued, before `order_opening`
+        (no sums yet); one mark after them all."""
+        mark = self.streams.mark(device)
+        with self._cond:
+            for chunk in chunks:
+                self._left[chunk.index] -= 1
+                self._copied += chunk.size_bytes
+                self._pending_bytes -= chunk.size_bytes
+                if self._left[chunk.index] == 0:
+                    self._incomplete -= 1
+            self._device_last[device] = mark
+            self._cond.notify_all()
         return mark
 
     def captured(self, index: int, chunk_bytes: int) -> None:

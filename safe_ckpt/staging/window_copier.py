@@ -30,10 +30,10 @@ import torch
 
 from ..errors import CheckpointError
 from ..integrity import grid_bytes, grid_sums
-from .pool import Lease, PinnedPool, reserved_bytes
+from .pool import Lease, PinnedPool, reserved_bytes, split
 from .stager import StagedChunk, Stager, sums_offset
 from .views import run_split, run_views
-from .window import CopyWindow
+from .window import CopyWindow, WindowChunk
 
 log = logging.getLogger(__name__)
 
@@ -94,18 +94,70 @@ class WindowCopier:
             self._settle_grid(jobs)
             self.window.open()
             small, rest = window_order(jobs, self.window)
-            later = []
-            for job in small:
-                staged = self._stage(job, wait=False)
-                if staged is None:
-                    later.append(job)
-                else:
-                    put(job.item, staged)
+            later = self._stage_opening(small, put)
             self.window.order_opening()
             return later + rest
         except BaseException as exc:
             self.window.fail(exc)
             raise
+
+    def _stage_opening(self, jobs: list[ChunkJob], put: Callable[[Any, StagedChunk], None]) -> list[ChunkJob]:
+        """Stage the small sources' chunks in the caller's thread; returns those whose lease was
+        not free at once. Whole contiguous device sources share one lease and one mark per device
+        (a few hundred norms and biases would otherwise cost a lease, an event and a stream
+        hand-off each, in the training thread)."""
+        later: list[ChunkJob] = []
+        together: dict[int, list[ChunkJob]] = {}
+        for job in jobs:
+            source = self.window.sources[job.source]
+            nbytes = job.view.numel() * job.view.element_size()
+            if source.device is not None and source.chunks == 1 and nbytes and job.view.is_contiguous() \
+                    and self._sums_offset(job.view, nbytes) is None:
+                together.setdefault(source.device, []).append(job)
+                continue
+            staged = self._stage(job, wait=False)
+            if staged is None:
+                later.append(job)
+            else:
+                put(job.item, staged)
+        for device, group in together.items():
+            if not self._stage_together(device, group, put):
+                for job in group:
+                    staged = self._stage(job, wait=False)
+                    if staged is None:
+                        later.append(job)
+                    else:
+                        put(job.item, staged)
+        return later
+
+    def _stage_together(self, device: int, jobs: list[ChunkJob], put: Callable[[Any, StagedChunk], None]) -> bool:
+        """Copy whole small device sources into one lease, reported under one mark; False where
+        that lease is not free at once (nothing was staged)."""
+        sizes = [job.view.numel() * job.view.element_size() for job in jobs]
+        lease = self._lease(sum(reserved_bytes(n) for n in sizes), wait=False)
+        if lease is None:
+            return False
+        parts = split(lease, sizes)
+        streams = self.window.streams
+        try:
+            for job, part in zip(jobs, parts):
+                self.window.before_copy(job.source, keep=False)  # the caller's streams wait for these copies
+                streams.copy(device, part.tensor, job.view)
+            mark = self.window.issued_together(device, [WindowChunk(job.source, n) for job, n in zip(jobs, sizes)])
+        except BaseException:
+            self._release_after_copies(lease, device)
+            raise
+        handed = 0
+        try:
+            for job, part, n in zip(jobs, parts, sizes):
+                put(job.item, StagedChunk(n, keep=job.view, lease=part, event=mark))
+                handed += 1
+        except BaseException:
+            if streams.wait(mark, self.window.timeout_s):
+                for part in parts[handed:]:
+                    part.release()
+            raise
+        return True
 
     def run(self, jobs: list[ChunkJob], put: Callable[[Any, StagedChunk], None]) -> None:
         """On the staging thread: stage every job in order. A failure fails the window and is raised."""

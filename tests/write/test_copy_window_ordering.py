@@ -691,3 +691,80 @@ def test_a_gate_waiting_on_the_host_for_copies_to_land_counts_in_the_window_stat
     assert writer.finished.wait(WAIT_S)
     stats = window.stats()
     assert stats.gates == 1 and stats.blocked_gates == 1 and stats.gate_wait_s > 0, stats
+
+
+class _CountingPool(PinnedPool):
+    def __init__(self, capacity_bytes: int) -> None:
+        super().__init__(capacity_bytes, pinned=False)
+        self.leases = 0
+
+    def lease(self, nbytes, timeout_s=None, cancel=None, on_wait=None):
+        lease = super().lease(nbytes, timeout_s, cancel, on_wait)
+        self.leases += 1
+        return lease
+
+
+def _small_and_big(seed: int, small: int = 40):
+    g = torch.Generator().manual_seed(seed)
+    tensors = {f"norm{i}": torch.randn(64 + 7 * i, generator=g) for i in range(small)}
+    tensors["big"] = torch.randn(3 * CHUNK, generator=g)
+    return tensors
+
+
+def test_the_small_device_sources_share_one_lease_and_need_no_sums_once_copied_at_the_opening(tmp_path):
+    tensors = _small_and_big(21)
+    pre = {k: t.clone() for k, t in tensors.items()}
+    window, jobs = make_window(tensors, device_keys=tuple(tensors), small_bytes=CHUNK_BYTES)
+    sums = window.sums
+    writer = Writer(window, gated=False)
+    pool = _CountingPool(4 << 20)
+    copier = WindowCopier(window, pool)
+    rest = copier.open(jobs, writer.put)
+    gates.track(window)
+    assert pool.leases == 1  # the 40 small sources, one lease; the big one's chunks come later
+    assert {window.sources[j.source].key for j in rest} == {"big"}
+    assert len(window._slots) == 1 and window.sources[next(iter(window._slots))].key == "big"
+    for i in range(40):  # a write no gate orders, after the opening: their copies came first
+        tensors[f"norm{i}"].data.add_(1.0)
+    copier.run(rest, writer.put)
+    gates.before_update("the optimizer step")
+    writer.close()
+    window.settle()
+    assert writer.finished.wait(WAIT_S)
+    for key, t in pre.items():
+        expect_written(writer, key, t)
+    assert pool.stats().leased_bytes == 0  # every part released gives the shared lease back
+    assert sums is not None
+
+
+def test_small_sources_whose_shared_lease_is_not_free_at_once_are_copied_later_and_summed(tmp_path):
+    """A pool too small for every small source at once: each is staged on its own, those that do
+    not fit come after the opening with sums, and a `.data` write to one before its copy fails the save."""
+    tensors = _small_and_big(22, small=6)
+    for i in range(6):
+        tensors[f"norm{i}"] = torch.randn(3000, generator=torch.Generator().manual_seed(30 + i))  # 12 KB: 3 pages each
+    streams = HostStreams()
+    window, jobs = make_window(tensors, device_keys=tuple(tensors), small_bytes=CHUNK_BYTES, streams=streams,
+                               name=str(tmp_path / "ck"))
+    writer = Writer(window, gated=True)
+    pool = _CountingPool(17 * 4096)  # five small sources (3 pages each) fit, not six; a big chunk is 16 pages
+    copier = WindowCopier(window, pool)
+    rest = copier.open(jobs, writer.put)
+    gates.track(window)
+    later = [window.sources[j.source].key for j in rest if window.sources[j.source].key != "big"]
+    assert later == ["norm5"], later
+    held = streams.hold(0)
+    tensors["norm5"].data.copy_(torch.randn(3000))  # before its copy, outside every hook
+
+    def run():
+        copier.run(rest, writer.put)
+
+    thread, done, errors = in_thread(run)
+    writer.allow(100)
+    held.set()
+    assert done.wait(WAIT_S) and not errors, errors
+    writer.close()
+    with pytest.raises(SourceModifiedError) as caught:
+        window.settle()
+    assert "'norm5'" in str(caught.value)
+    assert writer.finished.wait(WAIT_S)
