@@ -104,6 +104,48 @@ def run_steps(trainer, n: int, hooks=None, sampler=None) -> list[dict]:
 OVERRIDES = {"io": "safe_ckpt_io_threads", "nice": "safe_ckpt_writer_nice"}
 
 
+class StallProfile:
+    """cProfile of the training thread's time in one save's call and in the window's opening
+    (`gates.open_deferred`), written to PREFIX_profile_MODE.txt, the top entries by cumulative time."""
+
+    def __init__(self, prefix: str, mode: str) -> None:
+        import cProfile
+
+        from safe_ckpt.staging import gates
+
+        self.path = f"{prefix}_profile_{mode.replace(':', '_')}.txt"
+        self.profile, self.gates = cProfile.Profile(), gates
+        self.inner = gates.open_deferred
+
+        def opening() -> None:
+            self.profile.enable()
+            try:
+                self.inner()
+            finally:
+                self.profile.disable()
+
+        gates.open_deferred = opening
+
+    def __enter__(self):
+        self.profile.enable()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.profile.disable()
+
+    def close(self) -> None:
+        import io
+        import pstats
+
+        self.gates.open_deferred = self.inner
+        text = io.StringIO()
+        stats = pstats.Stats(self.profile, stream=text)
+        stats.sort_stats("cumulative").print_stats(60)
+        stats.sort_stats("tottime").print_stats(40)
+        with open(self.path, "w") as f:
+            f.write(text.getvalue())
+
+
 def run_mode(name: str, trainer, opts: dict, sampler) -> list[dict]:
     base, _, spec = name.partition(":")
     trainer.overrides = {OVERRIDES[k]: int(v) for k, v in (p.split("=") for p in spec.split("+") if p)}
@@ -116,15 +158,26 @@ def run_mode(name: str, trainer, opts: dict, sampler) -> list[dict]:
             run_steps(trainer, 1)  # a plain step between saves
             directory = os.path.join(opts["target"], f"{name}_{k}")
             shutil.rmtree(directory, ignore_errors=True)
+            # the last timed save alone, profiled if asked: its timings are in the row, marked
+            profile = StallProfile(opts["profile"], name) if opts.get("profile") and k == saves - 1 else None
             t0 = time.perf_counter()
-            mode.save(directory, verify=untimed)
+            if profile is not None:
+                with profile:
+                    mode.save(directory, verify=untimed)
+            else:
+                mode.save(directory, verify=untimed)
             call_s = time.perf_counter() - t0
-            steps = run_steps(trainer, opts["post_steps"], mode.hooks(), sampler)
+            try:
+                steps = run_steps(trainer, opts["post_steps"], mode.hooks(), sampler)
+            finally:
+                if profile is not None:
+                    profile.close()
             done = mode.finish()
             # the deferred window's opening runs in the next step's zero_grad, in the training thread
             opening_s = steps[0].get("zero_grad_s", 0.0) if getattr(mode, "opens_at_zero_grad", False) else 0.0
             row = {"call_s": call_s, "next": steps[0], "after": steps[1:], **done, "opening_s": opening_s,
-                   "stall_s": call_s + done.get("gate_s", 0.0) + opening_s, "untimed": untimed}
+                   "stall_s": call_s + done.get("gate_s", 0.0) + opening_s, "untimed": untimed,
+                   "profiled": profile is not None}
             rows.append(row)
             print(f"{name} save {k}{' (verify)' if untimed else ''}: call {call_s:.4f}s gate "
                   f"{done.get('gate_s', 0):.4f}s next step {steps[0]['iter_s']:.3f}s ttd {done.get('ttd_s')} "
@@ -193,6 +246,8 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--seq-length", type=int, default=2048)
+    parser.add_argument("--profile", help="PREFIX: cProfile each mode's last timed save (its call and the window's "
+                        "opening) into PREFIX_profile_MODE.txt; that save's row is marked profiled")
     parser.add_argument("--dry-run", action="store_true", help="a small CPU model: exercise the harness")
     parser.add_argument("--rebuild", help="write the report from a run's JSON instead of running")
     parser.add_argument("--label", default="Training step cost of a checkpoint save (one GPU)")
@@ -208,7 +263,7 @@ def main() -> None:
             "saves_per_mode": {k: int(v) for k, v in (p.split("=") for p in ns.saves_per_mode.split(",") if p)},
             "post_steps": max(1, ns.post_steps), "baseline_steps": ns.baseline_steps,
             "window_s": ns.window_s, "threads": ns.threads, "layers": ns.layers, "hidden": ns.hidden,
-            "heads": ns.heads, "seq_length": ns.seq_length, "dry_run": ns.dry_run}
+            "heads": ns.heads, "seq_length": ns.seq_length, "dry_run": ns.dry_run, "profile": ns.profile}
     from tests.helpers.mp import run_world
 
     backend = "gloo" if ns.dry_run else "nccl"

@@ -34,7 +34,7 @@ def summarize(out: dict) -> list[dict]:
         if isinstance(saves, dict):  # {"skipped": reason}
             lines.append({"mode": mode, "skipped": saves.get("skipped")})
             continue
-        timed = [s for s in saves if not s.get("untimed")]
+        timed = [s for s in saves if not s.get("untimed") and not s.get("profiled")]
         with_save = [s["call_s"] + s["next"]["iter_s"] for s in timed]
         fb = [s["next"]["fb_gpu_s"] for s in timed]
         lines.append({

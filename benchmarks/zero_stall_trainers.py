@@ -167,10 +167,12 @@ class MegatronTrainer:
             t_zero = time.perf_counter()
             self.optimizer.zero_grad()  # where the drop-in's deferred copy window opens
             zero_grad_s = time.perf_counter() - t_zero
+            t_fb = time.perf_counter()
             result = self.forward_backward(forward_step_func=forward_step, data_iterator=data, model=self.model,
                                            num_microbatches=self.k, seq_length=args.seq_length,
                                            micro_batch_size=args.micro_batch_size,
                                            decoder_seq_length=args.seq_length, forward_only=False)
+        fb_host_s = time.perf_counter() - t_fb  # the host's time to enqueue it: near fb_gpu_s, the step waits on the host
         timer.mark()
         if hooks.before_opt_step:
             hooks.before_opt_step()
@@ -182,7 +184,7 @@ class MegatronTrainer:
         self.losses.append(loss)
         self.iteration += 1
         return {"fb_gpu_s": fb, "opt_gpu_s": opt, "loss": loss, "cpu_s": time.thread_time() - cpu0,
-                "zero_grad_s": zero_grad_s}
+                "zero_grad_s": zero_grad_s, "fb_host_s": fb_host_s}
 
     def losses_finite(self) -> bool:
         return all(math.isfinite(v) for v in self.losses)
@@ -320,6 +322,7 @@ class TinyTrainer:
                 x = torch.tanh(x @ p)
             loss = x.square().mean()
             loss.backward()
+        fb_host_s = time.perf_counter() - t_fb  # the host's time to enqueue it: near fb_gpu_s, the step waits on the host
         timer.mark()
         if hooks.before_opt_step:
             hooks.before_opt_step()
@@ -329,7 +332,7 @@ class TinyTrainer:
         self.losses.append(float(loss.item()))
         self.iteration += 1
         return {"fb_gpu_s": fb, "opt_gpu_s": opt, "loss": self.losses[-1], "cpu_s": time.thread_time() - cpu0,
-                "zero_grad_s": zero_grad_s}
+                "zero_grad_s": zero_grad_s, "fb_host_s": fb_host_s}
 
     def losses_finite(self) -> bool:
         return all(math.isfinite(v) for v in self.losses)
