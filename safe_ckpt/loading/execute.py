@@ -4,9 +4,10 @@ One job: read every batch of a `plan.ReadPlan` into its destinations. Each threa
 task (a large item's pieces first, `split`; then batches in file order) and:
 - reads whole items bound for contiguous host tensors with one positioned call straight into
   their memory (the small archive bytes around them into scratch buffers in the same call);
-- reads what goes to GPU tensors into its two pieces of the process-wide pinned pool, in turn,
-  copied host-to-device on its own stream (after the caller's), so the next read overlaps the
-  copy; a piece is reused only once its copy has finished;
+- reads what goes to GPU tensors into its two pieces of the process-wide pinned pool, in turn
+  (several items that lie back to back in one read of a piece), copied host-to-device on its
+  own stream (`copies`), so the next read overlaps the copies; a piece is reused only once its
+  copies have finished;
 - reads strided overlaps (resharding across a non-leading axis, dtype conversion, tensor
   subclasses) as whole rows of the stored chunk into a piece, then copies the sub-box;
 - checks each item's archive framing (`container`), decoding a non-standard archive with torch's
@@ -25,7 +26,7 @@ import torch
 
 from .. import integrity
 from ..errors import INTERRUPTS, RankFailure, ReadError, failure_from_exception
-from . import boxes, container, split
+from . import boxes, container, copies, split
 from .plan import DIRECT, FLAT, Batch, ItemRead, ReadPlan
 from .report import ReadReport, Tally
 
@@ -42,16 +43,12 @@ def _index(box: boxes.Box) -> tuple:
     return tuple(slice(o, o + s) for o, s in zip(box.offsets, box.sizes))
 
 
-class _Worker:
-    """One reader thread's buffers and CUDA streams."""
+class _Worker(copies.Copier):
+    """One reader thread: its reads, checks and (through `copies.Copier`) its pieces and copies."""
 
     def __init__(self, reader: "Reader") -> None:
-        self.r = reader
-        self.leases: list = []
-        self.events: list = [None, None]
-        self.turn = 0
-        self.streams: dict = {}
-        self.read_s = self.wait_s = self.hash_s = 0.0
+        super().__init__(reader)
+        self.read_s = self.hash_s = 0.0
 
     def readv(self, path: str, offset: int, buffers: list) -> None:
         t0 = time.perf_counter()
@@ -63,62 +60,11 @@ class _Worker:
         hasher.update(data)
         self.hash_s += time.perf_counter() - t0
 
-    # ---- buffers and copies -------------------------------------------------------------
-    def buffer(self, nbytes: int):
-        """(slot, uint8 tensor, memoryview) of ``nbytes``: a pool piece (slot 0/1), or for a
-        read bigger than a piece, a temporary host tensor (slot None, copied synchronously)."""
-        if nbytes > self.r.piece_bytes:
-            t = torch.empty(nbytes, dtype=torch.uint8)
-            return None, t, memoryview(t.numpy()).cast("B")
-        self.take_pieces()
-        slot, self.turn = self.turn, self.turn ^ 1
-        if self.events[slot] is not None:
-            t0 = time.perf_counter()
-            self.events[slot].synchronize()
-            self.wait_s += time.perf_counter() - t0
-            self.events[slot] = None
-        t = self.leases[slot].tensor[:nbytes]
-        return slot, t, memoryview(t.numpy()).cast("B")
-
-    def take_pieces(self) -> None:
-        """This thread's two pool pieces, held until `finish`."""
-        if not self.leases:
-            t0 = time.perf_counter()
-            pool = self.r.pool()
-            for _ in range(2):
-                self.leases.append(pool.lease(self.r.piece_bytes, timeout_s=self.r.timeout_s, cancel=self.r.cancel))
-            self.wait_s += time.perf_counter() - t0
-
-    def stream(self, device):
-        s = self.streams.get(device)
-        if s is None:
-            s = self.streams[device] = torch.cuda.Stream(device=device)
-            s.wait_stream(self.r.caller_streams[device])
-        return s
-
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, slot) -> None:
-        if dst.device.type != "cuda":
-            dst.copy_(src)
-            return
-        s = self.stream(dst.device)
-        with torch.cuda.stream(s):
-            dst.copy_(src, non_blocking=slot is not None)
-        if slot is not None:
-            event = torch.cuda.Event()
-            event.record(s)
-            self.events[slot] = event
-
     def finish(self) -> None:
         try:
-            t0 = time.perf_counter()
-            for s in self.streams.values():
-                s.synchronize()
-            self.wait_s += time.perf_counter() - t0
+            self.finish_copies()
         finally:
             self.r.count(read_s=self.read_s, wait_s=self.wait_s, hash_s=self.hash_s)
-            for lease in self.leases:
-                lease.release()
-            self.leases = []
 
     # ---- checksums ----------------------------------------------------------------------
     def hasher(self, read: ItemRead):
@@ -185,12 +131,12 @@ class _Worker:
         self.r.count(items=1, nbytes=read.item.length_bytes)
 
     def buffered(self, batch: Batch) -> None:
-        """Whole small items, some bound for the GPU: one read into a piece, then byte copies."""
+        """Whole small items, some bound for the GPU: one read into a piece, then byte copies, issued
+        together once every item's framing and checksum passed."""
         dests = self.r.plan.destinations
-        total = batch.length_bytes
-        slot, t, mv = self.buffer(total)
+        slot, t, mv = self.buffer(batch.length_bytes)
         self.readv(batch.items[0].item.relative_path, batch.items[0].item.offset_bytes, [mv])
-        at = 0
+        at, pairs, items, unverified, nbytes = 0, [], 0, 0, 0
         for read in batch.items:
             f, length = read.frame, read.item.length_bytes
             head, tail = mv[at:at + f.prefix_bytes], mv[at + length - f.suffix_bytes:at + length]
@@ -204,10 +150,12 @@ class _Worker:
                 payload_at = at + f.prefix_bytes
                 for p in read.pieces:
                     n = p.payload_end - p.payload_start
-                    self.copy(dests[p.dest].flat_bytes[p.dest_start:p.dest_start + n],
-                              t[payload_at + p.payload_start:payload_at + p.payload_end], slot)
-                self.r.count(items=1, unverified=0 if hasher else 1, nbytes=length)
+                    pairs.append((dests[p.dest].flat_bytes[p.dest_start:p.dest_start + n],
+                                  t[payload_at + p.payload_start:payload_at + p.payload_end]))
+                items, unverified, nbytes = items + 1, unverified + (hasher is None), nbytes + length
             at += length
+        self.copy_all(pairs, slot)
+        self.r.count(items=items, unverified=unverified, nbytes=nbytes)
 
     def single(self, read: ItemRead) -> None:
         """One item read in parts: its framing, then each piece (through the pool where needed)."""

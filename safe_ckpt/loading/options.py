@@ -33,7 +33,8 @@ class LoadOptions:
     piece_bytes: the most one read through the pinned pool moves at a time (a bigger item goes
         in pieces, so reads and host-to-device copies overlap).
     batch_bytes: items smaller than this that lie back to back in one file are read with one
-        system call (and their small reads share one piece of the pool).
+        system call (and their small reads share one piece of the pool); items bound for the GPU
+        that fit a piece are gathered into one read of one piece whatever their size.
     collective_timeout_s: how long a rank waits for its peers in a coordination step (the gloo
         group safe_ckpt creates; a caller's group keeps its own).
     safe_globals: classes, beyond megatron-core's own safe globals, that the common state and

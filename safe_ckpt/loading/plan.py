@@ -228,8 +228,13 @@ def build(requests: list, index: CheckpointIndex, source, *, rank: int, batch_by
                     sum(i.item.length_bytes for i in items)), []
 
 
-def _batchable(read: ItemRead, batch_bytes: int) -> bool:
-    return read.item.length_bytes <= batch_bytes and read.whole and read.byte_copies
+def _batchable(read: ItemRead, batch_bytes: int, piece_bytes: int) -> bool:
+    """Small items, and items that fit a piece and go wholly through the pool anyway (GPU
+    destinations): back to back, several share one read and one piece instead of a read each."""
+    if not (read.whole and read.byte_copies):
+        return False
+    n = read.item.length_bytes
+    return n <= batch_bytes or (n <= piece_bytes and all(p.mode == FLAT for p in read.pieces))
 
 
 def _batches(items: list, batch_bytes: int, piece_bytes: int) -> tuple:
@@ -239,11 +244,11 @@ def _batches(items: list, batch_bytes: int, piece_bytes: int) -> tuple:
             last = run[-1].item
             follows = (read.item.relative_path == last.relative_path
                        and read.item.offset_bytes == last.offset_bytes + last.length_bytes)
-            if not (follows and _batchable(read, batch_bytes) and run_bytes + read.item.length_bytes <= piece_bytes
-                    and len(run) < _BATCH_MAX_ITEMS):
+            fits = run_bytes + read.item.length_bytes <= piece_bytes and len(run) < _BATCH_MAX_ITEMS
+            if not (follows and fits and _batchable(read, batch_bytes, piece_bytes)):
                 out.append(Batch(tuple(run)))
                 run, run_bytes = [], 0
-        if _batchable(read, batch_bytes):
+        if _batchable(read, batch_bytes, piece_bytes):
             run.append(read)
             run_bytes += read.item.length_bytes
         else:

@@ -235,9 +235,11 @@ def run_piece(worker, task: PieceTask) -> None:
         slot, t, mv = worker.buffer(task.end - task.start)
         worker.readv(path, payload_at + task.start, [mv])
         _feed(worker, item, task, [mv])
+        pairs = []
         for p, lo, hi in spans:
             at = p.dest_start + lo - p.payload_start
-            worker.copy(dests[p.dest].flat_bytes[at:at + hi - lo], t[lo - task.start:hi - task.start], slot)
+            pairs.append((dests[p.dest].flat_bytes[at:at + hi - lo], t[lo - task.start:hi - task.start]))
+        worker.copy_all(pairs, slot)
         if item.on_device is not None:
             item.events.append(_mark(worker, item.on_device.device))
     worker.r.count(nbytes=task.end - task.start)

@@ -1,0 +1,108 @@
+"""Many small items bound for the pinned pool (the GPU path): those lying back to back in a file
+are gathered into one read of one piece, even above `batch_bytes`; they load bit for bit as
+stock `dist_checkpointing.load` loads them, and a changed byte in an item inside such a read is
+refused naming that item's key."""
+
+import dataclasses
+import os
+
+import pytest
+import torch
+
+import safe_ckpt
+from safe_ckpt.errors import ReadError
+from safe_ckpt.loading import plan
+from safe_ckpt.loading.index import read_index
+from safe_ckpt.loading.source import DirectorySource
+
+PIECE = 64 << 10
+
+
+def _state(seed: int = 5) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    sizes = torch.randint(500, 6000, (40,), generator=g).tolist()  # 2-24 KB items, several per piece
+    return {f"p{i}": torch.randn(n, generator=g) for i, n in enumerate(sizes)}
+
+
+def _sharded(tensors: dict) -> dict:
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    return {k: ShardedTensor.from_rank_offsets(k, v) for k, v in tensors.items()}
+
+
+@pytest.fixture()
+def saved(tmp_path):
+    state = _state()
+    path = str(tmp_path / "ckpt")
+    safe_ckpt.save(_sharded(state), path)
+    return path, state
+
+
+def _options(reports: list) -> safe_ckpt.LoadOptions:
+    # batch_bytes=0: only the gathering of items bound for the pool puts two items in one read
+    return safe_ckpt.LoadOptions(io_threads=2, staging_budget_bytes=1 << 20, piece_bytes=PIECE, batch_bytes=0,
+                                 on_read=reports.append)
+
+
+def _through_pool(monkeypatch) -> None:
+    """Host templates travel as GPU ones do: pool pieces, then byte copies."""
+    stock = plan.destination
+    monkeypatch.setattr(plan, "destination", lambda sh: dataclasses.replace(stock(sh), memory=None))
+
+
+@pytest.fixture()
+def one_rank(tmp_path):
+    """A one-rank gloo world: stock load needs a process group."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_items_bound_for_the_pool_share_reads_and_load_as_stock_does(saved, one_rank, monkeypatch):
+    from megatron.core import dist_checkpointing
+
+    path, state = saved
+    stock_out = {k: torch.full_like(v, 7) for k, v in state.items()}
+    dist_checkpointing.load(_sharded(stock_out), path)
+    _through_pool(monkeypatch)
+    reports, out = [], {k: torch.full_like(v, 7) for k, v in state.items()}
+    captured = []
+    build = plan.build
+    monkeypatch.setattr(plan, "build", lambda *a, **kw: captured.append(build(*a, **kw)) or captured[-1])
+    safe_ckpt.load(_sharded(out), path, _options(reports))
+    read_plan = captured[-1][0]
+    assert max(len(b.items) for b in read_plan.batches) > 1, [len(b.items) for b in read_plan.batches]
+    assert all(b.length_bytes <= PIECE for b in read_plan.batches if len(b.items) > 1)
+    assert len(read_plan.batches) < len(state) // 2
+    for k in state:
+        assert torch.equal(out[k].view(torch.uint8), stock_out[k].view(torch.uint8)), k
+        assert torch.equal(out[k], state[k]), k
+    assert reports[-1].items == len(state) and reports[-1].verified == len(state)
+
+
+def test_a_changed_byte_inside_a_gathered_read_is_refused_naming_its_key(saved, monkeypatch):
+    path, state = saved
+    _through_pool(monkeypatch)
+    captured = []
+    build = plan.build
+    monkeypatch.setattr(plan, "build", lambda *a, **kw: captured.append(build(*a, **kw)) or captured[-1])
+    safe_ckpt.load(_sharded({k: torch.empty_like(v) for k, v in state.items()}), path, _options([]))
+    batch = max(captured[-1][0].batches, key=lambda b: len(b.items))
+    victim = batch.items[len(batch.items) // 2]  # neither the first nor the last item of its read
+    assert 0 < len(batch.items) // 2 < len(batch.items) - 1 or len(batch.items) == 2
+    item = read_index(DirectorySource(path)).tensors[victim.fqn].chunks[0].item
+    full = os.path.join(path, item.relative_path)
+    with open(full, "r+b") as f:
+        at = item.offset_bytes + item.length_bytes // 2  # inside the payload
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0x40]))
+    with pytest.raises(ReadError) as info:
+        safe_ckpt.load(_sharded({k: torch.empty_like(v) for k, v in state.items()}), path, _options([]))
+    message = str(info.value)
+    assert "checksum mismatch" in message and repr(victim.fqn) in message, message
