@@ -159,6 +159,7 @@ class MegatronTrainer:
         timer.mark()
         data = RerunDataIterator(iter([None] * (self.k + 4)))
         rerun = get_rerun_state_machine()
+        t_fb = time.perf_counter()
         while rerun.should_run_forward_backward(data):
             for m in self.model:
                 m.zero_grad_buffer()
@@ -315,6 +316,7 @@ class TinyTrainer:
         t_zero = time.perf_counter()
         self.optimizer.zero_grad()
         zero_grad_s = time.perf_counter() - t_zero
+        t_fb = time.perf_counter()
         g = torch.Generator().manual_seed(self.iteration)
         for _ in range(self.k):
             x = torch.randn(64, self.params[0].shape[0], generator=g)
