@@ -49,6 +49,7 @@ class _Worker(copies.Copier):
     def __init__(self, reader: "Reader") -> None:
         super().__init__(reader)
         self.read_s = self.hash_s = 0.0
+        self.key: str | None = None  # the item a failure now is about (one read may gather several)
 
     def readv(self, path: str, offset: int, buffers: list) -> None:
         t0 = time.perf_counter()
@@ -91,6 +92,7 @@ class _Worker(copies.Copier):
     # ---- the three ways an item travels -------------------------------------------------
     def run(self, batch: Batch) -> None:
         first = batch.items[0]
+        self.key = first.fqn
         whole = all(read.whole for read in batch.items)  # the planner batches whole items only
         hashed_big = len(batch.items) == 1 and first.checksum is not None \
             and first.item.length_bytes > HASH_PIECE_BYTES
@@ -115,6 +117,7 @@ class _Worker(copies.Copier):
             iov += [memoryview(head), *mine, memoryview(tail)]
         self.readv(batch.items[0].item.relative_path, batch.items[0].item.offset_bytes, iov)
         for read, (head, tail), mine in zip(batch.items, frames, parts):
+            self.key = read.fqn
             self.finish_whole(read, head, tail, mine)
 
     def finish_whole(self, read: ItemRead, head, tail, payload_parts) -> None:
@@ -138,6 +141,7 @@ class _Worker(copies.Copier):
         self.readv(batch.items[0].item.relative_path, batch.items[0].item.offset_bytes, [mv])
         at, pairs, items, unverified, nbytes = 0, [], 0, 0, 0
         for read in batch.items:
+            self.key = read.fqn
             f, length = read.frame, read.item.length_bytes
             head, tail = mv[at:at + f.prefix_bytes], mv[at + length - f.suffix_bytes:at + length]
             if not container.payload_is_framed(f, head, tail):
@@ -154,6 +158,7 @@ class _Worker(copies.Copier):
                                   t[payload_at + p.payload_start:payload_at + p.payload_end]))
                 items, unverified, nbytes = items + 1, unverified + (hasher is None), nbytes + length
             at += length
+        self.key = batch.items[0].fqn  # the copies are the whole read's
         self.copy_all(pairs, slot)
         self.r.count(items=items, unverified=unverified, nbytes=nbytes)
 
@@ -310,7 +315,7 @@ class Reader:
                 try:
                     split.run_piece(worker, task) if piece else worker.run(task)
                 except BaseException as exc:
-                    self._fail(task.fqn if piece else task.items[0].fqn, exc)
+                    self._fail(task.fqn if piece else worker.key or task.items[0].fqn, exc)
                     if piece:
                         with task.item.cond:  # a thread waiting for this piece stops now
                             task.item.cond.notify_all()

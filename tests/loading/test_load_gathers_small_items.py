@@ -106,3 +106,28 @@ def test_a_changed_byte_inside_a_gathered_read_is_refused_naming_its_key(saved, 
         safe_ckpt.load(_sharded({k: torch.empty_like(v) for k, v in state.items()}), path, _options([]))
     message = str(info.value)
     assert "checksum mismatch" in message and repr(victim.fqn) in message, message
+
+
+def test_a_changed_byte_inside_a_gathered_read_is_reported_under_its_own_key(saved, monkeypatch):
+    """The failure's key (what the error's summary line and `failures` name) is the corrupt item's,
+    not the key of the first item its read gathered."""
+    path, state = saved
+    _through_pool(monkeypatch)
+    captured = []
+    build = plan.build
+    monkeypatch.setattr(plan, "build", lambda *a, **kw: captured.append(build(*a, **kw)) or captured[-1])
+    safe_ckpt.load(_sharded({k: torch.empty_like(v) for k, v in state.items()}), path, _options([]))
+    batch = max(captured[-1][0].batches, key=lambda b: len(b.items))
+    assert len(batch.items) > 1
+    victim = batch.items[-1]  # not the first item of its read
+    item = read_index(DirectorySource(path)).tensors[victim.fqn].chunks[0].item
+    with open(os.path.join(path, item.relative_path), "r+b") as f:
+        at = item.offset_bytes + item.length_bytes // 2
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0x40]))
+    with pytest.raises(ReadError) as info:
+        safe_ckpt.load(_sharded({k: torch.empty_like(v) for k, v in state.items()}), path, _options([]))
+    assert [f.key for f in info.value.failures] == [victim.fqn], (str(info.value), batch.items[0].fqn)
+    assert f"key {victim.fqn!r}:" in str(info.value).splitlines()[1], str(info.value)
