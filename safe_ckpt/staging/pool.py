@@ -66,9 +66,7 @@ class LeasePart:
         self.tensor = shared.lease.tensor[start:start + nbytes]
 
     def release(self) -> None:
-        if self.tensor is not None:
-            self.tensor = None
-            self._shared.release_one()
+        self._shared.release(self)
 
 
 class _Shared:
@@ -77,8 +75,11 @@ class _Shared:
         self._left = parts
         self._lock = threading.Lock()
 
-    def release_one(self) -> None:
-        with self._lock:
+    def release(self, part: LeasePart) -> None:
+        with self._lock:  # a part released twice, even by two threads at once, counts once
+            if part.tensor is None:
+                return
+            part.tensor = None
             self._left -= 1
             last = self._left == 0
         if last:

@@ -152,9 +152,9 @@ class WindowCopier:
             for job, part, n in zip(jobs, parts, sizes):
                 put(job.item, StagedChunk(n, keep=job.view, lease=part, event=mark))
                 handed += 1
-        except BaseException:
+        except BaseException:  # the part whose put raised is the dispatch's now; those never put are ours
             if streams.wait(mark, self.window.timeout_s):
-                for part in parts[handed:]:
+                for part in parts[handed + 1:]:
                     part.release()
             raise
         return True

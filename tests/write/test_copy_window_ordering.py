@@ -768,3 +768,18 @@ def test_small_sources_whose_shared_lease_is_not_free_at_once_are_copied_later_a
         window.settle()
     assert "'norm5'" in str(caught.value)
     assert writer.finished.wait(WAIT_S)
+
+
+def test_a_lease_part_released_twice_counts_once():
+    from safe_ckpt.staging.pool import reserved_bytes, split
+
+    pool = PinnedPool(64 << 10, pinned=False)
+    sizes = [100, 5000, 64]
+    lease = pool.lease(sum(reserved_bytes(n) for n in sizes))
+    parts = split(lease, sizes)
+    parts[0].release()
+    parts[0].release()  # a second release of the same part must not stand for another part's
+    parts[1].release()
+    assert pool.stats().leased_bytes > 0  # the third part still holds the lease
+    parts[2].release()
+    assert pool.stats().leased_bytes == 0
