@@ -125,6 +125,11 @@ class CopyWindow:
         for device in self._devices:
             self.streams.fence(device)
 
+    def _measure_all(self, slots: list, phase: int) -> None:
+        sums = self.sums
+        for slot, tensor in slots:
+            sums.measure(slot, phase, tensor)
+
     def _measure(self, source: WindowSource, phase: int) -> None:
         slot, sums, tensor = self._slots[source.index], self.sums, source.tensor
         self.streams.call(source.device, lambda: sums.measure(slot, phase, tensor))
@@ -139,8 +144,10 @@ class CopyWindow:
             for slot, source in enumerate(checked):
                 self._slots[source.index] = slot
                 self.sums.reserve(slot, source.tensor)
-            for source in checked:
-                self._measure(source, 0)
+            for device in self._devices:  # one stream hand-off per device, not one per source
+                mine = [(self._slots[s.index], s.tensor) for s in checked if s.device == device]
+                if mine:
+                    self.streams.call(device, lambda mine=mine: self._measure_all(mine, 0))
         marks = [self.streams.mark(device) for device in self._devices]
         with self._cond:
             for mark in marks:

@@ -84,6 +84,7 @@ class WindowCopier:
         self.snapshot_threads = max(1, snapshot_threads)
         self.grid = grid
         self._snapshots: ThreadPoolExecutor | None = None
+        self._opening_bytes = 0
         self._host_stager = Stager(pool, lease_timeout_s=lease_timeout_s, driver_copies=False)
 
     def open(self, jobs: list[ChunkJob], put: Callable[[Any, StagedChunk], None]) -> list[ChunkJob]:
@@ -91,7 +92,6 @@ class WindowCopier:
         lease is not free at once is left for `run`), order the caller's streams after them.
         Returns the jobs left for `run`, in window order."""
         try:
-            self._settle_grid(jobs)
             self.window.open()
             small, rest = window_order(jobs, self.window)
             later = self._stage_opening(small, put)
@@ -108,6 +108,7 @@ class WindowCopier:
         hand-off each, in the training thread)."""
         later: list[ChunkJob] = []
         together: dict[int, list[ChunkJob]] = {}
+        self._opening_bytes = sum(reserved_bytes(job.view.numel() * job.view.element_size()) for job in jobs)
         for job in jobs:
             source = self.window.sources[job.source]
             nbytes = job.view.numel() * job.view.element_size()
@@ -162,6 +163,7 @@ class WindowCopier:
     def run(self, jobs: list[ChunkJob], put: Callable[[Any, StagedChunk], None]) -> None:
         """On the staging thread: stage every job in order. A failure fails the window and is raised."""
         try:
+            self._settle_grid(jobs)  # here, not at the opening: the small sources copied there take no sums
             for job in jobs:
                 if self.window.cancelled.is_set():
                     raise self.window.error or CheckpointError("staging cancelled")
@@ -218,7 +220,7 @@ class WindowCopier:
         gates would then wait for writes): the host hashes those chunks instead."""
         if not self.grid:
             return
-        plain = with_sums = 0
+        plain = with_sums = self._opening_bytes  # the small sources staged at the opening, without sums
         for job in jobs:
             device = self.window.sources[job.source].device
             nbytes = job.view.numel() * job.view.element_size()
