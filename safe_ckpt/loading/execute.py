@@ -341,10 +341,13 @@ class Reader:
                        for i in range(self.threads)]
             for w in workers:
                 w.start()
+            next_line = t0 + self.progress_interval_s
             for w in workers:
                 while w.is_alive():
-                    w.join(self.progress_interval_s or None)
-                    self._progress(t0)
+                    w.join(max(0.0, next_line - time.perf_counter()) if self.progress_interval_s else None)
+                    if self.progress_interval_s and time.perf_counter() >= next_line and w.is_alive():
+                        self._progress(t0)  # only once a whole interval passed, not as each thread ends
+                        next_line += self.progress_interval_s
         except BaseException as exc:  # an interrupt: stop the readers, then report it like theirs
             self._fail(None, exc)
             for w in workers:

@@ -131,3 +131,15 @@ def test_a_changed_byte_inside_a_gathered_read_is_reported_under_its_own_key(sav
         safe_ckpt.load(_sharded({k: torch.empty_like(v) for k, v in state.items()}), path, _options([]))
     assert [f.key for f in info.value.failures] == [victim.fqn], (str(info.value), batch.items[0].fqn)
     assert f"key {victim.fqn!r}:" in str(info.value).splitlines()[1], str(info.value)
+
+
+def test_a_load_shorter_than_the_progress_interval_logs_no_progress_line(saved, caplog):
+    """Progress lines come once per interval of a long read, not as each reader thread ends."""
+    import logging
+
+    path, state = saved
+    caplog.set_level(logging.INFO, logger="safe_ckpt")
+    templates = _sharded({k: torch.empty_like(v) for k, v in state.items()})
+    safe_ckpt.load(templates, path, safe_ckpt.LoadOptions(io_threads=4, progress_interval_s=600.0))
+    lines = [r.getMessage() for r in caplog.records if " GiB in " in r.getMessage()]
+    assert lines == [], lines
