@@ -85,7 +85,8 @@ def _add_inspect(sub) -> None:
 
 
 def _add_gc(sub) -> None:
-    p = sub.add_parser("gc", help=f"remove what interrupted saves left under ROOT (hidden {HIDDEN}* dirs)")
+    p = sub.add_parser("gc", help=f"remove what interrupted saves left under ROOT (hidden dirs whose names hold {HIDDEN}, "
+                       f"e.g. .iter_0000005{HIDDEN}staging-ID)")
     p.add_argument("root", help="the save root (the directory holding the iter_* checkpoints)")
     p.add_argument("--dry-run", action="store_true", help="only list what would be removed")
     p.add_argument("--force", action="store_true",
