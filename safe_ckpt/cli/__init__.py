@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import traceback
 
@@ -36,6 +37,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         return args.func(args)
+    except BrokenPipeError:  # `safe-ckpt inspect | head`: the reader left; not this command's failure
+        raise
     except KeyboardInterrupt:
         _fail(args.command, "interrupted")
         return EXIT_INTERRUPTED
@@ -74,6 +77,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # outside a command's own handling (imports, argument parsing)
         print("safe-ckpt: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except BrokenPipeError:  # `safe-ckpt inspect | head`: the reader left; say nothing more
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
+        except OSError:
+            pass
+        return 0
 
 
 if __name__ == "__main__":

@@ -251,3 +251,22 @@ def test_every_argument_of_bench_has_help(monkeypatch):
         cli.main(["bench", "--reps", "1"])
     missing = [a.dest for a in seen[0]._actions if not (a.help or "").strip()]
     assert seen[0].prog == "safe-ckpt bench" and not missing, missing
+
+
+def test_inspect_piped_into_a_reader_that_leaves_early_says_nothing_on_stderr(tmp_path):
+    """`safe-ckpt inspect CKPT | head -1`: the reader closes the pipe; no BrokenPipeError, exit 0."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    g = torch.Generator().manual_seed(3)
+    state = {f"layer.{i}.weight": ShardedTensor.from_rank_offsets(f"layer.{i}.weight", torch.randn(8, generator=g))
+             for i in range(3000)}  # its listing is far larger than a pipe's buffer
+    path = str(tmp_path / "ck")
+    safe_ckpt.save(state, path, options=safe_ckpt.SaveOptions(**OPTS))
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cli_proc = subprocess.Popen([sys.executable, "-m", "safe_ckpt", "inspect", path], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, env=env, cwd=ROOT)
+    first = cli_proc.stdout.readline()
+    cli_proc.stdout.close()  # what `head -1` does after its line
+    err = cli_proc.stderr.read().decode()
+    assert cli_proc.wait(timeout=120) == 0, err
+    assert first and "BrokenPipe" not in err and "Traceback" not in err, err
