@@ -112,6 +112,17 @@ def _check_present(report: VerifyReport, directory: str, name: str, missing: str
     return True
 
 
+def _metadata_missing(directory: str) -> str:
+    """Why a directory without `.metadata` fails: not a checkpoint, or a checkpoint that lost it."""
+    found = [n for n in (CONFIG_FILE, COMMON_STATE_FILE, MANIFEST_FILE) if os.path.lexists(os.path.join(directory, n))]
+    if any(n.endswith(".distcp") for n in os.listdir(directory)):
+        found.append("data files (*.distcp)")
+    if not found:
+        return "missing: this is not a torch_dist or DCP checkpoint"
+    return (f"missing, while {', '.join(found)} are here: a damaged or incomplete checkpoint (no loader can read "
+            "it without its index); restore it from a copy or use an earlier checkpoint")
+
+
 def verify(directory: str, *, deep: bool = False, progress=None, config_required: bool = False) -> VerifyReport:
     """``config_required``: a missing `metadata.json` is an error (on a kvstore it is the commit
     marker); otherwise the directory is checked as a plain DCP checkpoint."""
@@ -121,7 +132,7 @@ def verify(directory: str, *, deep: bool = False, progress=None, config_required
     if not os.path.isdir(directory):
         report.add("error", directory, "no such directory" if not os.path.exists(directory) else "not a directory")
         return report
-    if not _check_present(report, directory, METADATA_FILE, "missing: this is not a torch_dist or DCP checkpoint"):
+    if not _check_present(report, directory, METADATA_FILE, _metadata_missing(directory)):
         return report
     if os.path.lexists(os.path.join(directory, CONFIG_FILE)):
         _check_present(report, directory, CONFIG_FILE, "")  # a FIFO or a link leading out is refused

@@ -270,3 +270,18 @@ def test_inspect_piped_into_a_reader_that_leaves_early_says_nothing_on_stderr(tm
     err = cli_proc.stderr.read().decode()
     assert cli_proc.wait(timeout=120) == 0, err
     assert first and "BrokenPipe" not in err and "Traceback" not in err, err
+
+
+def test_verify_of_a_checkpoint_that_lost_only_its_metadata_says_it_is_damaged(ckpt, tmp_path):
+    import shutil
+
+    damaged = str(tmp_path / "damaged")
+    shutil.copytree(ckpt, damaged)
+    os.remove(os.path.join(damaged, ".metadata"))
+    rc, out, err = _cli("verify", damaged)
+    assert rc == 1
+    assert "damaged or incomplete checkpoint" in out + err and "not a torch_dist" not in out + err, out + err
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    rc, out, err = _cli("verify", str(empty))
+    assert rc == 1 and "not a torch_dist or DCP checkpoint" in out + err
