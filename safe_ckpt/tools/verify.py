@@ -117,7 +117,7 @@ def _metadata_missing(directory: str) -> str:
     found = [n for n in (CONFIG_FILE, COMMON_STATE_FILE, MANIFEST_FILE) if os.path.lexists(os.path.join(directory, n))]
     if any(n.endswith(".distcp") for n in os.listdir(directory)):
         found.append("data files (*.distcp)")
-    if not found:
+    if not (found and (found[-1].startswith("data files") or MANIFEST_FILE in found)):  # no data was written here
         return "missing: this is not a torch_dist or DCP checkpoint"
     return (f"missing, while {', '.join(found)} are here: a damaged or incomplete checkpoint (no loader can read "
             "it without its index); restore it from a copy or use an earlier checkpoint")
