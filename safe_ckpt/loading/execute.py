@@ -345,9 +345,12 @@ class Reader:
             for w in workers:
                 while w.is_alive():
                     w.join(max(0.0, next_line - time.perf_counter()) if self.progress_interval_s else None)
-                    if self.progress_interval_s and time.perf_counter() >= next_line and w.is_alive():
+                    now = time.perf_counter()
+                    if self.progress_interval_s and now >= next_line and w.is_alive():
                         self._progress(t0)  # only once a whole interval passed, not as each thread ends
-                        next_line += self.progress_interval_s
+                        missed = (now - next_line) // self.progress_interval_s  # one line after a stall, no burst
+                        next_line += (missed + 1) * self.progress_interval_s
+                        next_line += self.progress_interval_s if next_line <= now else 0.0  # float rounding
         except BaseException as exc:  # an interrupt: stop the readers, then report it like theirs
             self._fail(None, exc)
             for w in workers:

@@ -108,7 +108,6 @@ class WindowCopier:
         hand-off each, in the training thread)."""
         later: list[ChunkJob] = []
         together: dict[int, list[ChunkJob]] = {}
-        self._opening_bytes = sum(reserved_bytes(job.view.numel() * job.view.element_size()) for job in jobs)
         for job in jobs:
             source = self.window.sources[job.source]
             nbytes = job.view.numel() * job.view.element_size()
@@ -129,6 +128,9 @@ class WindowCopier:
                         later.append(job)
                     else:
                         put(job.item, staged)
+        left = {id(job) for job in later}  # counted by `_settle_grid` among the staging thread's jobs
+        self._opening_bytes = sum(reserved_bytes(job.view.numel() * job.view.element_size()) for job in jobs
+                                  if id(job) not in left and job.view.numel() and self._in_pool(job))
         return later
 
     def _stage_together(self, device: int, jobs: list[ChunkJob], put: Callable[[Any, StagedChunk], None]) -> bool:
@@ -224,13 +226,16 @@ class WindowCopier:
         for job in jobs:
             device = self.window.sources[job.source].device
             nbytes = job.view.numel() * job.view.element_size()
-            if nbytes == 0 or (device is None and not self.snapshot_host):
+            if nbytes == 0 or not self._in_pool(job):
                 continue
             at = self._sums_offset(job.view, nbytes) if device is not None else None
             plain += reserved_bytes(nbytes)
             with_sums += reserved_bytes(nbytes if at is None else at + grid_bytes(nbytes))
         if plain <= self.pool.capacity_bytes < with_sums:
             self.grid = False
+
+    def _in_pool(self, job: ChunkJob) -> bool:
+        return self.snapshot_host or self.window.sources[job.source].device is not None
 
     def _sums_offset(self, view: torch.Tensor, nbytes: int) -> int | None:
         """Where this device chunk's grid sums go in its lease, or None to hash it on the host."""

@@ -143,3 +143,43 @@ def test_a_load_shorter_than_the_progress_interval_logs_no_progress_line(saved, 
     safe_ckpt.load(templates, path, safe_ckpt.LoadOptions(io_threads=4, progress_interval_s=600.0))
     lines = [r.getMessage() for r in caplog.records if " GiB in " in r.getMessage()]
     assert lines == [], lines
+
+
+def test_a_read_held_up_for_many_intervals_logs_one_progress_line_not_one_per_missed_interval(saved, monkeypatch):
+    """The reader's clock jumps 50 intervals while its threads are held (a stopped process, a
+    starved interpreter): one progress line follows, not a burst of 50 as the schedule catches up."""
+    import threading
+    import time
+    import types
+
+    from safe_ckpt.loading import execute
+
+    path, state = saved
+    interval, calls, lines = 0.01, [], []
+    go = threading.Event()
+    stock_loop = execute.Reader._loop
+
+    def held_loop(self):
+        assert go.wait(60), "the test never let the readers go"
+        stock_loop(self)
+
+    def clock():
+        if threading.current_thread() is threading.main_thread():
+            calls.append(None)
+            if len(calls) == 12:  # a few turns of the progress loop after the jump: the readers go and end
+                go.set()
+                for t in threading.enumerate():
+                    if t.name.startswith("safe_ckpt-read-"):
+                        t.join(60)
+            return 1000.0 if len(calls) == 1 else 1000.0 + 50.5 * interval
+        return time.perf_counter()
+
+    monkeypatch.setattr(execute.Reader, "_loop", held_loop)
+    monkeypatch.setattr(execute.Reader, "_progress", lambda self, t0: lines.append(len(calls)))
+    monkeypatch.setattr(execute, "time", types.SimpleNamespace(perf_counter=clock))
+    templates = _sharded({k: torch.empty_like(v) for k, v in state.items()})
+    out = safe_ckpt.load(templates, path, safe_ckpt.LoadOptions(io_threads=2, progress_interval_s=interval))
+    assert len(calls) >= 12, calls
+    assert len(lines) == 1, lines
+    for k, v in state.items():
+        assert torch.equal(out[k], v), k

@@ -783,3 +783,52 @@ def test_a_lease_part_released_twice_counts_once():
     assert pool.stats().leased_bytes > 0  # the third part still holds the lease
     parts[2].release()
     assert pool.stats().leased_bytes == 0
+
+
+def test_small_sources_staged_after_a_busy_opening_are_counted_once_by_the_device_sums_rule():
+    """A pool that holds every chunk at once only without device sums, busy at the opening (another
+    lease held): the small sources go to the staging thread, and the rule that turns the sums off
+    must count them once, or the big chunk's sums overflow the pool and its lease waits for writes."""
+    from safe_ckpt.integrity import grid_bytes
+    from safe_ckpt.staging.pool import reserved_bytes
+    from safe_ckpt.staging.stager import GRID_MIN_PAYLOAD_BYTES
+
+    g = torch.Generator().manual_seed(41)
+    big = GRID_MIN_PAYLOAD_BYTES // 4
+    tensors = {f"norm{i}": torch.randn(16 * 1024, generator=g) for i in range(4)}  # 64 KiB each
+    tensors["big"] = torch.randn(big, generator=g)
+    window, jobs = make_window(tensors, device_keys=tuple(tensors), chunk=big, small_bytes=1 << 20)
+    plain = sum(reserved_bytes(t.numel() * 4) for t in tensors.values())
+    assert grid_bytes(GRID_MIN_PAYLOAD_BYTES) + 4096 <= plain - reserved_bytes(GRID_MIN_PAYLOAD_BYTES)
+    pool = PinnedPool(plain, pinned=False)
+    waited = threading.Event()
+    first = threading.Event()
+
+    def on_wait():
+        waited.set()
+        first.set()
+
+    copier = WindowCopier(window, pool, grid=True, on_wait=on_wait)
+    writer = Writer(window, gated=True)  # nothing is written, so nothing is freed, until allowed
+    other = pool.lease(plain)  # another save's chunk, still being written at the opening
+    rest = copier.open(jobs, writer.put)
+    assert len(rest) == len(jobs)  # every small source waits for the staging thread
+    other.release()
+
+    def run():
+        try:
+            copier.run(rest, writer.put)
+        finally:
+            first.set()
+
+    thread, done, errors = in_thread(run)
+    assert first.wait(WAIT_S)
+    no_wait = not waited.is_set()
+    writer.allow(100)
+    assert done.wait(WAIT_S) and not errors, errors
+    writer.close()
+    window.settle()
+    assert writer.finished.wait(WAIT_S)
+    for key, t in tensors.items():
+        assert writer.written[(key, 0)] == t.numpy().tobytes(), key
+    assert no_wait, "a lease waited for writes: the sums were kept although only they overflow the pool"
