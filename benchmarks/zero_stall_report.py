@@ -12,7 +12,7 @@ MODES = {
     "window_core": "copy window alone (this mode's core: copies into the pool during the next step, "
                    "optimizer-step gate, content sums; no files)",
     "overlap": "this mode: async save that returns after planning (Megatron drop-in, --safe-ckpt-overlap-copy; "
-               "the copies start at the next step's zero_grad)",
+               "the copies start where the window opens: `finalize_async_saves` at the next loop top, else the next step's zero_grad)",
     "safe_async": "today's safe_ckpt async save (returns once the device bytes are in the pool)",
     "dcp_async": "DCP async_save with its pinned DefaultStager, staging waited for before optimizer.step",
     "megatron_async": "stock Megatron --async-save (torch_dist, persistent worker as slime sets it, its async "
@@ -85,7 +85,7 @@ def write_report(out: dict, prefix: str, label: str) -> None:
     lines += ["", "Modes:"] + [f"- `{m}`: {d}" for m, d in MODES.items()]
     lines += ["", "Columns: stall = host time the training thread was held by the save (the call, plus gate waits, "
               "plus DCP's staging wait before the optimizer step, plus stock Megatron's finalize waits at the loop "
-              "top; for window_core and overlap also the window's opening at the next step's zero_grad); step with save = the call plus the next iteration (loop top to loop top, each ending in the "
+              "top; for window_core and overlap also the window's opening: at the next loop top's finalize poll, counted in the gate column, or at the next step's zero_grad); step with save = the call plus the next iteration (loop top to loop top, each ending in the "
               "loss's `.item()`), x step = that over the step without a save; fwd+bwd x = the next step's "
               "forward+backward GPU time (CUDA events) over the baseline's; to durable = from the call until the "
               "checkpoint (or, for window_core, every copy) landed; PCIe TX = NVML's device-to-host throughput "
