@@ -125,8 +125,8 @@ class CopyWindow:
         for device in self._devices:
             self.streams.fence(device)
 
-    def _measure_all(self, slots: list, phase: int) -> None:
-        sums = self.sums
+    @staticmethod
+    def _measure_all(sums: SourceSums, slots: list, phase: int) -> None:
         for slot, tensor in slots:
             sums.measure(slot, phase, tensor)
 
@@ -147,7 +147,7 @@ class CopyWindow:
             for device in self._devices:  # one stream hand-off per device, not one per source
                 mine = [(self._slots[s.index], s.tensor) for s in checked if s.device == device]
                 if mine:
-                    self.streams.call(device, lambda mine=mine: self._measure_all(mine, 0))
+                    self.streams.call(device, lambda mine=mine, sums=self.sums: self._measure_all(sums, mine, 0))
         marks = [self.streams.mark(device) for device in self._devices]
         with self._cond:
             for mark in marks:
