@@ -133,16 +133,42 @@ def test_a_changed_byte_inside_a_gathered_read_is_reported_under_its_own_key(sav
     assert f"key {victim.fqn!r}:" in str(info.value).splitlines()[1], str(info.value)
 
 
-def test_a_load_shorter_than_the_progress_interval_logs_no_progress_line(saved, caplog):
-    """Progress lines come once per interval of a long read, not as each reader thread ends."""
-    import logging
+def test_a_load_shorter_than_the_progress_interval_logs_no_progress_line(saved, monkeypatch):
+    """Progress lines come once per interval of a long read, not as each reader thread ends: the
+    readers here start only once the caller waits for them, so each one ends inside that wait."""
+    import sys
+    import threading
+
+    from safe_ckpt.loading import execute
 
     path, state = saved
-    caplog.set_level(logging.INFO, logger="safe_ckpt")
+    lines = []
+    stock_loop = execute.Reader._loop
+    main = threading.main_thread().ident
+
+    def in_join() -> bool:
+        frame = sys._current_frames().get(main)
+        while frame is not None:
+            if frame.f_code.co_name == "join" and frame.f_code.co_filename == threading.__file__:
+                return True
+            frame = frame.f_back
+        return False
+
+    def loop_once_the_caller_waits(self):
+        pause = threading.Event()
+        for _ in range(60000):  # bounded: at most about a minute
+            if in_join():
+                break
+            pause.wait(0.001)
+        stock_loop(self)
+
+    monkeypatch.setattr(execute.Reader, "_loop", loop_once_the_caller_waits)
+    monkeypatch.setattr(execute.Reader, "_progress", lambda self, t0: lines.append(t0))
     templates = _sharded({k: torch.empty_like(v) for k, v in state.items()})
-    safe_ckpt.load(templates, path, safe_ckpt.LoadOptions(io_threads=4, progress_interval_s=600.0))
-    lines = [r.getMessage() for r in caplog.records if " GiB in " in r.getMessage()]
+    out = safe_ckpt.load(templates, path, safe_ckpt.LoadOptions(io_threads=4, progress_interval_s=600.0))
     assert lines == [], lines
+    for k, v in state.items():
+        assert torch.equal(out[k], v), k
 
 
 def test_a_read_held_up_for_many_intervals_logs_one_progress_line_not_one_per_missed_interval(saved, monkeypatch):

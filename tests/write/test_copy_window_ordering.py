@@ -770,7 +770,7 @@ def test_small_sources_whose_shared_lease_is_not_free_at_once_are_copied_later_a
     assert writer.finished.wait(WAIT_S)
 
 
-def test_a_lease_part_released_twice_counts_once():
+def test_a_shared_lease_goes_back_only_once_every_part_is_released_a_second_release_being_a_no_op():
     from safe_ckpt.staging.pool import reserved_bytes, split
 
     pool = PinnedPool(64 << 10, pinned=False)
