@@ -23,7 +23,7 @@ import struct
 from dataclasses import dataclass, field
 
 from ..integrity import Hasher, Manifest, checksum_of, item_hasher
-from ..names import COMMON_STATE_FILE, CONFIG_FILE, MANIFEST_FILE, METADATA_FILE
+from ..names import COMMON_STATE_FILE, CONFIG_FILE, DATA_SUFFIX, MANIFEST_FILE, METADATA_FILE, is_data_file
 from ..encoding.safe_read.files import describe, open_file
 from ..encoding.safe_read import MAX_METADATA_BYTES, UnreadableCheckpointError, load_common_state, read_metadata
 
@@ -115,8 +115,8 @@ def _check_present(report: VerifyReport, directory: str, name: str, missing: str
 def _metadata_missing(directory: str) -> str:
     """Why a directory without `.metadata` fails: not a checkpoint, or a checkpoint that lost it."""
     found = [n for n in (CONFIG_FILE, COMMON_STATE_FILE, MANIFEST_FILE) if os.path.lexists(os.path.join(directory, n))]
-    if any(n.endswith(".distcp") for n in os.listdir(directory)):
-        found.append("data files (*.distcp)")
+    if any(is_data_file(n) for n in os.listdir(directory)):
+        found.append(f"data files (*{DATA_SUFFIX})")
     if not (found and (found[-1].startswith("data files") or MANIFEST_FILE in found)):  # no data was written here
         return "missing: this is not a torch_dist or DCP checkpoint"
     return (f"missing, while {', '.join(found)} are here: a damaged or incomplete checkpoint (no loader can read "
