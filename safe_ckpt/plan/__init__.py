@@ -11,6 +11,7 @@ from functools import partial
 
 from .chunking import balanced_cuts, cut_rows, slot_of, split_box, tail_chunk_bytes, tail_start
 from .collect import DraftShard, LocalState, collect
+from .memo import PlanMemo, TensorPlan, process_memo, signature
 from .records import (
     Box,
     ChunkSpec,
@@ -26,7 +27,8 @@ from .validate import validate
 
 __all__ = [
     "Box", "ChunkSpec", "DraftShard", "GlobalPlan", "LocalState", "ObjectRef", "ObjectSpec", "Problem",
-    "RankPlan", "ShardRef", "TensorSpec", "build_global_plan", "collect", "rank_plan", "validate",
+    "PlanMemo", "RankPlan", "ShardRef", "TensorPlan", "TensorSpec", "build_global_plan", "collect", "process_memo",
+    "rank_plan", "validate",
 ]
 
 
@@ -42,25 +44,32 @@ def rank_plan(local: LocalState, residences: list[str], extra_problems: list[Pro
     return RankPlan(local.rank, shards, list(local.objects), list(local.problems) + list(extra_problems))
 
 
-def build_global_plan(plans: list[RankPlan], chunk_bytes: int, files_per_rank: int = 1) -> GlobalPlan | list[Problem]:
+def build_global_plan(plans: list[RankPlan], chunk_bytes: int, files_per_rank: int = 1,
+                      remember: PlanMemo | None = None) -> GlobalPlan | list[Problem]:
     """The checkpoint's items, or the problems that prevent it (identical on every rank).
     Each rank's chunks are spread over up to ``files_per_rank`` file slots of equal bytes, and
-    cut when first asked for (`GlobalPlan.chunks_of`)."""
-    problems = validate(plans)
+    cut when first asked for (`GlobalPlan.chunks_of`). With ``remember`` (`process_memo`), shards
+    equal to the last accepted plan's reuse its checked tensor keys and cut chunks (`memo`)."""
+    sig = signature(plans, chunk_bytes, files_per_rank) if remember is not None else None
+    known = remember.get(sig) if remember is not None else None
+    problems = validate(plans, tensor_keys_checked=known is not None)
     if problems:
         return problems
+    objects = [ObjectSpec(o.fqn, o.rank, o.payload_bytes) for plan in plans for o in plan.objects if o.is_main]
+    mains = {plan.rank: [s for s in plan.shards if s.is_main] for plan in plans}
+    chunker = partial(_chunks_of_rank, mains, chunk_bytes, files_per_rank)
+    if known is not None:
+        return GlobalPlan(len(plans), known.tensors, objects, chunker, known.chunks)
     tensors: dict[str, TensorSpec] = {}
-    objects: list[ObjectSpec] = []
     for plan in plans:
         for s in plan.shards:
             if s.key not in tensors:
                 tensors[s.key] = TensorSpec(s.key, s.dtype, s.global_shape)
-        for o in plan.objects:
-            if o.is_main:
-                objects.append(ObjectSpec(o.fqn, o.rank, o.payload_bytes))
     ordered = [tensors[k] for k in sorted(tensors)]
-    mains = {plan.rank: [s for s in plan.shards if s.is_main] for plan in plans}
-    return GlobalPlan(len(plans), ordered, objects, partial(_chunks_of_rank, mains, chunk_bytes, files_per_rank))
+    cut: dict = {}  # shared with the memo: chunks are a pure function of its signature
+    if remember is not None:
+        remember.put(TensorPlan(sig, ordered, cut))
+    return GlobalPlan(len(plans), ordered, objects, chunker, cut)
 
 
 def _chunks_of_rank(mains: dict, chunk_bytes: int, files_per_rank: int, rank: int) -> list[ChunkSpec]:

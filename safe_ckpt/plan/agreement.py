@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..errors import CheckpointError
-from . import GlobalPlan, Problem, build_global_plan, validate
+from . import GlobalPlan, Problem, build_global_plan, process_memo, validate
 from .message import PlanMessage, option_mismatches
 
 # The second exchange's stage, as a lost peer's error names it.
@@ -47,7 +47,7 @@ def agree(messages: list[PlanMessage], own_paths: list[str], chunk_bytes: int, f
         if mismatches:  # the plans were cut with different options: validating them would mislead
             return Agreement(None, mismatches)
         plans = [m.plan for m in messages]
-        result = build_global_plan(plans, chunk_bytes, files_per_rank)
+        result = build_global_plan(plans, chunk_bytes, files_per_rank, remember=process_memo)
     except Exception as exc:
         failed = [Problem(CheckpointError, "<planning>", tuple(range(len(messages))),
                           f"internal error: {type(exc).__name__}: {exc}")]

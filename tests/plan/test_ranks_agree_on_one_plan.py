@@ -90,7 +90,7 @@ def test_paths_that_do_not_fit_their_plans_keep_the_refusal_and_name_the_bug():
 def test_a_check_failing_on_one_rank_still_meets_its_peers_in_the_second_exchange(monkeypatch):
     from safe_ckpt.plan import agreement
 
-    def out_of_memory(*args):
+    def out_of_memory(*args, **kwargs):
         raise MemoryError("cannot cut the chunks")
 
     monkeypatch.setattr(agreement, "build_global_plan", out_of_memory)
