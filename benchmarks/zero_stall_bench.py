@@ -15,17 +15,26 @@ by ``--post-steps`` timed steps and its completion:
   step's ``zero_grad``; the copies into the pinned pool run during forward+backward; the optimizer
   step's pre-hook is the gate; drain threads stand for the writers (no files). One more, untimed,
   save checks every chunk's bytes against a copy taken before the window;
+- ``writes_beside`` (not in the default modes): the target alone: at the call, a separate process
+  (zero_stall_writer.py, started and its seeded random buffer filled when the mode begins, before
+  any timed step) writes as many bytes as the saved state into the save's directory, in as many
+  files (two of equal size per writer thread), with the drop-in's writer threads, niceness and
+  fsync; no copies, no hashing; to durable is the end of its writes. With ``window_core`` (the
+  copies alone) and ``overlap`` / ``safe_async`` (both) in one run, the report sets them side by side;
 - ``safe_async``: today's drop-in async save (returns once the device bytes are in the pool);
 - ``dcp_async``: `dcp.async_save` with its pinned `DefaultStager`, staging waited for just before
   the optimizer step (torchtitan's pattern);
 - ``megatron_async``: stock Megatron `save_checkpoint` with `--async-save`, finalized at loop tops.
 The report (zero_stall_report.py) gives per mode: stall, the step containing the save against a
-step without, forward+backward slowdown, time to durable and PCIe TX throughput (NVML).
+step without, forward+backward slowdown, time to durable and PCIe TX throughput (NVML), and the
+next step's host time (the training thread's time to enqueue forward+backward and its CPU time).
 
 Run from the repository root on the GPU machine (megatron.training importable, e.g. megatron-core
 0.19 or a Megatron-LM checkout at .mlm/):
   python benchmarks/zero_stall_bench.py --variant gpu --target /dev/shm/zs --out RES/zero_stall_gpu
   python benchmarks/zero_stall_bench.py --variant cpu_offload --target /dev/shm/zs --out RES/zero_stall_offload
+  python benchmarks/zero_stall_bench.py --modes window_core,writes_beside,overlap,safe_async --saves 4 \
+      --target /dev/shm/zs --out RES/zero_stall_parts   (copies alone, writes alone, both)
 The harness on the CPU (a small torch model and `safe_ckpt.async_save`; every mode but stock Megatron's):
   python benchmarks/zero_stall_bench.py --dry-run --target /tmp/zs_dry --out /tmp/zs_dry
 Rebuild a report: --rebuild RUN.json --out PREFIX
@@ -239,8 +248,9 @@ def main() -> None:
     parser.add_argument("--target", help="directory for the checkpoints (tmpfs: /dev/shm/...)")
     parser.add_argument("--out", required=True, help="results prefix: PREFIX.json and PREFIX.md")
     parser.add_argument("--modes", default="overlap,safe_async,dcp_async,megatron_async",
-                        help="comma-separated, from: window_core,overlap,safe_async,dcp_async,megatron_async; "
-                             "MODE:io=N+nice=K changes the safe_ckpt writer threads / niceness of that run")
+                        help="comma-separated, from: window_core,writes_beside,overlap,safe_async,dcp_async,"
+                             "megatron_async; MODE:io=N+nice=K changes the safe_ckpt writer threads / niceness of "
+                             "that run (writes_beside: of its writer process)")
     parser.add_argument("--saves", type=int, default=3, help="timed saves per mode")
     parser.add_argument("--saves-per-mode", default="dcp_async=2,megatron_async=1",
                         help="MODE=N,...: other counts (stock Megatron's cold save alone takes ~40 s)")
@@ -263,8 +273,15 @@ def main() -> None:
         return
     if not ns.target:
         parser.error("--target is required")
+    modes = [m for m in ns.modes.split(",") if m]
+    for m in modes:
+        base, _, spec = m.partition(":")
+        keys = [p.partition("=")[0] for p in spec.split("+") if p]
+        if base not in MODE_CLASSES or any(k not in OVERRIDES for k in keys):
+            parser.error(f"--modes: {m!r} is not MODE or MODE:KEY=N+KEY=N with MODE one of {', '.join(MODE_CLASSES)} "
+                         f"and KEY one of {', '.join(OVERRIDES)}")
     os.makedirs(ns.target, exist_ok=True)
-    opts = {"variant": ns.variant, "target": ns.target, "modes": [m for m in ns.modes.split(",") if m],
+    opts = {"variant": ns.variant, "target": ns.target, "modes": modes,
             "saves": ns.saves,
             "saves_per_mode": {k: int(v) for k, v in (p.split("=") for p in ns.saves_per_mode.split(",") if p)},
             "post_steps": max(1, ns.post_steps), "baseline_steps": ns.baseline_steps,

@@ -233,6 +233,42 @@ class WindowCore:
         pass
 
 
+class WritesBeside:
+    """The target alone: at the call, a separate process (zero_stall_writer.py: no GIL shared) writes
+    as many bytes as the saved state into the save's directory, in the save's files (two of equal
+    size per writer thread), with its writer threads, niceness and fsync, from a seeded random
+    buffer it filled when this mode began, before any timed step. No copies, no hashing."""
+
+    verifies = False
+
+    def __init__(self, trainer, opts) -> None:
+        from zero_stall_writer import WriterProcess
+
+        self.settings = trainer.write_settings()
+        threads = self.settings["threads"]
+        self.writer = WriterProcess(trainer.state_bytes, files=2 * threads, threads=threads,
+                                    fsync=self.settings["fsync"], nice=self.settings["nice"], chunk_bytes=CHUNK_BYTES)
+        print(f"writes_beside: {trainer.state_bytes / 1e9:.2f} GB in {2 * threads} files by {threads} threads "
+              f"(fsync {self.settings['fsync']}, nice +{self.settings['nice']}); buffer filled in "
+              f"{self.writer.ready['fill_s']:.2f} s", flush=True)
+
+    def save(self, directory: str, verify: bool = False) -> None:
+        self.t0 = time.monotonic()  # the writer reports CLOCK_MONOTONIC times too
+        self.writer.start(directory)
+
+    def hooks(self) -> Hooks:
+        return Hooks()
+
+    def finish(self) -> dict:
+        done = self.writer.wait()
+        return {"ttd_s": done["end"] - self.t0, "gate_s": 0.0, "bytes": done["bytes"],
+                "writes": {k: v for k, v in done.items() if k not in ("start", "end")},
+                "writes_began_s": done["start"] - self.t0}
+
+    def close(self) -> None:
+        self.writer.close()
+
+
 class DcpAsync:
     """`dcp.async_save` with its pinned DefaultStager; staging waited for before optimizer.step."""
 
@@ -329,5 +365,5 @@ class MegatronAsync:
         self.trainer.stock_finalize(True)
 
 
-MODE_CLASSES = {"window_core": WindowCore, "overlap": Overlap, "safe_async": SafeAsync, "dcp_async": DcpAsync,
-                "megatron_async": MegatronAsync}
+MODE_CLASSES = {"window_core": WindowCore, "writes_beside": WritesBeside, "overlap": Overlap, "safe_async": SafeAsync,
+                "dcp_async": DcpAsync, "megatron_async": MegatronAsync}

@@ -5,8 +5,9 @@ Both offer the same few calls: `step(hooks)` (one training step, Megatron-shaped
 buffers, `hooks.before_zero_grad`, `optimizer.zero_grad()`, forward+backward, `hooks.before_opt_step`,
 `optimizer.step()`, scheduler, the loss's `.item()`), `window_sources()` (the saved tensors, from the
 state dict the save builds), `plain_state()` (the same as a flat dict for DCP), `safe_save` /
-`safe_finalize` (safe_ckpt's Megatron drop-in, or `safe_ckpt.async_save` in the dry run) and
-`stock_save` / `stock_finalize` (stock Megatron's async save; GPU only).
+`safe_finalize` (safe_ckpt's Megatron drop-in, or `safe_ckpt.async_save` in the dry run),
+`write_settings()` (that save's writer threads, fsync and niceness) and `stock_save` /
+`stock_finalize` (stock Megatron's async save; GPU only).
 """
 
 from __future__ import annotations
@@ -67,6 +68,17 @@ def _dedup(pairs):
             seen.add(ident)
             out.append((key, t))
     return out
+
+
+def _writers(overrides: dict, threads, fsync: bool) -> dict:
+    """A save's writers as safe_ckpt runs them (`writes_beside`): threads (None: its default for this
+    host), fsync, niceness; a mode's overrides first."""
+    from safe_ckpt.host import cpu
+
+    nice = overrides.get("safe_ckpt_writer_nice")
+    threads = overrides.get("safe_ckpt_io_threads") or threads or cpu.default_io_threads(
+        cpu.rank_share([cpu.host_report()], 0))
+    return {"threads": threads, "fsync": fsync, "nice": cpu.WRITER_NICE_INCREMENT if nice is None else nice}
 
 
 class MegatronTrainer:
@@ -241,6 +253,11 @@ class MegatronTrainer:
 
         return drop_in.finalize_async_saves(blocking=blocking)
 
+    def write_settings(self) -> dict:
+        from safe_ckpt.options import SaveOptions
+
+        return _writers(getattr(self, "overrides", {}), None, SaveOptions().fsync)  # the drop-in's fsync: the default
+
     def stock_save(self, directory: str) -> None:
         from megatron.training.checkpointing import save_checkpoint
 
@@ -268,6 +285,8 @@ class MegatronTrainer:
 
 class TinyTrainer:
     """A small MLP and a fused CPU AdamW (the shape of --optimizer-cpu-offload's host step)."""
+
+    FSYNC = False  # its saves' (the harness's check needs no durable files)
 
     def __init__(self, opts: dict, world: int) -> None:
         import torch
@@ -362,7 +381,7 @@ class TinyTrainer:
         opts = safe_ckpt.SaveOptions(staging_budget_bytes=int(self.budget_gib * GiB),
                                      io_threads=over.get("safe_ckpt_io_threads", self.opts["threads"]),
                                      writer_nice=over.get("safe_ckpt_writer_nice"),
-                                     progress_interval_s=0, fsync=False,
+                                     progress_interval_s=0, fsync=self.FSYNC,
                                      return_after="planned" if overlap else "staged")
         handle = safe_ckpt.async_save(sharded, os.path.join(directory, "iter_%07d" % self.iteration), options=opts)
         self._handles.append(handle)
@@ -372,6 +391,9 @@ class TinyTrainer:
         done = [h for h in self._handles if blocking or h.done()]
         self._handles = [h for h in self._handles if h not in done]
         return [h.wait() for h in done]
+
+    def write_settings(self) -> dict:
+        return _writers(getattr(self, "overrides", {}), self.opts["threads"], self.FSYNC)
 
     def stock_save(self, directory: str) -> None:
         raise Unavailable("stock Megatron saving needs CUDA and megatron.training")
