@@ -22,6 +22,7 @@ from .records import (
     RankPlan,
     ShardRef,
     TensorSpec,
+    UNSENT_PATH,
 )
 from .validate import validate
 
@@ -32,13 +33,14 @@ __all__ = [
 ]
 
 
-def rank_plan(local: LocalState, residences: list[str], extra_problems: list[Problem]) -> RankPlan:
-    """The exchanged record of one rank; ``residences`` is aligned with ``local.shards``."""
+def rank_plan(local: LocalState, residences: list[str], extra_problems: list[Problem],
+              with_paths: bool = True) -> RankPlan:
+    """The exchanged record of one rank; ``residences`` is aligned with ``local.shards``. Without
+    ``with_paths`` it is the plan as exchanged (`RankPlan.without_paths`), built once."""
+    rank = local.rank
     shards = [
-        ShardRef(
-            key=d.key, rank=local.rank, local_index=i, dtype=d.dtype, global_shape=d.global_shape,
-            box=d.box, is_main=d.is_main, residence=residences[i], path=d.path,
-        )
+        ShardRef(d.key, rank, i, d.dtype, d.global_shape, d.box, d.is_main, residences[i],
+                 d.path if with_paths else UNSENT_PATH)
         for i, d in enumerate(local.shards)
     ]
     return RankPlan(local.rank, shards, list(local.objects), list(local.problems) + list(extra_problems))

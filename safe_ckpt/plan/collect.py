@@ -100,21 +100,16 @@ def _tensor_problem(sh, rank: int) -> str | None:
     return None
 
 
-def _draft(sh, path: str, rank: int) -> DraftShard | Problem:
+def _draft(sh, path: str, rank: int, is_main_replica=compat.is_main_replica) -> DraftShard | Problem:
     message = _tensor_problem(sh, rank)
     if message is not None:
         return _problem(sh.key, rank, f"{message} (at {path})")
-    sizes = (1,) * sh.prepend_axis_num + tuple(int(s) for s in sh.local_shape)
-    box = Box(tuple(int(o) for o in sh.global_offset), sizes)
-    return DraftShard(
-        key=sh.key,
-        dtype=sh.dtype,
-        global_shape=tuple(int(s) for s in sh.global_shape),
-        box=box,
-        is_main=compat.is_main_replica(sh.replica_id),
-        path=path,
-        source=_box_view(sh.data.detach(), sizes),
-    )
+    sizes = tuple(map(int, sh.local_shape))
+    if sh.prepend_axis_num:
+        sizes = (1,) * sh.prepend_axis_num + sizes
+    box = Box(tuple(map(int, sh.global_offset)), sizes)
+    return DraftShard(sh.key, sh.dtype, tuple(map(int, sh.global_shape)), box, is_main_replica(sh.replica_id), path,
+                      _box_view(sh.data.detach(), sizes))
 
 
 def _box_view(data: torch.Tensor, sizes: tuple[int, ...]) -> torch.Tensor:
@@ -206,9 +201,10 @@ def collect(sharded_state_dict: dict, rank: int, content_metadata: dict | None =
     objects: list[ObjectRef] = []
     payloads: dict[str, bytes] = {}
     main_object_paths: dict[str, str] = {}
+    is_main_replica = mapping.is_main_replica  # once: `compat.is_main_replica` checks the version per call
     for path, leaf in _walk(parts.sharded_tree):
         if isinstance(leaf, mapping.ShardedTensor):
-            out = _draft(leaf, path, rank)
+            out = _draft(leaf, path, rank, is_main_replica)
             (problems if isinstance(out, Problem) else shards).append(out)
         elif isinstance(leaf, mapping.ShardedObject):
             out = _object(leaf, path, rank, payloads, main_object_paths)

@@ -88,11 +88,11 @@ def plan_locally(state: dict, rank: int, *, target: Target, options: SaveOptions
             except Exception as exc:
                 kind = type(exc) if isinstance(exc, (WriteError, CommitError)) else CommitError  # e.g. a store not answering
                 problems.append(Problem(kind, "<target>", (0,), f"{type(exc).__name__}: {exc}"))
-        plan = rank_plan(local, residences, problems)
+        plan = rank_plan(local, residences, problems, with_paths=False)
     except BaseException as exc:
         interrupt = interrupt or (exc if isinstance(exc, INTERRUPTS) else None)
         local, residences, sources = empty, [], []
-        plan = rank_plan(empty, [], [_failed(rank, exc)])
-    message = PlanMessage(plan.without_paths(), prepared.staging if prepared else None, save_id,
+        plan = rank_plan(empty, [], [_failed(rank, exc)], with_paths=False)
+    message = PlanMessage(plan, prepared.staging if prepared else None, save_id,
                           layout_options(options.chunk_bytes, options.io_threads))
-    return LocalPlan(message, local, residences, sources, interrupt, plan.paths())
+    return LocalPlan(message, local, residences, sources, interrupt, [d.path for d in local.shards])

@@ -44,13 +44,14 @@ def build_window(items, residences, sources, versions, *, name: str, rank: int, 
     """The copy window over every source the rank's placed ``items`` write. Without CUDA, host
     sources go through the simulated copy stream of device 0 (ordered and content-checked)."""
     simulate = not torch.cuda.is_available()
+    cuda, stageable = Residence.CUDA.value, {Residence.CUDA.value, *HOST_RESIDENCES}
     chunks, payload_bytes, keys = {}, {}, {}
     for item in items:
         chunk = item.chunk
         if chunk is None:
             continue
         i = chunk.local_index
-        if residences[i] != Residence.CUDA.value and residences[i] not in HOST_RESIDENCES:
+        if residences[i] not in stageable:
             raise CheckpointError(f"internal error: {chunk.fqn!r} has residence {residences[i]!r}, which a copy "
                                   "window cannot stage")
         chunks[i] = chunks.get(i, 0) + 1
@@ -58,7 +59,7 @@ def build_window(items, residences, sources, versions, *, name: str, rank: int, 
         keys[i] = chunk.fqn
     window_sources = []
     for i in sorted(chunks):
-        if residences[i] == Residence.CUDA.value:
+        if residences[i] == cuda:
             device = sources[i].device.index
         else:
             device = 0 if simulate else None
