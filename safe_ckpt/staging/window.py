@@ -7,12 +7,11 @@ stream's mark after each device source's last copy; answer a gate; say, once eve
 landed, whether a source changed under the window (its version counter at copy time, its content
 sums at the opening and after its last copy).
 
-Lifecycle of one save's window: `open()` in the caller's thread (copy streams ordered after the
-caller's current streams); the copier reports every chunk (`before_copy`, then `issued`,
-`issued_together` or `captured`); `order_opening()` once the small sources are copied (the opening
-sums of every source not yet wholly copied are enqueued, and the caller's streams wait for all of
-it: a source copied before that needs no sums); `settle()` in the save's own thread after the
-copier is done: waits for every issued copy to land, compares the sums, closes. `fail(exc)` may
+Lifecycle: `open()` in the caller's thread (copy streams after its streams); the copier reports
+every chunk (`before_copy`, then `issued`, `issued_together` or `captured`); `order_opening()` once
+the small sources are copied (opening sums enqueued for the rest; the caller's streams run nothing
+more before all that is done, or, held since `open`, are released once it is); `settle()` in the
+save's thread once the copier is done: every copy landed, sums compared, closed. `fail(exc)` may
 come at any time, from any thread.
 
 A gate (`before_update`), in the thread about to write:
@@ -34,15 +33,16 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 
 from ..errors import CheckpointError, SourceModifiedError, StagingTimeoutError
 from ..units import human_bytes
 from .source_sums import SourceSums
+from .stream_hold import StreamHold
 from .streams import CopyStreams, Mark
+from .window_records import WindowChunk, WindowSource, WindowStats  # noqa: F401 (callers import them here)
 
 log = logging.getLogger("safe_ckpt")
 
@@ -50,34 +50,6 @@ log = logging.getLogger("safe_ckpt")
 # caller's stream waits for them: a write to one before the optimizer step (the MoE router's expert
 # bias, rewritten at the end of backward) then comes after its copy.
 SMALL_SOURCE_BYTES = 1 << 20
-
-
-@dataclass(frozen=True)
-class WindowSource:
-    index: int  # the source's local index in the rank's plan
-    key: str  # its fqn, for errors
-    tensor: torch.Tensor
-    device: Optional[int]  # the copy stream's device; None: host-resident (captured by the host)
-    chunks: int  # chunks to copy or capture
-    size_bytes: int
-    version: int  # the tensor's version counter when the save planned it
-
-
-@dataclass(frozen=True)
-class WindowChunk:
-    index: int  # the source's index
-    size_bytes: int
-
-
-@dataclass(frozen=True)
-class WindowStats:
-    gates: int  # gates met while the window was open
-    blocked_gates: int  # of them, those that blocked the host
-    gate_wait_s: float  # host time spent blocked in gates
-    open_s: float  # from open() until settled (or until now)
-    copied_bytes: int  # device bytes whose copies were issued
-    captured_bytes: int  # host bytes snapshotted or written
-    pending_bytes: int  # bytes neither issued nor captured yet
 
 
 class CopyWindow:
@@ -101,6 +73,8 @@ class CopyWindow:
         self._device_last: dict[int, Mark] = {}
         self._released: set[int] = set()
         self._kept: set[int] = set()
+        self._checked_at_opening: set[int] = set()  # small sources whose versions the held opening checked
+        self._opening_held = False
         self._slots: dict[int, int] = {}  # source index -> content-sums slot
         self._cond = threading.Condition()
         self._opened_at: float | None = None
@@ -117,7 +91,7 @@ class CopyWindow:
 
     # ------------------------------------------------------------------ the copier's side
     def open(self) -> None:
-        """In the caller's thread, before any copy."""
+        """In the caller's thread, before any copy (and before its streams are held)."""
         with self._cond:
             if self._opened_at is not None:
                 raise RuntimeError("a copy window opens once")
@@ -134,10 +108,12 @@ class CopyWindow:
         slot, sums, tensor = self._slots[source.index], self.sums, source.tensor
         self.streams.call(source.device, lambda: sums.measure(slot, phase, tensor))
 
-    def order_opening(self) -> None:
-        """In the caller's thread once the small sources are copied: the opening sums of every
-        source with copies still to come are enqueued, its current streams wait for those
-        copies and sums; the sources wholly copied are released."""
+    def order_opening(self, hold: "StreamHold | None" = None) -> None:
+        """Once the small sources' copies are enqueued: the opening sums of every source with
+        copies still to come are enqueued, and the caller's current streams run nothing more before
+        those copies and sums are done; the sources wholly copied are released. In the caller's
+        thread, its streams wait for them; with ``hold`` (the caller's streams held since `open`,
+        this called from the staging thread), the host waits for them, then releases the hold."""
         if self.sums is not None:
             checked = [s for s in self.sources.values() if s.device is not None and self._left[s.index] > 0
                        and self.sums.checks(s.tensor)]
@@ -152,17 +128,39 @@ class CopyWindow:
         with self._cond:
             for mark in marks:
                 self._device_last[mark.device] = mark
-        for mark in marks:
-            self.streams.order_current_after(mark)
+        if hold is None:
+            for mark in marks:
+                self.streams.order_current_after(mark)
+        else:
+            self._opening_held = True
+            try:
+                for mark in marks:
+                    if not self.streams.wait(mark, self.timeout_s):
+                        raise CheckpointError(f"rank {self.rank}: the opening copies of the save to {self.name} did "
+                                              f"not land within {self.timeout_s:g} s; is the device hung?")
+                    mark.synchronize()  # raises a failed copy's error
+            finally:  # released on every path: the caller's streams must never wait for good
+                hold.release()
         with self._cond:
             self._released.update(i for i, left in self._left.items() if left == 0)
+
+    def check_small_versions(self) -> None:
+        """At an opening whose copies the staging thread makes, in the opener's thread once its
+        streams are held: the small sources' version counters are checked now, not at their copies
+        (a write the opener enqueues from here on runs after those copies). Raises a moved one."""
+        for source in self.sources.values():
+            if source.device is not None and self.small(source.index):
+                if source.tensor._version != source.version:
+                    self._modified(source, "its version counter moved before its bytes were copied")
+                    raise self.error
+                self._checked_at_opening.add(source.index)
 
     def before_copy(self, index: int, keep: bool = True) -> None:
         """A chunk of source ``index`` is about to be copied or snapshotted: its memory is kept
         from reuse (not with ``keep=False``: a copy before `order_opening`, which the caller's
         streams wait for), and a moved version counter fails the save (raised here too)."""
         source = self.sources[index]
-        if source.tensor._version != source.version:
+        if index not in self._checked_at_opening and source.tensor._version != source.version:
             self._modified(source, "its version counter moved before its bytes were copied")
             raise self.error
         if keep and source.device is not None and index not in self._kept:
@@ -375,6 +373,11 @@ class CopyWindow:
         return self.sources[index].size_bytes < self.small_source_bytes
 
     @property
+    def devices(self) -> list[int]:
+        """The devices whose copy streams this window uses."""
+        return list(self._devices)
+
+    @property
     def is_open(self) -> bool:
         return self._opened_at is not None and self._settled_at is None
 
@@ -397,4 +400,4 @@ class CopyWindow:
             return WindowStats(gates=self._gates, blocked_gates=self._blocked, gate_wait_s=self._wait_s,
                                open_s=0.0 if self._opened_at is None else end - self._opened_at,
                                copied_bytes=self._copied, captured_bytes=self._captured,
-                               pending_bytes=self._pending_bytes)
+                               pending_bytes=self._pending_bytes, opening_held=self._opening_held)

@@ -306,3 +306,64 @@ def overlap_save_under_the_profiler(rank, world, root, variant) -> dict:
     stats = handle.window_stats()
     return {"plain": profile_counts(plain), "saved": profile_counts(saved), "results": len(results),
             "window": None if stats is None else stats.__dict__, "return_after": handle.stall_s}
+
+
+def stream_hold_holds_until_released(rank, world, root) -> dict:
+    """A held default stream runs nothing enqueued after the hold until `release`: the spin-free
+    proof is an event after a kernel that is not done before the release, and is after it."""
+    from safe_ckpt.staging.stream_hold import hold_current
+
+    x = torch.zeros(1, device="cuda")
+    torch.cuda.synchronize()
+    hold = hold_current([0])
+    if hold is None:
+        return {"held": False}
+    x.add_(1.0)
+    after = torch.cuda.Event()
+    after.record()
+    checks = [after.query() for _ in range(1000)]  # the host polls; the device may not run the add
+    hold.release()
+    deadline = time.monotonic() + 30
+    while not after.query() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    return {"held": True, "ran_before_release": any(checks), "ran_after_release": after.query(),
+            "value": float(x.item())}
+
+
+def held_opening_orders_a_write_right_after_the_trigger(rank, world, root) -> dict:
+    """A deferred window opened by the trigger with the default stream held: an in-place write to a
+    small source enqueued right after the trigger (as the MoE router's expert bias is rewritten in
+    the step, outside every gate) runs after that source's copy; the save succeeds and holds the
+    value at the trigger, through stock megatron-core's load."""
+    import os
+
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    import safe_ckpt
+    from safe_ckpt.saving import start
+    from safe_ckpt.staging import gates
+
+    g = torch.Generator(device="cuda").manual_seed(90)
+    tensors = {"bias": torch.randn(4096, device="cuda", generator=g),  # 16 KiB: a small source
+               "w": torch.randn(CHUNK_NUMEL * 3, device="cuda", generator=g)}
+    expected = {k: t.clone() for k, t in tensors.items()}
+    sharded = {k: ShardedTensor.from_rank_offsets(k, t, replica_id=0) for k, t in tensors.items()}
+    path = os.path.join(root, "held")
+    opts = safe_ckpt.SaveOptions(return_after="planned", collective_timeout_s=120, progress_interval_s=0)
+    handle = start(sharded, path, options=opts, asynchronous=True, copy_start="deferred").in_background()
+    t0 = time.perf_counter()
+    gates.open_deferred()
+    trigger_s = time.perf_counter() - t0
+    tensors["bias"].add_(1.0)  # enqueued behind the hold
+    error = None
+    try:
+        handle.wait(120)
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    stats = handle.window_stats()
+    loaded = None if error else dist_checkpointing.load(
+        {k: ShardedTensor.from_rank_offsets(k, torch.empty_like(t), replica_id=0) for k, t in tensors.items()}, path)
+    equal = None if loaded is None else {k: torch.equal(loaded[k].cuda(), expected[k]) for k in tensors}
+    return {"error": error, "opening_held": stats.opening_held, "equal": equal, "trigger_s": trigger_s,
+            "bias_written": torch.equal(tensors["bias"], expected["bias"] + 1.0)}
