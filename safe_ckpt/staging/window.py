@@ -46,9 +46,8 @@ from .window_records import WindowChunk, WindowSource, WindowStats  # noqa: F401
 
 log = logging.getLogger("safe_ckpt")
 
-# Sources below this size are copied first, from the caller's thread as the window opens, and the
-# caller's stream waits for them: a write to one before the optimizer step (the MoE router's expert
-# bias, rewritten at the end of backward) then comes after its copy.
+# Sources below this size are copied first, and the opener's stream waits for them: a write to one
+# before the optimizer step (the MoE router's expert bias, rewritten in backward) comes after its copy.
 SMALL_SOURCE_BYTES = 1 << 20
 
 
@@ -145,9 +144,8 @@ class CopyWindow:
             self._released.update(i for i, left in self._left.items() if left == 0)
 
     def check_small_versions(self) -> None:
-        """At an opening whose copies the staging thread makes, in the opener's thread once its
-        streams are held: the small sources' version counters are checked now, not at their copies
-        (a write the opener enqueues from here on runs after those copies). Raises a moved one."""
+        """In the opener's thread once its streams are held: the small sources' versions, checked now
+        (a write it enqueues later runs after their copies, on the staging thread). Raises a moved one."""
         for source in self.sources.values():
             if source.device is not None and self.small(source.index):
                 if source.tensor._version != source.version:
@@ -373,8 +371,7 @@ class CopyWindow:
         return self.sources[index].size_bytes < self.small_source_bytes
 
     @property
-    def devices(self) -> list[int]:
-        """The devices whose copy streams this window uses."""
+    def devices(self) -> list[int]:  # those whose copy streams this window uses
         return list(self._devices)
 
     @property
