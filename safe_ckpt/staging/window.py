@@ -14,7 +14,7 @@ more before all that is done, or, held since `open`, are released once it is); `
 save's thread once the copier is done: every copy landed, sums compared, closed. `fail(exc)` may
 come at any time, from any thread.
 
-A gate (`before_update`), in the thread about to write:
+A gate (`before_update`, in `window_gate`), in the thread about to write:
 1. a source not yet released whose version counter moved fails the save (an in-place write came
    before its bytes were copied);
 2. while any chunk is not yet issued or captured, the host blocks (the pool is smaller than the
@@ -30,28 +30,25 @@ Must not: install hooks (`gates` does), write files, lease memory, or choose the
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from typing import Callable
 
 import torch
 
-from ..errors import CheckpointError, SourceModifiedError, StagingTimeoutError
-from ..units import human_bytes
+from ..errors import CheckpointError, SourceModifiedError, StagingTimeoutError  # noqa: F401 (tests import it here)
 from .source_sums import SourceSums
 from .stream_hold import StreamHold
 from .streams import CopyStreams, Mark
+from .window_gate import WindowGate
 from .window_records import WindowChunk, WindowSource, WindowStats  # noqa: F401 (callers import them here)
-
-log = logging.getLogger("safe_ckpt")
 
 # Sources below this size are copied first, and the opener's stream waits for them: a write to one
 # before the optimizer step (the MoE router's expert bias, rewritten in backward) comes after its copy.
 SMALL_SOURCE_BYTES = 1 << 20
 
 
-class CopyWindow:
+class CopyWindow(WindowGate):
     def __init__(self, sources: list[WindowSource], streams: CopyStreams, sums: SourceSums | None = None, *,
                  name: str, rank: int, timeout_s: float = 600.0,
                  small_source_bytes: int = SMALL_SOURCE_BYTES) -> None:
@@ -74,6 +71,7 @@ class CopyWindow:
         self._kept: set[int] = set()
         self._checked_at_opening: set[int] = set()  # small sources whose versions the held opening checked
         self._opening_held = False
+        self._reserved: dict[int, int] = {}  # source index -> sums slot, taken before a held opening
         self._slots: dict[int, int] = {}  # source index -> content-sums slot
         self._cond = threading.Condition()
         self._opened_at: float | None = None
@@ -115,10 +113,13 @@ class CopyWindow:
         this called from the staging thread), the host waits for them, then releases the hold."""
         if self.sums is not None:
             checked = [s for s in self.sources.values() if s.device is not None and self._left[s.index] > 0
-                       and self.sums.checks(s.tensor)]
+                       and (s.index in self._reserved if self._reserved else self.sums.checks(s.tensor))]
             for slot, source in enumerate(checked):
+                if self._reserved:  # slots taken by `reserve_sums`
+                    slot = self._reserved[source.index]
+                else:
+                    self.sums.reserve(slot, source.tensor)
                 self._slots[source.index] = slot
-                self.sums.reserve(slot, source.tensor)
             for device in self._devices:  # one stream hand-off per device, not one per source
                 mine = [(self._slots[s.index], s.tensor) for s in checked if s.device == device]
                 if mine:
@@ -142,6 +143,17 @@ class CopyWindow:
                 hold.release()
         with self._cond:
             self._released.update(i for i, left in self._left.items() if left == 0)
+
+    def reserve_sums(self) -> None:
+        """In the opener's thread before its streams are held: a sums slot for every device source,
+        and the sums' device memory taken now (an allocation that had to free cached device memory
+        would wait for the held streams, on the staging thread that must release them)."""
+        if self.sums is not None:
+            checked = [s for s in self.sources.values() if s.device is not None and self.sums.checks(s.tensor)]
+            for slot, source in enumerate(checked):
+                self._reserved[source.index] = slot
+                self.sums.reserve(slot, source.tensor)
+            self.sums.allocate()
 
     def check_small_versions(self) -> None:
         """In the opener's thread once its streams are held: the small sources' versions, checked now
@@ -294,76 +306,6 @@ class CopyWindow:
             if moved and self.error is None:
                 self._fail_locked(self._modified_error(moved[0], "its version counter moved before its copies were "
                                                        "known to have landed, with no gate in between"))
-
-    # ------------------------------------------------------------------ gates
-    def _all_in_locked(self) -> bool:
-        return self._incomplete == 0
-
-    def before_update(self, what: str = "an update", unmap: bool = False) -> None:
-        """The gate (see the module docstring), in the thread about to write; ``what`` names the writer."""
-        with self._cond:
-            if self._opened_at is None or self._settled_at is not None:
-                return
-            if self.error is None:
-                self._gates += 1
-                moved = [s for i, s in self.sources.items()
-                         if i not in self._released and s.tensor._version != s.version]
-                if moved:
-                    self._fail_locked(self._modified_error(moved[0], f"its version counter moved before {what}: an "
-                                                           "in-place write came before its bytes were copied"))
-            blocked = self.error is None and not self._all_in_locked()
-            if blocked:
-                self._block_locked(what)
-            if self.error is None:
-                self._released.update(i for i, left in self._left.items() if left == 0)
-            marks = list(self._device_last.values())
-            failed = self.error
-        if failed is not None:
-            if unmap:
-                self._wait_landed(marks, what)
-            return
-        t0 = time.monotonic()
-        waits = getattr(self.streams, "ordering_blocks_host", False) and not all(mark.done() for mark in marks)
-        for mark in marks:
-            try:
-                self.streams.order_current_after(mark)
-            except BaseException as exc:
-                self.fail(exc)
-                raise CheckpointError(f"rank {self.rank}: {what} could not be ordered after the copies of the save to "
-                                      f"{self.name} ({type(exc).__name__}: {exc}); that save fails") from exc
-        if waits:  # the host itself waited for the copies to land
-            with self._cond:
-                self._wait_s += time.monotonic() - t0
-                self._blocked += 0 if blocked else 1
-        if unmap:
-            self._wait_landed(marks, what)
-
-    def _block_locked(self, what: str) -> None:
-        self.gate_blocked.set()
-        self._blocked += 1
-        log.info("%s waits for the save to %s: %s still to be copied (rank %d)", what, self.name,
-                 human_bytes(self._pending_bytes), self.rank)
-        t0 = time.monotonic()
-        done = self._cond.wait_for(lambda: self.error is not None or self._all_in_locked(), self.timeout_s)
-        self._wait_s += time.monotonic() - t0
-        if not done:
-            remedy = ("a staging pool as large as the rank's saved bytes (staging_budget_bytes), or a faster target, "
-                      "lets the copies finish within the step") if self._devices else (
-                "host tensors are written from their own memory, at the target's speed, before the next step may "
-                "change them: a faster target, a larger collective_timeout_s or a synchronous save")
-            self._fail_locked(StagingTimeoutError(
-                f"rank {self.rank} abandoned the save to {self.name}: {what} waited {self.timeout_s:g} s for "
-                f"{human_bytes(self._pending_bytes)} still to be copied or written; {remedy}"))
-        if self.error is not None:
-            log.warning("the save to %s failed while %s waited for it (%s); training goes on, the save publishes "
-                        "nothing", self.name, what, type(self.error).__name__)
-
-    def _wait_landed(self, marks: list[Mark], what: str) -> None:
-        for mark in marks:
-            if not self.streams.wait(mark, self.timeout_s):
-                raise CheckpointError(f"rank {self.rank}: {what} waited {self.timeout_s:g} s for the copies of the "
-                                      f"save to {self.name} to land; not going on while they may still read that "
-                                      "memory")
 
     # ------------------------------------------------------------------ state
     def small(self, index: int) -> bool:

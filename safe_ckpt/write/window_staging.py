@@ -166,7 +166,10 @@ class WindowStaging:
                 # After the fence: a hold enqueued before it would keep the copy streams waiting for good.
                 # Held only while the staging thread is still there to release it.
                 with self._lock:
-                    hold = None if self._staging_gone else self.window.streams.hold_current(self.window.devices)
+                    hold = None
+                    if not self._staging_gone and self.window.devices:
+                        self.window.reserve_sums()  # before the hold: see `CopyWindow.reserve_sums`
+                        hold = self.window.streams.hold_current(self.window.devices)
                     self._hold = hold
                 if hold is None:
                     self._rest = self.copier.open_rest(self._jobs, self._put)
