@@ -27,6 +27,7 @@ class Copier:
         self.turn = 0
         self.streams: dict = {}
         self.wait_s = 0.0
+        self.copy_s = 0.0  # issuing copies (and, for host destinations, making them)
 
     def buffer(self, nbytes: int):
         """(slot, uint8 tensor, memoryview) of ``nbytes``: a pool piece (slot 0/1), or for a
@@ -70,6 +71,13 @@ class Copier:
     def copy_all(self, pairs, slot) -> None:
         """Copy each (destination, source) pair; where a source lies in a piece (``slot``), one event
         per device marks the end of these copies before the piece is read into again."""
+        t0 = time.perf_counter()
+        try:
+            self._copy_all(pairs, slot)
+        finally:
+            self.copy_s += time.perf_counter() - t0
+
+    def _copy_all(self, pairs, slot) -> None:
         devices = None
         for dst, src in pairs:
             if dst.device.type != "cuda":
