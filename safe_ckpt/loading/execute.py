@@ -29,6 +29,7 @@ import torch
 
 from .. import integrity
 from ..errors import INTERRUPTS, RankFailure, ReadError, failure_from_exception
+from ..residence import cuda_driver
 from . import boxes, container, copies, split
 from .plan import DIRECT, FLAT, Batch, ItemRead, ReadPlan
 from .report import ReadReport, Tally
@@ -165,7 +166,7 @@ class _Worker(copies.Copier):
         dests = self.r.plan.destinations
         slot, t, mv = self.buffer(batch.length_bytes)
         self.readv(batch.items[0].item.relative_path, batch.items[0].item.offset_bytes, [mv])
-        at, pairs, items, verified, nbytes = 0, [], 0, 0, 0
+        at, spans, items, verified, nbytes = 0, [], 0, 0, 0
         for read in batch.items:
             self.key = read.fqn
             f, length = read.frame, read.item.length_bytes
@@ -176,13 +177,12 @@ class _Worker(copies.Copier):
                 verified += self.verify(read, mv[at:at + length])
                 payload_at = at + f.prefix_bytes
                 for p in read.pieces:
-                    n = p.payload_end - p.payload_start
-                    pairs.append((dests[p.dest].flat_bytes[p.dest_start:p.dest_start + n],
-                                  t[payload_at + p.payload_start:payload_at + p.payload_end]))
+                    spans.append(copies.Span(p.dest, p.dest_start, payload_at + p.payload_start,
+                                             p.payload_end - p.payload_start))
                 items, nbytes = items + 1, nbytes + length
             at += length
         self.key = batch.items[0].fqn  # the copies are the whole read's
-        self.copy_all(pairs, slot)
+        self.copy_spans(spans, slot, t)
         self.r.count(items=items, verified=verified, unverified=items - verified, nbytes=nbytes)
 
     def single(self, read: ItemRead) -> None:
@@ -227,8 +227,7 @@ class _Worker(copies.Copier):
                     n = min(self.r.piece_bytes, p.payload_end - start)
                     slot, t, mv = self.buffer(n)
                     self.readv(path, payload_at + start, [mv])
-                    at = p.dest_start + start - p.payload_start
-                    self.copy(dest.flat_bytes[at:at + n], t, slot)
+                    self.copy_spans([copies.Span(p.dest, p.dest_start + start - p.payload_start, 0, n)], slot, t)
                     feed(start, mv)
                     read_bytes += n
             else:
@@ -296,7 +295,9 @@ class Reader:
         self.progress_interval_s = progress_interval_s
         self.cancel = threading.Event()
         self.caller_streams = {}
+        self.driver_copies = False  # host-to-device copies through the CUDA driver (`copies`)
         if torch.cuda.is_available():
+            self.driver_copies = cuda_driver.htod_copies_available()
             for d in plan.destinations:
                 if d.view.device.type == "cuda" and d.view.device not in self.caller_streams:
                     self.caller_streams[d.view.device] = torch.cuda.current_stream(d.view.device)

@@ -33,7 +33,7 @@ import torch
 
 from .. import integrity
 from ..errors import ReadError
-from . import container
+from . import container, copies
 from .plan import DIRECT, FLAT, Batch, ItemRead
 
 # A thread waiting for the piece before its own looks at the cancel flag this often.
@@ -243,11 +243,8 @@ def run_piece(worker, task: PieceTask) -> None:
         slot, t, mv = worker.buffer(task.end - task.start)
         worker.readv(path, payload_at + task.start, [mv])
         _feed(worker, item, task, [mv])
-        pairs = []
-        for p, lo, hi in spans:
-            at = p.dest_start + lo - p.payload_start
-            pairs.append((dests[p.dest].flat_bytes[at:at + hi - lo], t[lo - task.start:hi - task.start]))
-        worker.copy_all(pairs, slot)
+        worker.copy_spans([copies.Span(p.dest, p.dest_start + lo - p.payload_start, lo - task.start, hi - lo)
+                           for p, lo, hi in spans], slot, t)
         if item.on_device is not None:
             item.events.append(_mark(worker, item.on_device.device))
     worker.r.count(nbytes=task.end - task.start)

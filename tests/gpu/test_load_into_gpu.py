@@ -29,11 +29,14 @@ def test_gpu_templates_reshard_like_stock(tmp_path):
                 assert r["report"]["verified"] == r["report"]["items"], (name, r["report"])
 
 
-def test_items_summed_on_the_device_are_checked_after_the_reads_and_a_changed_byte_is_refused(tmp_path, monkeypatch):
+@pytest.mark.parametrize("driver", [True, False], ids=["driver_copies", "torch_copies"])
+def test_items_summed_on_the_device_are_checked_after_the_reads_and_a_changed_byte_is_refused(tmp_path, monkeypatch,
+                                                                                              driver):
     """An item bigger than a piece, bound for one GPU tensor, with a grid checksum: its pieces' copies
-    land, its sums are enqueued on the device, and they are read back and compared only once the
-    thread's reads are done (no reader blocks on the device mid-read); bit-exact, counted verified,
-    and a changed payload byte fails the load naming that key."""
+    land (through the CUDA driver, or through torch with the driver's copies off), its sums are
+    enqueued on the device, and they are read back and compared only once the thread's reads are
+    done (no reader blocks on the device mid-read); bit-exact, counted verified, and a changed
+    payload byte fails the load naming that key. Small items gathered into one read land too."""
     import torch
 
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
@@ -42,6 +45,7 @@ def test_items_summed_on_the_device_are_checked_after_the_reads_and_a_changed_by
     from safe_ckpt import integrity
     from safe_ckpt.errors import ReadError
     from safe_ckpt.loading import split
+    from safe_ckpt.residence import cuda_driver
     from tests.loading.test_load_reads_large_items_in_pieces import PIECE, _as_grid, _flip_payload_byte, _state
 
     state = _state()
@@ -69,6 +73,11 @@ def test_items_summed_on_the_device_are_checked_after_the_reads_and_a_changed_by
     monkeypatch.setattr(integrity, "grid_sums", grid_sums)
     monkeypatch.setattr(split, "finish_device_checks", finish)
     monkeypatch.setattr(split._Grid, "from_sums", from_sums)
+    driver_calls = []
+    stock_htod = cuda_driver.memcpy_htod_async
+    monkeypatch.setattr(cuda_driver, "memcpy_htod_async", lambda *a: driver_calls.append(a[2]) or stock_htod(*a))
+    if not driver:
+        monkeypatch.setattr(cuda_driver, "htod_copies_available", lambda: False)
 
     def load(**kw):
         reports = []
@@ -83,6 +92,7 @@ def test_items_summed_on_the_device_are_checked_after_the_reads_and_a_changed_by
     assert all(torch.equal(out[k].cpu(), state[k]) for k in state)
     assert report.verified == report.items and report.unverified == 0 and report.decoded == 0, report
     assert summed == ["cuda"] and read_back == [True], (summed, read_back)
+    assert (sum(driver_calls) == sum(v.numel() * v.element_size() for v in state.values())) == driver, driver_calls
     _flip_payload_byte(path, "a")
     with pytest.raises(ReadError, match=r"key 'a'.*checksum mismatch") as info:
         load()
