@@ -48,12 +48,14 @@ class Copier:
         self.wait_s = 0.0
         self.copy_s = 0.0  # issuing copies (and, for host destinations, making them)
         self.views: list = []  # per slot: the whole piece as a byte memoryview, made once
+        self.addresses: list = []  # per slot: the piece's first byte
         self.driver: dict = {}  # device -> whether this thread enqueues its copies there through the driver
         self.targets: dict = {}  # destination index -> (flat bytes, device, address)
 
     def buffer(self, nbytes: int):
-        """(slot, uint8 tensor, memoryview) of ``nbytes``: a pool piece (slot 0/1), or for a
-        read bigger than a piece, a temporary host tensor (slot None, copied synchronously)."""
+        """(slot, uint8 tensor, memoryview of ``nbytes``): a pool piece (slot 0/1; the tensor is the
+        whole piece), or for a read bigger than a piece, a temporary host tensor of ``nbytes`` (slot
+        None, copied synchronously)."""
         if nbytes > self.r.piece_bytes:
             t = torch.empty(nbytes, dtype=torch.uint8)
             return None, t, memoryview(t.numpy()).cast("B")
@@ -65,7 +67,7 @@ class Copier:
                 event.synchronize()
             self.wait_s += time.perf_counter() - t0
             self.pending[slot] = []
-        return slot, self.leases[slot].tensor[:nbytes], self.views[slot][:nbytes]
+        return slot, self.leases[slot].tensor, self.views[slot][:nbytes]
 
     def take_pieces(self) -> None:
         """This thread's two pool pieces, held until `finish`."""
@@ -75,6 +77,7 @@ class Copier:
             for _ in range(2):
                 self.leases.append(pool.lease(self.r.piece_bytes, timeout_s=self.r.timeout_s, cancel=self.r.cancel))
                 self.views.append(memoryview(self.leases[-1].tensor.numpy()).cast("B"))
+                self.addresses.append(self.leases[-1].tensor.data_ptr())
             self.wait_s += time.perf_counter() - t0
 
     def stream(self, device):
@@ -91,11 +94,11 @@ class Copier:
         return s
 
     def copy_spans(self, spans: list, slot, src: torch.Tensor) -> None:
-        """Copy each `Span` out of ``src`` (a buffer from `buffer`) as `copy_all` copies its pairs."""
+        """Copy each `Span` out of ``src`` (the tensor `buffer` gave) as `copy_all` copies its pairs."""
         t0 = time.perf_counter()
         try:
             devices, pairs = None, []
-            address = src.data_ptr() if slot is not None else 0
+            address = self.addresses[slot] if slot is not None else 0
             for span in spans:
                 target = self.targets.get(span.dest)
                 if target is None:
@@ -173,4 +176,4 @@ class Copier:
         finally:
             for lease in self.leases:
                 lease.release()
-            self.leases, self.views = [], []
+            self.leases, self.views, self.addresses = [], [], []

@@ -246,7 +246,7 @@ class _Worker(copies.Copier):
             slot, t, mv = self.buffer(itemsize)
             self.readv(read.item.relative_path, payload_at, [mv])
             feed(0, mv)
-            self.copy(dest.view, t.view(read.dtype).view(()), slot)
+            self.copy(dest.view, t[:itemsize].view(read.dtype).view(()), slot)
             return itemsize
         row = boxes.row_elements(read.sizes) * itemsize
         rows = max(1, self.r.piece_bytes // max(row, 1))
@@ -259,7 +259,7 @@ class _Worker(copies.Copier):
             slot, t, mv = self.buffer(k * row)
             self.readv(read.item.relative_path, payload_at + r * row, [mv])
             feed(r * row, mv)
-            src = t.view(read.dtype).view((k, *read.sizes[1:]))[(slice(None), *inner_src)]
+            src = t[:k * row].view(read.dtype).view((k, *read.sizes[1:]))[(slice(None), *inner_src)]
             d0 = p.in_dest.offsets[0] + r - first
             self.copy(dest.view[(slice(d0, d0 + k), *inner_dst)], src, slot)
             moved += k * row

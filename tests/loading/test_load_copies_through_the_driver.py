@@ -65,7 +65,8 @@ def test_byte_ranges_land_where_the_torch_path_puts_them(monkeypatch, seed):
     for s in spans:
         expected[s.dest][s.dest_start:s.dest_start + s.nbytes] = piece[s.src_start:s.src_start + s.nbytes]
     copier, calls = _copier(monkeypatch, dests)
-    copier.copy_spans(spans, 1, piece[:at])
+    copier.addresses = [0, piece.data_ptr()]  # the thread's two pieces: this one is slot 1
+    copier.copy_spans(spans, 1, piece)
     assert len(calls) == len(spans)  # one driver call a range, no torch copies
     for d, e in zip(dests, expected):
         assert torch.equal(d, e)
@@ -81,6 +82,8 @@ def test_a_thread_whose_context_is_another_device_copies_through_torch(monkeypat
     torch_copies = []
     monkeypatch.setattr(copies.Copier, "_copy_all",
                         lambda self, pairs, slot, devices=None: torch_copies.extend(pairs))
-    copier.copy_spans([copies.Span(0, 10, 0, 50)], 0, torch.ones(64, dtype=torch.uint8))
+    piece = torch.ones(64, dtype=torch.uint8)
+    copier.addresses = [piece.data_ptr(), 0]
+    copier.copy_spans([copies.Span(0, 10, 0, 50)], 0, piece)
     assert calls == [] and len(torch_copies) == 1 and torch_copies[0][0].numel() == 50
     assert copier.driver == {torch.device("cuda", 0): False}
