@@ -310,6 +310,16 @@ def _measure(rank: int, world: int, args) -> dict:
             rows.append({"rep": rep, "method": m, "seconds": float(slowest), "rank_seconds": seconds,
                          "read_seconds": read_s, "evicted": evicted, "mismatched": int(bad_all),
                          "thread_s": _thread_seconds(last) if last else None})
+    if args.profile and "safe" in methods:  # after the timed rounds: one more load, profiled, not timed
+        from safe_ckpt_lab.diag.load_profile import profiled
+
+        out = args.out or os.path.join("benchmarks", "results", f"load_{socket.gethostname()}_{datetime.date.today()}")
+        with profiled(f"{out}.rank{rank}.profile.txt"):
+            runs["safe"]()
+        if cuda:
+            torch.cuda.synchronize()
+        if check():
+            raise SystemExit("safe (profiled): tensors differ from what was saved")
     if rank == 0:
         shutil.rmtree(path, ignore_errors=True)
     return {"rows": rows, "bytes": state.nbytes, "description": state.description, "filesystem": fs,
@@ -425,6 +435,9 @@ def main() -> None:
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--commit", default=None, help="the commit measured, for the report (default: git rev-parse)")
+    p.add_argument("--profile", action="store_true",
+                   help="after the rounds, one more safe load under cProfile (calling and reader threads): "
+                        "<out>.rank<N>.profile.txt")
     p.add_argument("--out", default=None, help="output prefix (default benchmarks/results/load_<host>_<date>)")
     args = p.parse_args()
 
