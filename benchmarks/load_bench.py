@@ -309,11 +309,32 @@ def _measure(rank: int, world: int, args) -> dict:
             read_s = last.seconds if last else None  # this rank's reads alone
             rows.append({"rep": rep, "method": m, "seconds": float(slowest), "rank_seconds": seconds,
                          "read_seconds": read_s, "evicted": evicted, "mismatched": int(bad_all),
-                         "thread_s": {k: getattr(last, k, 0.0) for k in ("read_s", "wait_s", "hash_s")} if last else None})
+                         "thread_s": _thread_seconds(last) if last else None})
+    if args.profile and "safe" in methods:  # after the timed rounds: one more load, profiled, not timed
+        from safe_ckpt_lab.diag.load_profile import profiled
+
+        out = args.out or os.path.join("benchmarks", "results", f"load_{socket.gethostname()}_{datetime.date.today()}")
+        with profiled(f"{out}.rank{rank}.profile.txt"):
+            runs["safe"]()
+        if cuda:
+            torch.cuda.synchronize()
+        if check():
+            raise SystemExit("safe (profiled): tensors differ from what was saved")
     if rank == 0:
         shutil.rmtree(path, ignore_errors=True)
     return {"rows": rows, "bytes": state.nbytes, "description": state.description, "filesystem": fs,
             "report": reports[-1].__dict__ if reports else None}
+
+
+THREAD_KEYS = ("read_s", "wait_s", "hash_s", "copy_s", "other_s")
+
+
+def _thread_seconds(report) -> dict:
+    """Where the reader threads' time went, summed over them; ``other_s``: the rest of threads x read
+    phase (Python between the calls, waiting for the GIL, thread start and end)."""
+    out = {k: getattr(report, k, 0.0) for k in THREAD_KEYS[:-1]}
+    out["other_s"] = max(0.0, report.threads * report.seconds - sum(out.values()))
+    return out
 
 
 def _span(xs: list) -> str:
@@ -340,9 +361,11 @@ def _table(results: dict, world: int) -> str:
                          f"| {ratio(m, 'stock', '{:.2f}x'.format)} | {ratio(m, 'dcp', '{:.2f}x'.format)} |")
     for m in ("safe", "safe_nosum"):
         spent = [r["thread_s"] for r in results[0]["rows"] if r["method"] == m and r.get("thread_s")]
+        phase = [r["read_seconds"] for r in results[0]["rows"] if r["method"] == m and r.get("read_seconds")]
         if spent:
-            lines.append(f"\n{m}, rank 0, thread seconds (summed over its threads; median over rounds): " + ", ".join(
-                f"{k[:-2]} {statistics.median(x[k] for x in spent):.3f}" for k in ("read_s", "wait_s", "hash_s")))
+            lines.append(f"\n{m}, rank 0, read phase {_span(phase)} s of the load; thread seconds (summed over its "
+                         f"threads; median over rounds): " + ", ".join(
+                f"{k[:-2]} {statistics.median(x.get(k, 0.0) for x in spent):.3f}" for k in THREAD_KEYS))
     if world > 1:
         lines += ["", f"Each rank's own time (median over rounds), {world} ranks: median [min-max] across ranks "
                       f"(a load is collective: its ranks end together; safe_ckpt's read phase alone is per rank), "
@@ -412,6 +435,9 @@ def main() -> None:
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--commit", default=None, help="the commit measured, for the report (default: git rev-parse)")
+    p.add_argument("--profile", action="store_true",
+                   help="after the rounds, one more safe load under cProfile (calling and reader threads): "
+                        "<out>.rank<N>.profile.txt")
     p.add_argument("--out", default=None, help="output prefix (default benchmarks/results/load_<host>_<date>)")
     args = p.parse_args()
 

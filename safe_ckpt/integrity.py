@@ -194,6 +194,19 @@ class GridHasher:
         return self._fold.value()
 
 
+def item_checksum(item: ItemChecksum, manifest_algorithm: str, data) -> int:
+    """``item``'s checksum of its whole bytes ``data`` (one buffer) as the manifest describes it: one
+    call into the hash for the sequential algorithms (a reader thread gives up the GIL once an item)."""
+    algorithm = item.algorithm or manifest_algorithm
+    if algorithm == "xxh3_64" and xxhash is not None:
+        return xxhash.xxh3_64_intdigest(data)
+    if algorithm == "crc32":
+        return zlib.crc32(data)
+    hasher = item_hasher(item, manifest_algorithm)
+    hasher.update(data)
+    return hasher.value()
+
+
 def item_hasher(item: ItemChecksum, manifest_algorithm: str):
     """The incremental hasher that checks ``item`` as the manifest describes it."""
     algorithm = item.algorithm or manifest_algorithm

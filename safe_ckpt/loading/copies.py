@@ -6,14 +6,33 @@ byte ranges out of it into destination tensors: host destinations synchronously,
 the thread's own stream per device (made current for the thread once, after the caller's
 stream), with one event per device recorded after each call's copies, so a piece is read into
 again only once every copy out of it has finished. The events are the thread's own, reused.
+A byte range from a piece into a contiguous GPU destination is enqueued through the CUDA
+driver where it loads and the thread's current context is the destination's device (one
+call from two addresses, against two tensor views and a dispatched `copy_` that hold the GIL
+for tens of microseconds each: per item, with a thousand small items, that is time every
+other reader thread waits); anything else through torch.
 Must not: read files, check checksums, or block on the device beyond the copies it issued.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
+
+from ..residence import cuda_driver
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    """``nbytes`` from byte ``src_start`` of a buffer to byte ``dest_start`` of destination ``dest``'s
+    contiguous bytes (`plan.Destination.flat_bytes`)."""
+
+    dest: int
+    dest_start: int
+    src_start: int
+    nbytes: int
 
 
 class Copier:
@@ -27,10 +46,16 @@ class Copier:
         self.turn = 0
         self.streams: dict = {}
         self.wait_s = 0.0
+        self.copy_s = 0.0  # issuing copies (and, for host destinations, making them)
+        self.views: list = []  # per slot: the whole piece as a byte memoryview, made once
+        self.addresses: list = []  # per slot: the piece's first byte
+        self.driver: dict = {}  # device -> whether this thread enqueues its copies there through the driver
+        self.targets: dict = {}  # destination index -> (flat bytes, device, address)
 
     def buffer(self, nbytes: int):
-        """(slot, uint8 tensor, memoryview) of ``nbytes``: a pool piece (slot 0/1), or for a
-        read bigger than a piece, a temporary host tensor (slot None, copied synchronously)."""
+        """(slot, uint8 tensor, memoryview of ``nbytes``): a pool piece (slot 0/1; the tensor is the
+        whole piece), or for a read bigger than a piece, a temporary host tensor of ``nbytes`` (slot
+        None, copied synchronously)."""
         if nbytes > self.r.piece_bytes:
             t = torch.empty(nbytes, dtype=torch.uint8)
             return None, t, memoryview(t.numpy()).cast("B")
@@ -39,11 +64,11 @@ class Copier:
         if self.pending[slot]:
             t0 = time.perf_counter()
             for event in self.pending[slot]:
-                event.synchronize()
+                if not event.query():  # asked first: a wait gives up the GIL even when nothing is left to wait for
+                    event.synchronize()
             self.wait_s += time.perf_counter() - t0
             self.pending[slot] = []
-        t = self.leases[slot].tensor[:nbytes]
-        return slot, t, memoryview(t.numpy()).cast("B")
+        return slot, self.leases[slot].tensor, self.views[slot][:nbytes]
 
     def take_pieces(self) -> None:
         """This thread's two pool pieces, held until `finish`."""
@@ -52,6 +77,8 @@ class Copier:
             pool = self.r.pool()
             for _ in range(2):
                 self.leases.append(pool.lease(self.r.piece_bytes, timeout_s=self.r.timeout_s, cancel=self.r.cancel))
+                self.views.append(memoryview(self.leases[-1].tensor.numpy()).cast("B"))
+                self.addresses.append(self.leases[-1].tensor.data_ptr())
             self.wait_s += time.perf_counter() - t0
 
     def stream(self, device):
@@ -59,10 +86,49 @@ class Copier:
         threads run here, so no caller's stream is changed)."""
         s = self.streams.get(device)
         if s is None:
+            torch.cuda.set_device(device)  # this thread's: its driver calls go to the device's context
             s = self.streams[device] = torch.cuda.Stream(device=device)
             s.wait_stream(self.r.caller_streams[device])
             torch.cuda.set_stream(s)
+            if len(self.streams) > 1:  # one current context at a time: several devices go through torch
+                self.driver = dict.fromkeys(self.streams, False)
         return s
+
+    def copy_spans(self, spans: list, slot, src: torch.Tensor) -> None:
+        """Copy each `Span` out of ``src`` (the tensor `buffer` gave) as `copy_all` copies its pairs."""
+        t0 = time.perf_counter()
+        try:
+            devices, pairs = None, []
+            address = self.addresses[slot] if slot is not None else 0
+            for span in spans:
+                target = self.targets.get(span.dest)
+                if target is None:
+                    flat = self.r.plan.destinations[span.dest].flat_bytes
+                    target = self.targets[span.dest] = (flat, flat.device, flat.data_ptr())
+                flat, device, dest_address = target
+                if slot is None or device.type != "cuda":
+                    pairs.append((flat[span.dest_start:span.dest_start + span.nbytes],
+                                  src[span.src_start:span.src_start + span.nbytes]))
+                    continue
+                if device not in self.streams:
+                    self.stream(device)
+                driver = self.driver.get(device)
+                if driver is None:  # asked once the thread has used the device (its context is current)
+                    driver = self.driver[device] = self.r.driver_copies and \
+                        cuda_driver.current_device() == device.index
+                if driver:
+                    cuda_driver.memcpy_htod_async(dest_address + span.dest_start, address + span.src_start,
+                                                  span.nbytes, self.streams[device].cuda_stream)
+                    if devices is None:
+                        devices = [device]
+                    elif device not in devices:
+                        devices.append(device)
+                else:
+                    pairs.append((flat[span.dest_start:span.dest_start + span.nbytes],
+                                  src[span.src_start:span.src_start + span.nbytes]))
+            self._copy_all(pairs, slot, devices)
+        finally:
+            self.copy_s += time.perf_counter() - t0
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, slot) -> None:
         self.copy_all(((dst, src),), slot)
@@ -70,7 +136,14 @@ class Copier:
     def copy_all(self, pairs, slot) -> None:
         """Copy each (destination, source) pair; where a source lies in a piece (``slot``), one event
         per device marks the end of these copies before the piece is read into again."""
-        devices = None
+        t0 = time.perf_counter()
+        try:
+            self._copy_all(pairs, slot)
+        finally:
+            self.copy_s += time.perf_counter() - t0
+
+    def _copy_all(self, pairs, slot, devices=None) -> None:
+        """``devices``: those copies were already enqueued to (through the driver)."""
         for dst, src in pairs:
             if dst.device.type != "cuda":
                 dst.copy_(src)
@@ -104,4 +177,4 @@ class Copier:
         finally:
             for lease in self.leases:
                 lease.release()
-            self.leases = []
+            self.leases, self.views, self.addresses = [], [], []

@@ -11,7 +11,10 @@ task (a large item's pieces first, `split`; then batches in file order) and:
 - reads strided overlaps (resharding across a non-leading axis, dtype conversion, tensor
   subclasses) as whole rows of the stored chunk into a piece, then copies the sub-box;
 - checks each item's archive framing (`container`), decoding a non-standard archive with torch's
-  weights-only loader, and hashes every item it reads whole where the manifest has a checksum.
+  weights-only loader, and hashes every item it reads whole where the manifest has a checksum
+  (an item in one buffer with one call into the hash);
+- once its tasks are done, waits for its copies and compares the device grid sums of the large
+  items it finished (`split`).
 The first failure stops the other threads; the caller votes on it, so every rank fails together.
 Must not: talk to other ranks, allocate pinned memory outside the pool, or block on the device
 beyond the copies it issued.
@@ -26,6 +29,7 @@ import torch
 
 from .. import integrity
 from ..errors import INTERRUPTS, RankFailure, ReadError, failure_from_exception
+from ..residence import cuda_driver
 from . import boxes, container, copies, split
 from .plan import DIRECT, FLAT, Batch, ItemRead, ReadPlan
 from .report import ReadReport, Tally
@@ -50,6 +54,7 @@ class _Worker(copies.Copier):
         super().__init__(reader)
         self.read_s = self.hash_s = 0.0
         self.key: str | None = None  # the item a failure now is about (one read may gather several)
+        self.deferred: list = []  # split items whose device grid sums are compared in `finish`
 
     def readv(self, path: str, offset: int, buffers: list) -> None:
         t0 = time.perf_counter()
@@ -62,32 +67,54 @@ class _Worker(copies.Copier):
         self.hash_s += time.perf_counter() - t0
 
     def finish(self) -> None:
+        """Wait for this thread's copies, then compare the device grid sums enqueued behind them."""
         try:
+            self.key = None
             self.finish_copies()
+            split.finish_device_checks(self)
         finally:
-            self.r.count(read_s=self.read_s, wait_s=self.wait_s, hash_s=self.hash_s)
+            self.r.count(read_s=self.read_s, wait_s=self.wait_s, hash_s=self.hash_s, copy_s=self.copy_s)
 
     # ---- checksums ----------------------------------------------------------------------
     def hasher(self, read: ItemRead):
-        c = read.checksum
-        if c is None:
+        if read.checksum is None:
             return None
+        return self._checking(read, lambda: integrity.item_hasher(read.checksum, self.r.algorithm))
+
+    def _checking(self, read: ItemRead, compute):
+        """``compute()`` for an item whose manifest row agrees with the index, naming the item where
+        its checksum cannot be computed here."""
+        c = read.checksum
         if c.length_bytes != read.item.length_bytes:
             raise ReadError(f"{_where(self.r.source, read)}: the checksum manifest records {c.length_bytes} bytes "
                             f"for this item, the index {read.item.length_bytes}: the manifest does not belong to "
                             f"this checkpoint")
         try:
-            return integrity.item_hasher(c, self.r.algorithm)
+            return compute()
         except (RuntimeError, ValueError) as exc:
             raise ReadError(f"{_where(self.r.source, read)}: cannot check its checksum: {exc}; "
                             f"LoadOptions(verify_checksums=False) loads without checking") from None
 
     def check(self, read: ItemRead, hasher) -> None:
-        if hasher.value() != read.checksum.checksum:
+        self.compare(read, hasher.value())
+        self.r.count(verified=1)
+
+    def compare(self, read: ItemRead, value) -> None:
+        if value != read.checksum.checksum:
             raise ReadError(f"{_where(self.r.source, read)}: checksum mismatch: the stored bytes differ from what was "
                             f"saved (corrupted or modified since); restore the file or re-save. "
                             f"LoadOptions(verify_checksums=False) skips the check")
-        self.r.count(verified=1)
+
+    def verify(self, read: ItemRead, data) -> bool:
+        """Check an item read whole into one buffer, in one call into the hash; False where the
+        manifest has no checksum for it. The caller counts it verified."""
+        if read.checksum is None:
+            return False
+        t0 = time.perf_counter()
+        value = self._checking(read, lambda: integrity.item_checksum(read.checksum, self.r.algorithm, data))
+        self.hash_s += time.perf_counter() - t0
+        self.compare(read, value)
+        return True
 
     # ---- the three ways an item travels -------------------------------------------------
     def run(self, batch: Batch) -> None:
@@ -139,7 +166,7 @@ class _Worker(copies.Copier):
         dests = self.r.plan.destinations
         slot, t, mv = self.buffer(batch.length_bytes)
         self.readv(batch.items[0].item.relative_path, batch.items[0].item.offset_bytes, [mv])
-        at, pairs, items, unverified, nbytes = 0, [], 0, 0, 0
+        at, spans, items, verified, nbytes = 0, [], 0, 0, 0
         for read in batch.items:
             self.key = read.fqn
             f, length = read.frame, read.item.length_bytes
@@ -147,20 +174,16 @@ class _Worker(copies.Copier):
             if not container.payload_is_framed(f, head, tail):
                 self.decode(read)
             else:
-                hasher = self.hasher(read)
-                if hasher is not None:
-                    self.hash(hasher, mv[at:at + length])
-                    self.check(read, hasher)
+                verified += self.verify(read, mv[at:at + length])
                 payload_at = at + f.prefix_bytes
                 for p in read.pieces:
-                    n = p.payload_end - p.payload_start
-                    pairs.append((dests[p.dest].flat_bytes[p.dest_start:p.dest_start + n],
-                                  t[payload_at + p.payload_start:payload_at + p.payload_end]))
-                items, unverified, nbytes = items + 1, unverified + (hasher is None), nbytes + length
+                    spans.append(copies.Span(p.dest, p.dest_start, payload_at + p.payload_start,
+                                             p.payload_end - p.payload_start))
+                items, nbytes = items + 1, nbytes + length
             at += length
         self.key = batch.items[0].fqn  # the copies are the whole read's
-        self.copy_all(pairs, slot)
-        self.r.count(items=items, unverified=unverified, nbytes=nbytes)
+        self.copy_spans(spans, slot, t)
+        self.r.count(items=items, verified=verified, unverified=items - verified, nbytes=nbytes)
 
     def single(self, read: ItemRead) -> None:
         """One item read in parts: its framing, then each piece (through the pool where needed)."""
@@ -204,8 +227,7 @@ class _Worker(copies.Copier):
                     n = min(self.r.piece_bytes, p.payload_end - start)
                     slot, t, mv = self.buffer(n)
                     self.readv(path, payload_at + start, [mv])
-                    at = p.dest_start + start - p.payload_start
-                    self.copy(dest.flat_bytes[at:at + n], t, slot)
+                    self.copy_spans([copies.Span(p.dest, p.dest_start + start - p.payload_start, 0, n)], slot, t)
                     feed(start, mv)
                     read_bytes += n
             else:
@@ -224,7 +246,7 @@ class _Worker(copies.Copier):
             slot, t, mv = self.buffer(itemsize)
             self.readv(read.item.relative_path, payload_at, [mv])
             feed(0, mv)
-            self.copy(dest.view, t.view(read.dtype).view(()), slot)
+            self.copy(dest.view, t[:itemsize].view(read.dtype).view(()), slot)
             return itemsize
         row = boxes.row_elements(read.sizes) * itemsize
         rows = max(1, self.r.piece_bytes // max(row, 1))
@@ -237,7 +259,7 @@ class _Worker(copies.Copier):
             slot, t, mv = self.buffer(k * row)
             self.readv(read.item.relative_path, payload_at + r * row, [mv])
             feed(r * row, mv)
-            src = t.view(read.dtype).view((k, *read.sizes[1:]))[(slice(None), *inner_src)]
+            src = t[:k * row].view(read.dtype).view((k, *read.sizes[1:]))[(slice(None), *inner_src)]
             d0 = p.in_dest.offsets[0] + r - first
             self.copy(dest.view[(slice(d0, d0 + k), *inner_dst)], src, slot)
             moved += k * row
@@ -247,15 +269,14 @@ class _Worker(copies.Copier):
         """The general path: the whole item through torch's weights-only loader, then sub-box copies."""
         data = bytearray(read.item.length_bytes)
         self.readv(read.item.relative_path, read.item.offset_bytes, [memoryview(data)])
-        hasher = self.hasher(read)
-        if hasher is not None:
-            self.hash(hasher, data)
-            self.check(read, hasher)
+        verified = self.verify(read, data)
+        if verified:
+            self.r.count(verified=1)
         tensor = container.decode_chunk(data, _where(self.r.source, read), read.sizes)
         dests = self.r.plan.destinations
         for p in read.pieces:
             self.copy(dests[p.dest].view[_index(p.in_dest)], tensor[_index(p.in_chunk)], None)
-        self.r.count(items=1, decoded=1, unverified=0 if hasher else 1, nbytes=len(data))
+        self.r.count(items=1, decoded=1, unverified=0 if verified else 1, nbytes=len(data))
 
 
 class Reader:
@@ -274,7 +295,9 @@ class Reader:
         self.progress_interval_s = progress_interval_s
         self.cancel = threading.Event()
         self.caller_streams = {}
+        self.driver_copies = False  # host-to-device copies through the CUDA driver (`copies`)
         if torch.cuda.is_available():
+            self.driver_copies = cuda_driver.htod_copies_available()
             for d in plan.destinations:
                 if d.view.device.type == "cuda" and d.view.device not in self.caller_streams:
                     self.caller_streams[d.view.device] = torch.cuda.current_stream(d.view.device)
@@ -326,7 +349,7 @@ class Reader:
             try:
                 worker.finish()
             except BaseException as exc:
-                self._fail(None, exc)
+                self._fail(worker.key, exc)
 
     def run(self) -> tuple[ReadReport, RankFailure | None]:
         t0 = time.perf_counter()

@@ -27,6 +27,7 @@ class ReadReport:
     read_s: float = 0.0
     wait_s: float = 0.0
     hash_s: float = 0.0
+    copy_s: float = 0.0  # issuing the copies out of pieces (host destinations: making them)
 
 
 class Tally:
@@ -35,7 +36,7 @@ class Tally:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.counts = dict(items=0, verified=0, unverified=0, decoded=0, nbytes=0, read_s=0.0, wait_s=0.0,
-                           hash_s=0.0)
+                           hash_s=0.0, copy_s=0.0)
 
     def add(self, **kw) -> None:
         with self._lock:
@@ -46,7 +47,7 @@ class Tally:
         with self._lock:
             c = dict(self.counts)
         return ReadReport(c["nbytes"], c["items"], c["verified"], c["unverified"], c["decoded"], threads, seconds,
-                          c["read_s"], c["wait_s"], c["hash_s"])
+                          c["read_s"], c["wait_s"], c["hash_s"], c["copy_s"])
 
 
 def log_read(report: ReadReport, where: str, rank: int) -> None:
@@ -55,6 +56,6 @@ def log_read(report: ReadReport, where: str, rank: int) -> None:
     rate = report.bytes_read / report.seconds / 2**30 if report.seconds > 0 else math.inf
     log.info("rank %d read %.3f GiB of %s in %.3f s (%.2f GiB/s, %d threads): %d items, %d checksums "
              "verified, %d unverified, %d decoded by torch.load; threads spent %.3f s reading, %.3f s waiting "
-             "for copies or pool memory, %.3f s hashing", rank, report.bytes_read / 2**30, where, report.seconds,
-             rate, report.threads, report.items, report.verified, report.unverified, report.decoded, report.read_s,
-             report.wait_s, report.hash_s)
+             "for copies or pool memory, %.3f s hashing, %.3f s issuing copies", rank, report.bytes_read / 2**30,
+             where, report.seconds, rate, report.threads, report.items, report.verified, report.unverified,
+             report.decoded, report.read_s, report.wait_s, report.hash_s, report.copy_s)

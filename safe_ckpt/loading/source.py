@@ -54,6 +54,19 @@ def _short(path: str, offset_bytes: int, wanted_bytes: int, got_bytes: int) -> R
                      f"there (truncated or still being written?)")
 
 
+def _after(buffers: list, n: int) -> list:
+    """What is left of ``buffers`` once a read filled their first ``n`` bytes (a buffer filled in
+    part continues from where it stopped)."""
+    i = 0
+    while n and n >= buffers[i].nbytes:
+        n -= buffers[i].nbytes
+        i += 1
+    rest = buffers[i:]
+    if n:
+        rest[0] = rest[0][n:]
+    return rest
+
+
 class DirectorySource:
     """`Source` over a local directory; file descriptors are opened once and shared by threads."""
 
@@ -130,6 +143,18 @@ class DirectorySource:
         offset = offset_bytes
         wanted = sum(b.nbytes for b in pending)
         got = 0
+        if 0 < len(pending) <= _IOV_MAX and wanted <= _MAX_READ_BYTES:  # one call, as almost every read is
+            try:
+                got = os.preadv(fd, pending, offset)
+            except OSError as exc:
+                raise ReadError(f"{self.describe(name)}: read at offset {offset} failed: {exc.strerror or exc}") \
+                    from None
+            if got == wanted:
+                return
+            if got == 0:
+                raise _short(self.describe(name), offset_bytes, wanted, got)
+            offset += got
+            pending = _after(pending, got)
         while pending:
             batch, total = [], 0
             for b in pending[:_IOV_MAX]:
@@ -148,15 +173,7 @@ class DirectorySource:
                 raise _short(self.describe(name), offset_bytes, wanted, got)
             got += n
             offset += n
-            # drop what was filled; a buffer filled in part continues from where it stopped
-            while n:
-                head = pending[0]
-                if n >= head.nbytes:
-                    n -= head.nbytes
-                    pending.pop(0)
-                else:
-                    pending[0] = head[n:]
-                    n = 0
+            pending = _after(pending, n)
 
     def close(self) -> None:
         with self._lock:

@@ -7,7 +7,9 @@ thread busy; and check such an item's checksum across its pieces:
 - a grid checksum from each piece's row and column sums (the rows are independent, the column
   sums add), in whatever order the pieces finish; where the whole payload lands in one
   contiguous GPU tensor, from that tensor once its last piece is in (the sums on the device,
-  as the save made them: the host never reads those bytes again);
+  as the save made them: the host never reads those bytes again; they are enqueued behind the
+  pieces' copies and compared once the thread's copies are done, so no reader thread blocks on
+  the device in the middle of its reads);
 - a sequential one (xxh3, CRC-32) by feeding the pieces strictly in order: a thread whose piece
   is not next waits for the one before it, which an earlier task holds (tasks of one item are
   handed out in order, so the wait always ends);
@@ -31,7 +33,7 @@ import torch
 
 from .. import integrity
 from ..errors import ReadError
-from . import container
+from . import container, copies
 from .plan import DIRECT, FLAT, Batch, ItemRead
 
 # A thread waiting for the piece before its own looks at the cancel flag this often.
@@ -67,9 +69,14 @@ class _Grid:
 
     def from_payload(self, payload) -> None:
         """Sums and tail from the whole payload as one contiguous uint8 tensor (on its own device)."""
-        sums = integrity.grid_sums(payload).cpu().numpy()
+        self.from_sums(integrity.grid_sums(payload), payload[self.rows_end:])
+
+    def from_sums(self, sums, tail) -> None:
+        """Sums as `integrity.grid_sums` gives them and the payload's last partial row, each a tensor
+        on any device (read back here)."""
+        sums = sums.cpu().numpy()
         self.rows, self.cols = sums[:self.rows.size].view(np.uint32), sums[self.rows.size:].view(np.uint32)
-        self.tail = payload[self.rows_end:].cpu().numpy().tobytes()
+        self.tail = tail.cpu().numpy().tobytes()
 
     def value(self, head, suffix) -> int:
         return integrity.checksum_of([bytes(head), struct.pack("<Q", self.n), self.rows.astype("<u4").tobytes(),
@@ -86,6 +93,7 @@ class SplitItem:
         self.hasher, self.grid = hasher, grid
         self.on_device = None  # the payload's bytes in one GPU tensor, where the grid is summed there
         self.events: list = []  # the pieces' copies into it
+        self.device_sums = None  # its grid sums, enqueued on the device once the last piece's copy was
         self.cond = threading.Condition()
 
     def feed(self, index: int, parts: list, start: int, cancel: threading.Event) -> None:
@@ -235,11 +243,8 @@ def run_piece(worker, task: PieceTask) -> None:
         slot, t, mv = worker.buffer(task.end - task.start)
         worker.readv(path, payload_at + task.start, [mv])
         _feed(worker, item, task, [mv])
-        pairs = []
-        for p, lo, hi in spans:
-            at = p.dest_start + lo - p.payload_start
-            pairs.append((dests[p.dest].flat_bytes[at:at + hi - lo], t[lo - task.start:hi - task.start]))
-        worker.copy_all(pairs, slot)
+        worker.copy_spans([copies.Span(p.dest, p.dest_start + lo - p.payload_start, lo - task.start, hi - lo)
+                           for p, lo, hi in spans], slot, t)
         if item.on_device is not None:
             item.events.append(_mark(worker, item.on_device.device))
     worker.r.count(nbytes=task.end - task.start)
@@ -250,12 +255,34 @@ def run_piece(worker, task: PieceTask) -> None:
         for event in item.events:  # every piece's copy, whichever thread issued it
             stream.wait_event(event)
         with torch.cuda.stream(stream):
-            item.grid.from_payload(item.on_device)
+            item.device_sums = integrity.grid_sums(item.on_device)
+        worker.deferred.append(item)  # compared in `finish_device_checks`, once this thread's copies are done
+        return
+    finish_item(worker, item)
+
+
+def finish_item(worker, item: SplitItem) -> None:
+    """Compare a split item's checksum, all its bytes in (for a device grid, its sums read back)."""
+    read = item.read
+    if item.device_sums is not None:
+        item.grid.from_sums(item.device_sums, item.on_device[item.grid.rows_end:])
     checked = item.hasher is not None or item.grid is not None
     if checked and item.value() != read.checksum.checksum:
         worker.check(read, _Mismatch())
     worker.r.count(items=1, verified=1 if checked else 0, unverified=0 if checked else 1,
                    nbytes=read.frame.prefix_bytes + read.frame.suffix_bytes)
+
+
+def finish_device_checks(worker) -> None:
+    """Compare the device-summed items this thread finished (its streams synchronized before)."""
+    t0 = time.perf_counter()
+    try:
+        while worker.deferred:
+            item = worker.deferred.pop(0)
+            worker.key = item.read.fqn
+            finish_item(worker, item)
+    finally:
+        worker.hash_s += time.perf_counter() - t0
 
 
 def _feed(worker, item: SplitItem, task: PieceTask, parts: list) -> None:

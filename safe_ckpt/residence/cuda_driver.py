@@ -5,7 +5,8 @@ at the cost we need: `cuPointerGetAttribute` (is a device address backed by memo
 copy out of a paused range kills the process instead of raising),
 `cuMemcpyDtoHAsync` (one device-to-host copy enqueued for an order of magnitude less of the
 issuing thread's time than `Tensor.copy_` on views of a pinned buffer: for a state of a
-thousand chunks that is the time every writer waits before its first byte) and
+thousand chunks that is the time every writer waits before its first byte), its
+host-to-device twin `cuMemcpyHtoDAsync` for a load's copies out of pinned pieces, and
 `cuStreamWaitValue32` (a stream waits on the device for a word of host memory: torch has no
 way to make a stream wait for work another thread has not enqueued yet).
 
@@ -52,6 +53,7 @@ def _declare(lib) -> None:
     lib.cuPointerGetAttribute.argtypes = [c_void_p, c_int, c_u64]
     # Symbols missing from an old driver leave only the torch path (see `copies_available`).
     for name, args in (("cuMemcpyDtoHAsync_v2", [c_void_p, c_u64, c_size_t, c_void_p]),
+                       ("cuMemcpyHtoDAsync_v2", [c_u64, c_void_p, c_size_t, c_void_p]),
                        ("cuCtxGetCurrent", [ctypes.POINTER(c_void_p)]),
                        ("cuCtxGetDevice", [ctypes.POINTER(c_int)]),
                        ("cuGetErrorName", [c_int, ctypes.POINTER(ctypes.c_char_p)]),
@@ -92,6 +94,12 @@ def copies_available() -> bool:
                                    for n in ("cuMemcpyDtoHAsync_v2", "cuCtxGetCurrent", "cuCtxGetDevice"))
 
 
+def htod_copies_available() -> bool:
+    lib = library()
+    return lib is not None and all(getattr(lib, n, None) is not None
+                                   for n in ("cuMemcpyHtoDAsync_v2", "cuCtxGetCurrent", "cuCtxGetDevice"))
+
+
 def _required():
     lib = library()
     if lib is None:
@@ -118,6 +126,14 @@ def memcpy_dtoh_async(dst_address: int, src_address: int, nbytes: int, stream_ha
     rc = _required().cuMemcpyDtoHAsync_v2(dst_address, src_address, nbytes, stream_handle)
     if rc != _CUDA_SUCCESS:
         raise CudaDriverError(f"cuMemcpyDtoHAsync of {nbytes} bytes from {src_address:#x} failed: {error_name(rc)}")
+
+
+def memcpy_htod_async(dst_address: int, src_address: int, nbytes: int, stream_handle: int) -> None:
+    """Enqueue a copy of ``nbytes`` from host ``src_address`` to device ``dst_address`` on the
+    stream (a raw CUstream); the source must be page-locked for the copy to be asynchronous."""
+    rc = _required().cuMemcpyHtoDAsync_v2(dst_address, src_address, nbytes, stream_handle)
+    if rc != _CUDA_SUCCESS:
+        raise CudaDriverError(f"cuMemcpyHtoDAsync of {nbytes} bytes to {dst_address:#x} failed: {error_name(rc)}")
 
 
 CU_STREAM_WAIT_VALUE_GEQ = 0x0

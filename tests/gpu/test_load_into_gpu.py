@@ -1,7 +1,8 @@
 """GPU tests of the load path (marked gpu; skipped without CUDA): synthetic state resharded into GPU
 templates (pinned-pool pieces, host-to-device copies on side streams) equal to stock load's result;
-and a real GPTModel + DistributedOptimizer resumed through `safe_ckpt.megatron.load_checkpoint`
-training on bit-identical to a stock resume."""
+a large item checked by its grid sums on the device once the reads are done; and a real GPTModel +
+DistributedOptimizer resumed through `safe_ckpt.megatron.load_checkpoint` training on bit-identical
+to a stock resume."""
 
 import importlib.util
 
@@ -26,6 +27,78 @@ def test_gpu_templates_reshard_like_stock(tmp_path):
             assert r["device"] and r["report"]["decoded"] == 0, (name, r["report"])
             if writer == "safe" and tp == load_tp:
                 assert r["report"]["verified"] == r["report"]["items"], (name, r["report"])
+
+
+@pytest.mark.parametrize("driver", [True, False], ids=["driver_copies", "torch_copies"])
+def test_items_summed_on_the_device_are_checked_after_the_reads_and_a_changed_byte_is_refused(tmp_path, monkeypatch,
+                                                                                              driver):
+    """An item bigger than a piece, bound for one GPU tensor, with a grid checksum: its pieces' copies
+    land (through the CUDA driver, or through torch with the driver's copies off), its sums are
+    enqueued on the device, and they are read back and compared only once the thread's reads are
+    done (no reader blocks on the device mid-read); bit-exact, counted verified, and a changed
+    payload byte fails the load naming that key. Small items gathered into one read land too."""
+    import torch
+
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    import safe_ckpt
+    from safe_ckpt import integrity
+    from safe_ckpt.errors import ReadError
+    from safe_ckpt.loading import split
+    from safe_ckpt.residence import cuda_driver
+    from tests.loading.test_load_reads_large_items_in_pieces import PIECE, _as_grid, _flip_payload_byte, _state
+
+    state = _state()
+    path = str(tmp_path / "ckpt")
+    safe_ckpt.save({k: ShardedTensor.from_rank_offsets(k, v) for k, v in state.items()}, path)
+    _as_grid(path, "a")
+    summed, finishing, read_back = [], [], []
+    stock_sums, stock_finish, stock_from_sums = integrity.grid_sums, split.finish_device_checks, split._Grid.from_sums
+
+    def grid_sums(payload):
+        summed.append(payload.device.type)
+        return stock_sums(payload)
+
+    def finish(worker):
+        finishing.append(True)
+        try:
+            stock_finish(worker)
+        finally:
+            finishing.pop()
+
+    def from_sums(self, sums, tail):
+        read_back.append(bool(finishing))
+        return stock_from_sums(self, sums, tail)
+
+    monkeypatch.setattr(integrity, "grid_sums", grid_sums)
+    monkeypatch.setattr(split, "finish_device_checks", finish)
+    monkeypatch.setattr(split._Grid, "from_sums", from_sums)
+    driver_calls = []
+    stock_htod = cuda_driver.memcpy_htod_async
+    monkeypatch.setattr(cuda_driver, "memcpy_htod_async", lambda *a: driver_calls.append(a[2]) or stock_htod(*a))
+    if not driver:
+        monkeypatch.setattr(cuda_driver, "htod_copies_available", lambda: False)
+
+    def load(**kw):
+        reports = []
+        out = {k: torch.full_like(v, 7, device="cuda") for k, v in state.items()}
+        safe_ckpt.load({k: ShardedTensor.from_rank_offsets(k, out[k]) for k in state}, path,
+                       safe_ckpt.LoadOptions(io_threads=3, staging_budget_bytes=1 << 20, piece_bytes=PIECE,
+                                             batch_bytes=16 << 10, on_read=reports.append, **kw))
+        torch.cuda.synchronize()
+        return out, reports[-1]
+
+    out, report = load()
+    assert all(torch.equal(out[k].cpu(), state[k]) for k in state)
+    assert report.verified == report.items and report.unverified == 0 and report.decoded == 0, report
+    assert summed == ["cuda"] and read_back == [True], (summed, read_back)
+    assert (sum(driver_calls) == sum(v.numel() * v.element_size() for v in state.values())) == driver, driver_calls
+    _flip_payload_byte(path, "a")
+    with pytest.raises(ReadError, match=r"key 'a'.*checksum mismatch") as info:
+        load()
+    assert [f.key for f in info.value.failures] == ["a"], str(info.value)
+    out, report = load(verify_checksums=False)
+    assert report.verified == 0 and not torch.equal(out["a"].cpu(), state["a"])
 
 
 def _have_megatron_training():

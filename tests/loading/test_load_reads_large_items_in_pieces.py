@@ -126,6 +126,7 @@ def test_pieces_load_bit_exact_and_every_checksum_is_checked(saved, pool, grid):
     assert all(torch.equal(out[k], state[k]) for k in state)
     assert report.verified == report.items and report.unverified == 0 and report.decoded == 0, report
     assert report.read_s > 0 and report.hash_s > 0 and report.wait_s >= 0, report  # where the threads' time went
+    assert (report.copy_s > 0) == pool, report  # issuing copies out of pieces: only the pool path has them
     _flip_payload_byte(path, "a")
     with pytest.raises(ReadError, match=r"key 'a'.*checksum mismatch"):
         _load(path, state, pool)

@@ -1,7 +1,8 @@
 """The ctypes layer over libcuda: what callers get when a call fails or a symbol is missing.
 
 The real library is exercised on the GPU machine (tests/gpu/test_device_saves.py: every device save
-copies through it, and `test_device_checksums` also through torch with it switched off).
+copies through it, and `test_device_checksums` also through torch with it switched off; every
+load into GPU templates in tests/gpu/test_load_into_gpu.py, with and without it).
 Here a stand-in object takes libcuda's place: it has the same function names and returns
 the same kinds of codes, so the error paths run without a GPU.
 """
@@ -40,6 +41,7 @@ class _FakeDriver:
             return 0
 
         self.cuMemcpyDtoHAsync_v2 = _FakeFn(lambda *a: copy_rc)
+        self.cuMemcpyHtoDAsync_v2 = _FakeFn(lambda *a: copy_rc)
         self.cuCtxGetCurrent = _FakeFn(get_current)
         self.cuCtxGetDevice = _FakeFn(get_device)
         self.cuGetErrorName = _FakeFn(error_name)
@@ -61,6 +63,15 @@ def test_a_failed_copy_raises_with_the_error_name_size_and_address(fake):
         cuda_driver.memcpy_dtoh_async(0x1000, 0x7F0000000000, 4096, 0)
     text = str(info.value)
     assert "CUDA_ERROR_ILLEGAL_ADDRESS" in text and "4096 bytes" in text and "0x7f0000000000" in text
+
+
+def test_a_failed_host_to_device_copy_raises_with_the_error_name_size_and_address(fake):
+    fake()
+    with pytest.raises(cuda_driver.CudaDriverError) as info:
+        cuda_driver.memcpy_htod_async(0x7F0000002000, 0x1000, 8192, 0)
+    text = str(info.value)
+    assert "cuMemcpyHtoDAsync" in text and "CUDA_ERROR_ILLEGAL_ADDRESS" in text and "8192 bytes" in text \
+        and "0x7f0000002000" in text
 
 
 def test_a_thread_without_a_context_has_no_current_device(fake):
@@ -101,4 +112,14 @@ def test_loading_declares_the_library(monkeypatch):
     assert lib._name == "libcuda.so.1"
     # declared: arguments typed for ctypes (an untyped 64-bit address would be truncated)
     assert lib.cuMemcpyDtoHAsync_v2.argtypes and lib.cuMemcpyDtoHAsync_v2.restype is ctypes.c_int
+    # the device address first, as a 64-bit integer; the host address second
+    assert lib.cuMemcpyHtoDAsync_v2.argtypes[:2] == [ctypes.c_uint64, ctypes.c_void_p]
+    assert lib.cuMemcpyHtoDAsync_v2.restype is ctypes.c_int
     assert cuda_driver.library() is lib and len(made) == 1  # loaded once
+
+
+def test_without_the_host_to_device_symbol_a_load_copies_through_torch(fake):
+    lib = fake()
+    assert cuda_driver.htod_copies_available()
+    del lib.cuMemcpyHtoDAsync_v2
+    assert not cuda_driver.htod_copies_available() and cuda_driver.copies_available()
