@@ -48,7 +48,7 @@ def patched_save(state, target: str, budget: int, mode: str, piece_bytes: int | 
     ``rate_gbps``: the device copies paced to this rate (`_paced`); ``devpace_gbps``: the same
     paced on the device (`_devpaced`)."""
     from safe_ckpt.host import cpu
-    from safe_ckpt.residence import cuda_driver
+    from safe_ckpt import cuda_driver
     from safe_ckpt.write import item_writes, pipeline
     from safe_ckpt.saving import job as save_job
     from safe_ckpt.staging import stager

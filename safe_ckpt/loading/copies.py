@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..residence import cuda_driver
+from .. import cuda_driver
 
 
 @dataclass(frozen=True, slots=True)

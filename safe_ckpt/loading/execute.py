@@ -29,7 +29,7 @@ import torch
 
 from .. import integrity
 from ..errors import INTERRUPTS, RankFailure, ReadError, failure_from_exception
-from ..residence import cuda_driver
+from .. import cuda_driver
 from . import boxes, container, copies, split
 from .plan import DIRECT, FLAT, Batch, ItemRead, ReadPlan
 from .report import ReadReport, Tally

@@ -24,7 +24,7 @@ from enum import Enum
 
 import torch
 
-from . import cuda_driver
+from .. import cuda_driver
 
 log = logging.getLogger(__name__)
 

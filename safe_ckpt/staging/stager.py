@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..residence import cuda_driver
+from .. import cuda_driver
 from ..integrity import grid_bytes, grid_sums
 from .pool import Lease, PinnedPool
 from .views import host_memoryview, run_split, run_views

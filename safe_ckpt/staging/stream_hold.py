@@ -23,7 +23,7 @@ import threading
 
 import torch
 
-from ..residence import cuda_driver
+from .. import cuda_driver
 
 log = logging.getLogger("safe_ckpt")
 

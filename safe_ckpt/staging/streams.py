@@ -29,7 +29,7 @@ from typing import Callable, Protocol
 
 import torch
 
-from ..residence import cuda_driver
+from .. import cuda_driver
 from .stream_hold import StreamHold, hold_current
 
 log = logging.getLogger(__name__)

@@ -45,7 +45,7 @@ def test_items_summed_on_the_device_are_checked_after_the_reads_and_a_changed_by
     from safe_ckpt import integrity
     from safe_ckpt.errors import ReadError
     from safe_ckpt.loading import split
-    from safe_ckpt.residence import cuda_driver
+    from safe_ckpt import cuda_driver
     from tests.loading.test_load_reads_large_items_in_pieces import PIECE, _as_grid, _flip_payload_byte, _state
 
     state = _state()

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from safe_ckpt.loading import copies
-from safe_ckpt.residence import cuda_driver
+from safe_ckpt import cuda_driver
 
 
 class _Event:

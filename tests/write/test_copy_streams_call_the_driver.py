@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import torch
 
-from safe_ckpt.residence import cuda_driver
+from safe_ckpt import cuda_driver
 from safe_ckpt.staging.streams import CudaStreams
 
 

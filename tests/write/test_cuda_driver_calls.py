@@ -11,7 +11,7 @@ import ctypes
 
 import pytest
 
-from safe_ckpt.residence import cuda_driver
+from safe_ckpt import cuda_driver
 
 
 class _FakeFn:

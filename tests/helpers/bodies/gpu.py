@@ -299,7 +299,7 @@ def device_checksums(rank, world, ckpt_dir) -> dict:
     # device-sum threshold.
     spec = StateSpec(**dict(GPU_SPEC, hidden=1031, ffn=4124, vocab=8200, bucket_numel=3_000_001))
     refs = reference_tensors(spec, world)
-    from safe_ckpt.residence import cuda_driver
+    from safe_ckpt import cuda_driver
     from safe_ckpt.write import pipeline
 
     out = {}

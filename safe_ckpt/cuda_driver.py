@@ -1,4 +1,5 @@
-"""The few CUDA driver entry points safe_ckpt calls directly, through ctypes on libcuda.
+"""The few CUDA driver entry points safe_ckpt calls directly, through ctypes on libcuda (used by
+residence, staging and loading alike).
 
 One job: load libcuda once and wrap, with argument types, the calls torch does not offer
 at the cost we need: `cuPointerGetAttribute` (is a device address backed by memory? A
