@@ -6,10 +6,8 @@ at the cost we need: `cuPointerGetAttribute` (is a device address backed by memo
 copy out of a paused range kills the process instead of raising),
 `cuMemcpyDtoHAsync` (one device-to-host copy enqueued for an order of magnitude less of the
 issuing thread's time than `Tensor.copy_` on views of a pinned buffer: for a state of a
-thousand chunks that is the time every writer waits before its first byte), its
-host-to-device twin `cuMemcpyHtoDAsync` for a load's copies out of pinned pieces, and
-`cuStreamWaitValue32` (a stream waits on the device for a word of host memory: torch has no
-way to make a stream wait for work another thread has not enqueued yet).
+thousand chunks that is the time every writer waits before its first byte), and its
+host-to-device twin `cuMemcpyHtoDAsync` for a load's copies out of pinned pieces.
 
 Must not: create contexts, streams or memory, or synchronize. Callers fall back to torch
 where `library()` is None or the calling thread has no current context of the right device.
@@ -57,10 +55,7 @@ def _declare(lib) -> None:
                        ("cuMemcpyHtoDAsync_v2", [c_u64, c_void_p, c_size_t, c_void_p]),
                        ("cuCtxGetCurrent", [ctypes.POINTER(c_void_p)]),
                        ("cuCtxGetDevice", [ctypes.POINTER(c_int)]),
-                       ("cuGetErrorName", [c_int, ctypes.POINTER(ctypes.c_char_p)]),
-                       ("cuStreamWaitValue32_v2", [c_void_p, c_u64, ctypes.c_uint32, ctypes.c_uint]),
-                       ("cuStreamWaitValue32", [c_void_p, c_u64, ctypes.c_uint32, ctypes.c_uint]),
-                       ("cuMemHostGetDevicePointer_v2", [ctypes.POINTER(c_u64), c_void_p, ctypes.c_uint])):
+                       ("cuGetErrorName", [c_int, ctypes.POINTER(ctypes.c_char_p)])):
         fn = getattr(lib, name, None)
         if fn is not None:
             fn.restype = c_int
@@ -135,40 +130,3 @@ def memcpy_htod_async(dst_address: int, src_address: int, nbytes: int, stream_ha
     rc = _required().cuMemcpyHtoDAsync_v2(dst_address, src_address, nbytes, stream_handle)
     if rc != _CUDA_SUCCESS:
         raise CudaDriverError(f"cuMemcpyHtoDAsync of {nbytes} bytes to {dst_address:#x} failed: {error_name(rc)}")
-
-
-CU_STREAM_WAIT_VALUE_GEQ = 0x0
-
-
-def _stream_wait():
-    """The driver's stream wait on a 32-bit value: the v2 entry point where the driver exports it
-    (supported without the v1 API's kernel-module switch), else the plain name."""
-    lib = library()
-    if lib is None:
-        return None
-    return getattr(lib, "cuStreamWaitValue32_v2", None) or getattr(lib, "cuStreamWaitValue32", None)
-
-
-def stream_waits_available() -> bool:
-    return _stream_wait() is not None
-
-
-def host_device_address(host_address: int) -> int:
-    """The device address of page-locked host memory (with unified addressing, the same number)."""
-    lib = _required()
-    fn = getattr(lib, "cuMemHostGetDevicePointer_v2", None)
-    address = ctypes.c_uint64(0)
-    if fn is not None and fn(ctypes.byref(address), host_address, 0) == _CUDA_SUCCESS and address.value:
-        return address.value
-    return host_address
-
-
-def stream_wait_value32(stream_handle: int, address: int, value: int) -> None:
-    """Enqueue on the stream (a raw CUstream; 0 is the legacy default stream of the calling
-    thread's current context) a wait until the 32-bit word at device ``address`` is >= ``value``."""
-    fn = _stream_wait()
-    if fn is None:
-        raise CudaDriverError("the CUDA driver has no cuStreamWaitValue32")
-    rc = fn(stream_handle, address, value, CU_STREAM_WAIT_VALUE_GEQ)
-    if rc != _CUDA_SUCCESS:
-        raise CudaDriverError(f"cuStreamWaitValue32 on stream {stream_handle:#x} failed: {error_name(rc)}")

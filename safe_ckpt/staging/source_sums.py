@@ -42,10 +42,6 @@ class SourceSums(Protocol):
     def changed(self) -> list[int]:
         """The slots whose phase 0 and 1 differ; call once every measurement's mark is done."""
 
-    def allocate(self) -> None:
-        """Take now whatever memory the measurements need (after every `reserve`); a slot never
-        measured then compares equal."""
-
 
 class HostSums:
     """`integrity.checksum_of` over a contiguous host tensor's bytes."""
@@ -58,9 +54,6 @@ class HostSums:
         return tensor.device.type == "cpu" and tensor.is_contiguous()
 
     def reserve(self, slot: int, tensor: torch.Tensor) -> None:
-        pass
-
-    def allocate(self) -> None:
         pass
 
     def measure(self, slot: int, phase: int, tensor: torch.Tensor) -> None:
@@ -117,14 +110,9 @@ class DeviceSums:
         with self._lock:
             buf = self._buffers.get((device, phase))
             if buf is None:  # allocated on the copy stream (we are inside its context): freed in its order
-                buf = self._buffers[(device, phase)] = torch.zeros(max(1, self._rows_by_device.get(device, 0)),
+                buf = self._buffers[(device, phase)] = torch.empty(max(1, self._rows_by_device.get(device, 0)),
                                                                    dtype=torch.int64, device=device)
             return buf
-
-    def allocate(self) -> None:
-        for device in list(self._rows_by_device):
-            for phase in (0, 1):
-                self._streams.call(device, lambda device=device, phase=phase: self._buffer(device, phase))
 
     def measure(self, slot: int, phase: int, tensor: torch.Tensor) -> None:
         device, first, rows = self._slots[slot]

@@ -8,7 +8,7 @@ Two implementations:
   caller's current stream; copies go through the CUDA driver (or `copy_(non_blocking=True)`);
   a mark is a `torch.cuda.Event` recorded on it; `keep` is `tensor.record_stream(copy stream)`;
   `order_current_after` is `torch.cuda.current_stream(device).wait_event(event)`, which does
-  not block the host; `hold_current` holds the caller's streams until released (`stream_hold`).
+  not block the host.
 - `HostStreams`: for CPU tests and CPU-only runs. A "device" is a worker thread that runs its
   work in the order it was enqueued; a mark is set when the worker reaches it. The caller's
   stream is the calling thread itself, so ordering it after a mark blocks it. `hold(device)`
@@ -30,7 +30,6 @@ from typing import Callable, Protocol
 import torch
 
 from .. import cuda_driver
-from .stream_hold import StreamHold, hold_current
 
 log = logging.getLogger(__name__)
 
@@ -70,10 +69,6 @@ class CopyStreams(Protocol):
 
     def wait(self, mark: Mark, timeout_s: float | None) -> bool:
         """Block the host until the mark is done (True) or ``timeout_s`` passed (False)."""
-
-    def hold_current(self, devices) -> "StreamHold | None":
-        """Hold the caller's current streams on ``devices`` until the returned hold is released
-        (`stream_hold`), without blocking the host; None where these streams cannot."""
 
     def close(self) -> None:
         """No more work will be enqueued."""
@@ -160,9 +155,6 @@ class CudaStreams:
             time.sleep(min(nap, left))
             nap = min(nap * 2, _POLL_MAX_S)
         return True
-
-    def hold_current(self, devices) -> StreamHold | None:
-        return hold_current(devices)
 
     def close(self) -> None:
         pass
@@ -253,9 +245,6 @@ class HostStreams:
 
     def wait(self, mark: HostMark, timeout_s: float | None) -> bool:
         return mark._reached.wait(timeout_s)
-
-    def hold_current(self, devices) -> None:
-        return None  # the caller's "stream" is its own thread: holding it would block it
 
     def hold(self, device: int) -> threading.Event:
         """Work enqueued on the device after this call waits until the returned event is set."""

@@ -7,14 +7,15 @@ stream's mark after each device source's last copy; answer a gate; say, once eve
 landed, whether a source changed under the window (its version counter at copy time, its content
 sums at the opening and after its last copy).
 
-Lifecycle: `open()` in the caller's thread (copy streams after its streams); the copier reports
-every chunk (`before_copy`, then `issued`, `issued_together` or `captured`); `order_opening()` once
-the small sources are copied (opening sums enqueued for the rest; the caller's streams run nothing
-more before all that is done, or, held since `open`, are released once it is); `settle()` in the
-save's thread once the copier is done: every copy landed, sums compared, closed. `fail(exc)` may
+Lifecycle of one save's window: `open()` in the caller's thread (copy streams ordered after the
+caller's current streams); the copier reports every chunk (`before_copy`, then `issued`,
+`issued_together` or `captured`); `order_opening()` once the small sources are copied (the opening
+sums of every source not yet wholly copied are enqueued, and the caller's streams wait for all of
+it: a source copied before that needs no sums); `settle()` in the save's own thread after the
+copier is done: waits for every issued copy to land, compares the sums, closes. `fail(exc)` may
 come at any time, from any thread.
 
-A gate (`before_update`, in `window_gate`), in the thread about to write:
+A gate (`before_update`), in the thread about to write:
 1. a source not yet released whose version counter moved fails the save (an in-place write came
    before its bytes were copied);
 2. while any chunk is not yet issued or captured, the host blocks (the pool is smaller than the
@@ -30,25 +31,56 @@ Must not: install hooks (`gates` does), write files, lease memory, or choose the
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 
-from ..errors import CheckpointError, SourceModifiedError, StagingTimeoutError  # noqa: F401 (tests import it here)
+from ..errors import CheckpointError, SourceModifiedError, StagingTimeoutError
+from ..units import human_bytes
 from .source_sums import SourceSums
-from .stream_hold import StreamHold
 from .streams import CopyStreams, Mark
-from .window_gate import WindowGate
-from .window_records import WindowChunk, WindowSource, WindowStats  # noqa: F401 (callers import them here)
 
-# Sources below this size are copied first, and the opener's stream waits for them: a write to one
-# before the optimizer step (the MoE router's expert bias, rewritten in backward) comes after its copy.
+log = logging.getLogger("safe_ckpt")
+
+# Sources below this size are copied first, from the caller's thread as the window opens, and the
+# caller's stream waits for them: a write to one before the optimizer step (the MoE router's expert
+# bias, rewritten at the end of backward) then comes after its copy.
 SMALL_SOURCE_BYTES = 1 << 20
 
 
-class CopyWindow(WindowGate):
+@dataclass(frozen=True)
+class WindowSource:
+    index: int  # the source's local index in the rank's plan
+    key: str  # its fqn, for errors
+    tensor: torch.Tensor
+    device: Optional[int]  # the copy stream's device; None: host-resident (captured by the host)
+    chunks: int  # chunks to copy or capture
+    size_bytes: int
+    version: int  # the tensor's version counter when the save planned it
+
+
+@dataclass(frozen=True)
+class WindowChunk:
+    index: int  # the source's index
+    size_bytes: int
+
+
+@dataclass(frozen=True)
+class WindowStats:
+    gates: int  # gates met while the window was open
+    blocked_gates: int  # of them, those that blocked the host
+    gate_wait_s: float  # host time spent blocked in gates
+    open_s: float  # from open() until settled (or until now)
+    copied_bytes: int  # device bytes whose copies were issued
+    captured_bytes: int  # host bytes snapshotted or written
+    pending_bytes: int  # bytes neither issued nor captured yet
+
+
+class CopyWindow:
     def __init__(self, sources: list[WindowSource], streams: CopyStreams, sums: SourceSums | None = None, *,
                  name: str, rank: int, timeout_s: float = 600.0,
                  small_source_bytes: int = SMALL_SOURCE_BYTES) -> None:
@@ -69,9 +101,6 @@ class CopyWindow(WindowGate):
         self._device_last: dict[int, Mark] = {}
         self._released: set[int] = set()
         self._kept: set[int] = set()
-        self._checked_at_opening: set[int] = set()  # small sources whose versions the held opening checked
-        self._opening_held = False
-        self._reserved: dict[int, int] = {}  # source index -> sums slot, taken before a held opening
         self._slots: dict[int, int] = {}  # source index -> content-sums slot
         self._cond = threading.Condition()
         self._opened_at: float | None = None
@@ -88,7 +117,7 @@ class CopyWindow(WindowGate):
 
     # ------------------------------------------------------------------ the copier's side
     def open(self) -> None:
-        """In the caller's thread, before any copy (and before its streams are held)."""
+        """In the caller's thread, before any copy."""
         with self._cond:
             if self._opened_at is not None:
                 raise RuntimeError("a copy window opens once")
@@ -105,21 +134,16 @@ class CopyWindow(WindowGate):
         slot, sums, tensor = self._slots[source.index], self.sums, source.tensor
         self.streams.call(source.device, lambda: sums.measure(slot, phase, tensor))
 
-    def order_opening(self, hold: "StreamHold | None" = None) -> None:
-        """Once the small sources' copies are enqueued: the opening sums of every source with
-        copies still to come are enqueued, and the caller's current streams run nothing more before
-        those copies and sums are done; the sources wholly copied are released. In the caller's
-        thread, its streams wait for them; with ``hold`` (the caller's streams held since `open`,
-        this called from the staging thread), the host waits for them, then releases the hold."""
+    def order_opening(self) -> None:
+        """In the caller's thread once the small sources are copied: the opening sums of every
+        source with copies still to come are enqueued, its current streams wait for those
+        copies and sums; the sources wholly copied are released."""
         if self.sums is not None:
             checked = [s for s in self.sources.values() if s.device is not None and self._left[s.index] > 0
-                       and (s.index in self._reserved if self._reserved else self.sums.checks(s.tensor))]
+                       and self.sums.checks(s.tensor)]
             for slot, source in enumerate(checked):
-                if self._reserved:  # slots taken by `reserve_sums`
-                    slot = self._reserved[source.index]
-                else:
-                    self.sums.reserve(slot, source.tensor)
                 self._slots[source.index] = slot
+                self.sums.reserve(slot, source.tensor)
             for device in self._devices:  # one stream hand-off per device, not one per source
                 mine = [(self._slots[s.index], s.tensor) for s in checked if s.device == device]
                 if mine:
@@ -128,49 +152,17 @@ class CopyWindow(WindowGate):
         with self._cond:
             for mark in marks:
                 self._device_last[mark.device] = mark
-        if hold is None:
-            for mark in marks:
-                self.streams.order_current_after(mark)
-        else:
-            self._opening_held = True
-            try:
-                for mark in marks:
-                    if not self.streams.wait(mark, self.timeout_s):
-                        raise CheckpointError(f"rank {self.rank}: the opening copies of the save to {self.name} did "
-                                              f"not land within {self.timeout_s:g} s; is the device hung?")
-                    mark.synchronize()  # raises a failed copy's error
-            finally:  # released on every path: the caller's streams must never wait for good
-                hold.release()
+        for mark in marks:
+            self.streams.order_current_after(mark)
         with self._cond:
             self._released.update(i for i, left in self._left.items() if left == 0)
-
-    def reserve_sums(self) -> None:
-        """In the opener's thread before its streams are held: a sums slot for every device source,
-        and the sums' device memory taken now (an allocation that had to free cached device memory
-        would wait for the held streams, on the staging thread that must release them)."""
-        if self.sums is not None:
-            checked = [s for s in self.sources.values() if s.device is not None and self.sums.checks(s.tensor)]
-            for slot, source in enumerate(checked):
-                self._reserved[source.index] = slot
-                self.sums.reserve(slot, source.tensor)
-            self.sums.allocate()
-
-    def check_small_versions(self) -> None:
-        """In the opener's thread once its streams are held: the small sources' versions, checked now
-        (a write it enqueues later runs after their copies, on the staging thread). Raises a moved one."""
-        for source in self.sources.values():
-            if source.device is not None and self.small(source.index):
-                if source.tensor._version != source.version:
-                    self._modified(source, "its version counter moved before its bytes were copied")
-                    raise self.error
-                self._checked_at_opening.add(source.index)
 
     def before_copy(self, index: int, keep: bool = True) -> None:
         """A chunk of source ``index`` is about to be copied or snapshotted: its memory is kept
         from reuse (not with ``keep=False``: a copy before `order_opening`, which the caller's
         streams wait for), and a moved version counter fails the save (raised here too)."""
         source = self.sources[index]
-        if index not in self._checked_at_opening and source.tensor._version != source.version:
+        if source.tensor._version != source.version:
             self._modified(source, "its version counter moved before its bytes were copied")
             raise self.error
         if keep and source.device is not None and index not in self._kept:
@@ -307,14 +299,80 @@ class CopyWindow(WindowGate):
                 self._fail_locked(self._modified_error(moved[0], "its version counter moved before its copies were "
                                                        "known to have landed, with no gate in between"))
 
+    # ------------------------------------------------------------------ gates
+    def _all_in_locked(self) -> bool:
+        return self._incomplete == 0
+
+    def before_update(self, what: str = "an update", unmap: bool = False) -> None:
+        """The gate (see the module docstring), in the thread about to write; ``what`` names the writer."""
+        with self._cond:
+            if self._opened_at is None or self._settled_at is not None:
+                return
+            if self.error is None:
+                self._gates += 1
+                moved = [s for i, s in self.sources.items()
+                         if i not in self._released and s.tensor._version != s.version]
+                if moved:
+                    self._fail_locked(self._modified_error(moved[0], f"its version counter moved before {what}: an "
+                                                           "in-place write came before its bytes were copied"))
+            blocked = self.error is None and not self._all_in_locked()
+            if blocked:
+                self._block_locked(what)
+            if self.error is None:
+                self._released.update(i for i, left in self._left.items() if left == 0)
+            marks = list(self._device_last.values())
+            failed = self.error
+        if failed is not None:
+            if unmap:
+                self._wait_landed(marks, what)
+            return
+        t0 = time.monotonic()
+        waits = getattr(self.streams, "ordering_blocks_host", False) and not all(mark.done() for mark in marks)
+        for mark in marks:
+            try:
+                self.streams.order_current_after(mark)
+            except BaseException as exc:
+                self.fail(exc)
+                raise CheckpointError(f"rank {self.rank}: {what} could not be ordered after the copies of the save to "
+                                      f"{self.name} ({type(exc).__name__}: {exc}); that save fails") from exc
+        if waits:  # the host itself waited for the copies to land
+            with self._cond:
+                self._wait_s += time.monotonic() - t0
+                self._blocked += 0 if blocked else 1
+        if unmap:
+            self._wait_landed(marks, what)
+
+    def _block_locked(self, what: str) -> None:
+        self.gate_blocked.set()
+        self._blocked += 1
+        log.info("%s waits for the save to %s: %s still to be copied (rank %d)", what, self.name,
+                 human_bytes(self._pending_bytes), self.rank)
+        t0 = time.monotonic()
+        done = self._cond.wait_for(lambda: self.error is not None or self._all_in_locked(), self.timeout_s)
+        self._wait_s += time.monotonic() - t0
+        if not done:
+            remedy = ("a staging pool as large as the rank's saved bytes (staging_budget_bytes), or a faster target, "
+                      "lets the copies finish within the step") if self._devices else (
+                "host tensors are written from their own memory, at the target's speed, before the next step may "
+                "change them: a faster target, a larger collective_timeout_s or a synchronous save")
+            self._fail_locked(StagingTimeoutError(
+                f"rank {self.rank} abandoned the save to {self.name}: {what} waited {self.timeout_s:g} s for "
+                f"{human_bytes(self._pending_bytes)} still to be copied or written; {remedy}"))
+        if self.error is not None:
+            log.warning("the save to %s failed while %s waited for it (%s); training goes on, the save publishes "
+                        "nothing", self.name, what, type(self.error).__name__)
+
+    def _wait_landed(self, marks: list[Mark], what: str) -> None:
+        for mark in marks:
+            if not self.streams.wait(mark, self.timeout_s):
+                raise CheckpointError(f"rank {self.rank}: {what} waited {self.timeout_s:g} s for the copies of the "
+                                      f"save to {self.name} to land; not going on while they may still read that "
+                                      "memory")
+
     # ------------------------------------------------------------------ state
     def small(self, index: int) -> bool:
         """Source ``index`` is copied at the opening (see `SMALL_SOURCE_BYTES`)."""
         return self.sources[index].size_bytes < self.small_source_bytes
-
-    @property
-    def devices(self) -> list[int]:  # those whose copy streams this window uses
-        return list(self._devices)
 
     @property
     def is_open(self) -> bool:
@@ -339,4 +397,4 @@ class CopyWindow(WindowGate):
             return WindowStats(gates=self._gates, blocked_gates=self._blocked, gate_wait_s=self._wait_s,
                                open_s=0.0 if self._opened_at is None else end - self._opened_at,
                                copied_bytes=self._copied, captured_bytes=self._captured,
-                               pending_bytes=self._pending_bytes, opening_held=self._opening_held)
+                               pending_bytes=self._pending_bytes)

@@ -9,11 +9,10 @@ window's gates wait only for what is not yet issued. Without snapshots (an async
 writes host sources from their own memory), a host chunk is staged by the stager as today and
 the writer reports it to the window once it is written (`CopyWindow.captured`).
 
-Order: the chunks of sources below the window's small-source size first, staged by `open` in the
-caller's thread (their copies are what the caller's stream waits for at the opening), or, where the
-caller's streams are held (`fence`, then `open_rest` on the staging thread), by the staging thread
-before it releases them; then the rest, in the order given (the write pipeline's interleaved file
-order), by `run` on the staging thread.
+Order: the chunks of sources below the window's small-source size first, staged in the caller's
+thread by `open` (their copies are what the caller's stream waits for at the opening); then the
+rest, in the order given (the write pipeline's interleaved file order), by `run` on the staging
+thread.
 
 Must not: write files, lay out items, allocate host memory outside the pool, or synchronize a
 device (it waits only on the marks of copies it enqueued, and only when a staging fails).
@@ -34,7 +33,6 @@ from ..integrity import grid_bytes, grid_sums
 from .pool import Lease, PinnedPool, reserved_bytes, split
 from .stager import StagedChunk, Stager, sums_offset
 from .views import run_split, run_views
-from .stream_hold import StreamHold
 from .window import CopyWindow, WindowChunk
 
 log = logging.getLogger(__name__)
@@ -93,34 +91,15 @@ class WindowCopier:
         """In the caller's thread: open the window, stage the small sources' chunks (one whose
         lease is not free at once is left for `run`), order the caller's streams after them.
         Returns the jobs left for `run`, in window order."""
-        self.fence()
-        return self.open_rest(jobs, put)
-
-    def fence(self) -> None:
-        """In the caller's thread: open the window (its copy streams after the caller's streams)."""
         try:
             self.window.open()
-        except BaseException as exc:
-            self.window.fail(exc)
-            raise
-
-    def open_rest(self, jobs: list[ChunkJob], put: Callable[[Any, StagedChunk], None],
-                  hold: "StreamHold | None" = None) -> list[ChunkJob]:
-        """After `fence`: stage the small sources' chunks and order the caller's streams after
-        them, in the caller's thread; or, with ``hold`` (the caller's streams held since the fence),
-        in the staging thread, releasing the hold once they are done. Returns the jobs left for
-        `run`, in window order."""
-        try:
             small, rest = window_order(jobs, self.window)
             later = self._stage_opening(small, put)
-            self.window.order_opening(hold)
+            self.window.order_opening()
             return later + rest
         except BaseException as exc:
             self.window.fail(exc)
             raise
-        finally:
-            if hold is not None:
-                hold.release()
 
     def _stage_opening(self, jobs: list[ChunkJob], put: Callable[[Any, StagedChunk], None]) -> list[ChunkJob]:
         """Stage the small sources' chunks in the caller's thread; returns those whose lease was

@@ -2,11 +2,10 @@
 
 One job: for one rank's writer, build the copy window over every source it writes (device sources
 copied on a side stream, host sources snapshotted into the pool, or, on a machine without CUDA,
-copied by a simulated copy stream so their content is checked too), open it from the caller's thread
+copied by a simulated copy stream so their content is checked too), open it in the caller's thread
 now or at the next trigger (`staging.gates.defer`: the Megatron drop-in opens it at the next
-`optimizer.zero_grad()`, since Megatron synchronizes the device right after its save call; on CUDA
-the opener's streams are held on the device while the staging thread copies the small sources, so
-the opener goes on at once), and stage the rest on the writer's staging thread (`WindowCopier.run`), handing each staged chunk to the
+`optimizer.zero_grad()`, since Megatron synchronizes the device right after its save call), and
+stage the rest on the writer's staging thread (`WindowCopier.run`), handing each staged chunk to the
 writers. Once every copy is issued and has landed, the window settles (content sums compared) and
 the writer counts as staged.
 
@@ -99,8 +98,6 @@ class WindowStaging:
         self._opened = False  # the opener ran (or was abandoned): it never runs again
         self._go = threading.Event()  # the staging thread may go on (opened, or abandoned)
         self._rest: list[ChunkJob] | None = None
-        self._hold = None  # the opener's streams, held from the opening until the staging thread releases them
-        self._staging_gone = False  # the staging thread is past its opening: nobody would release a hold
         self._objects: list = []
         self._jobs: list[ChunkJob] = []
         self._next: dict[int, int] = {}  # file index -> the next item to hand on (in file order)
@@ -150,11 +147,9 @@ class WindowStaging:
         gates.guard_memory_saver()
 
     def open(self) -> None:
-        """Open the window from this thread (the caller's, or the training step's at the trigger):
-        the copy streams are ordered after this thread's streams; where those can be held on the
-        device (CUDA), they are, and the staging thread copies the small sources and releases
-        them (this thread goes on at once); else the small sources are copied here and this
-        thread's streams ordered after them. Then the window is tracked, so every gate waits for it."""
+        """Open the window in this thread (the caller's, or the training step's at the trigger):
+        the small sources are copied and the caller's streams ordered after them; then the window
+        is tracked, so every gate waits for it."""
         with self._lock:
             if self._opened:
                 return
@@ -162,19 +157,7 @@ class WindowStaging:
         writer = self._writer
         try:
             if not self.window.cancelled.is_set():  # the writer fails the window on any failure
-                self.copier.fence()
-                # After the fence: a hold enqueued before it would keep the copy streams waiting for good.
-                # Held only while the staging thread is still there to release it.
-                with self._lock:
-                    hold = None
-                    if not self._staging_gone and self.window.devices:
-                        self.window.reserve_sums()  # before the hold: see `CopyWindow.reserve_sums`
-                        hold = self.window.streams.hold_current(self.window.devices)
-                    self._hold = hold
-                if hold is None:
-                    self._rest = self.copier.open_rest(self._jobs, self._put)
-                else:
-                    self.window.check_small_versions()
+                self._rest = self.copier.open(self._jobs, self._put)
                 gates.track(self.window)
         except BaseException as exc:  # the save fails through its vote; the caller goes on, unless interrupted
             writer.fail(None, exc)
@@ -184,15 +167,12 @@ class WindowStaging:
             self._go.set()
 
     def abandon(self) -> None:
-        """The save failed: a window not yet opened never opens, streams still held are let go,
-        and the staging thread goes on."""
+        """The save failed: a window not yet opened never opens, and the staging thread goes on."""
         with self._lock:
-            hold, self._hold = self._hold, None
-            opened, self._opened = self._opened, True
-        if hold is not None:
-            hold.release()
-        if not opened:  # else the opener is running or ran: it sets `_go` itself
-            self._go.set()
+            if self._opened:
+                return  # the opener is running or ran: it sets `_go` itself
+            self._opened = True
+        self._go.set()
 
     # ------------------------------------------------------------------ staging thread
     def stage_all(self) -> None:
@@ -205,20 +185,11 @@ class WindowStaging:
                     writer.large_chunks([job.item[1] for job in self._jobs]):
                 writer.release_writers()
             self._go.wait()
-            with self._lock:
-                hold, self._hold = self._hold, None
-            if hold is not None:
-                self._open_held(hold)
             if self._rest is not None and not self.window.cancelled.is_set():
                 self.copier.run(self._rest, self._put)
         except BaseException as exc:
             writer.fail(None, exc)
         finally:
-            with self._lock:  # from here on nobody releases a hold: none may be taken
-                self._staging_gone = True
-                hold, self._hold = self._hold, None
-            if hold is not None:
-                hold.release()
             writer.release_writers()
             try:  # every issued copy landed; the content sums agree (a window never opened raises its failure)
                 self.window.settle()
@@ -227,15 +198,6 @@ class WindowStaging:
             finally:
                 self._drop_held()
                 writer.staging_done()
-
-    def _open_held(self, hold) -> None:
-        """The opening the caller's thread left here with its streams held: copy the small
-        sources, then release them (on every path)."""
-        try:
-            if not self.window.cancelled.is_set():
-                self._rest = self.copier.open_rest(self._jobs, self._put, hold)
-        finally:
-            hold.release()
 
     def _put(self, tag, staged) -> None:
         file_index, item = tag

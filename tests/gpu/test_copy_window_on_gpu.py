@@ -110,16 +110,3 @@ def test_overlap_save_makes_no_host_to_device_copy_and_no_nccl(tmp_path, variant
     assert saved["HtoD"] == plain["HtoD"], (plain, saved)  # the step's own batch copies only
     assert saved["nccl"] == plain["nccl"], (plain, saved)  # the step's own collectives only
     assert saved["DtoH"] > plain["DtoH"], (plain, saved)  # the save's copies did run
-
-
-def test_a_held_stream_runs_nothing_until_released(tmp_path):
-    (r,) = values(run_world(1, _cases().stream_hold_holds_until_released, (str(tmp_path),)))
-    assert r["held"], "the driver could not hold the stream (cuStreamWaitValue32)"
-    assert not r["ran_before_release"] and r["ran_after_release"] and r["value"] == 1.0, r
-
-
-def test_a_held_opening_orders_a_write_right_after_the_trigger_after_the_copies(tmp_path):
-    (r,) = values(run_world(1, _cases().held_opening_orders_a_write_right_after_the_trigger, (str(tmp_path),)))
-    print(r)
-    assert r["error"] is None and r["opening_held"], r
-    assert r["equal"] == {"bias": True, "w": True} and r["bias_written"], r

@@ -75,7 +75,7 @@ def interrupt_at_the_opening(rank, world, root, copy_start: str) -> dict:
     w = torch.randn(N, generator=torch.Generator().manual_seed(80 + rank))
     inner = CopyWindow.order_opening
 
-    def interrupted(self, hold=None):
+    def interrupted(self):
         CopyWindow.order_opening = inner
         raise KeyboardInterrupt
 
