@@ -7,13 +7,11 @@ write no gate ordered (a ``.data.copy_``, a fused optimizer, another stream). Tw
 of the one seam:
 - `HostSums`: the manifest's checksum (`integrity.checksum_of`: xxh3-64, else CRC-32) of the
   source's bytes, read where they lie; for host memory (CPU tests, CPU-only runs).
-- `DeviceSums`: on the source's device, the row sums of its words laid out as rows of 4096 bytes,
-  plus one sum of the last partial row, in the words' own type (wrapping: a sum into a wider type
-  would first make a widened copy of the whole source on the device), kept as int32 in one buffer
-  per device and phase (one or two kernels a source, no copy of the source); `changed` compares the
-  two buffers on the device and brings back only the positions that differ. A change that leaves
-  every row's sum equal (two words of one row moved by opposite amounts, modulo the word range) is
-  not seen.
+- `DeviceSums`: on the source's device, the row sums (int64) of its words laid out as rows of
+  4096 bytes, plus one sum of the last partial row, written into one buffer per device and phase
+  (one or two kernels a source, no copy of the source); `changed` compares the two buffers on the
+  device and brings back only the positions that differ. A change that leaves every row's sum
+  equal (two words of one row moved by opposite amounts) is not seen.
 Must not: copy payload bytes to the host, block the caller's thread, or decide when to measure.
 """
 
@@ -92,7 +90,7 @@ class DeviceSums:
         self._streams = streams
         self._slots: dict[int, tuple[int, int, int]] = {}  # slot -> (device, first row, rows)
         self._rows_by_device: dict[int, int] = {}
-        self._buffers: dict[tuple[int, int], torch.Tensor] = {}  # (device, phase) -> int32 row sums
+        self._buffers: dict[tuple[int, int], torch.Tensor] = {}  # (device, phase) -> int64 row sums
         self._lock = threading.Lock()
 
     def checks(self, tensor: torch.Tensor) -> bool:
@@ -113,7 +111,7 @@ class DeviceSums:
             buf = self._buffers.get((device, phase))
             if buf is None:  # allocated on the copy stream (we are inside its context): freed in its order
                 buf = self._buffers[(device, phase)] = torch.empty(max(1, self._rows_by_device.get(device, 0)),
-                                                                   dtype=torch.int32, device=device)
+                                                                   dtype=torch.int64, device=device)
             return buf
 
     def measure(self, slot: int, phase: int, tensor: torch.Tensor) -> None:
@@ -125,13 +123,10 @@ class DeviceSums:
         per_row = ROW_BYTES // words.element_size()
         whole = words.numel() // per_row
         if whole:
-            rows_of = words[:whole * per_row].view(whole, per_row)
-            if words.dtype == torch.int32:
-                torch.sum(rows_of, dim=1, dtype=torch.int32, out=out[first:first + whole])
-            else:  # 2- or 1-byte words: summed in their own type (a few bytes a row), then widened
-                out[first:first + whole].copy_(torch.sum(rows_of, dim=1, dtype=words.dtype))
+            torch.sum(words[:whole * per_row].view(whole, per_row), dim=1, dtype=torch.int64,
+                      out=out[first:first + whole])
         if whole < rows:
-            out[first + whole].copy_(torch.sum(words[whole * per_row:], dim=0, dtype=words.dtype))
+            torch.sum(words[whole * per_row:], dim=0, dtype=torch.int64, out=out[first + whole])
 
     def changed(self) -> list[int]:
         by_device: dict[int, list[tuple[int, int]]] = {}
