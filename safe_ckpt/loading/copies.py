@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import cuda_driver
+from ..errors import ReadError
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +118,10 @@ class Copier:
                     driver = self.driver[device] = self.r.driver_copies and \
                         cuda_driver.current_device() == device.index
                 if driver:
+                    # torch's copy_ would refuse a range past either end; a raw address copy would not
+                    if span.dest_start + span.nbytes > flat.numel() or span.src_start + span.nbytes > src.numel():
+                        raise ReadError(f"internal error: a copy of {span.nbytes} bytes falls outside its destination "
+                                        f"({flat.numel()} bytes) or its read ({src.numel()} bytes)")
                     cuda_driver.memcpy_htod_async(dest_address + span.dest_start, address + span.src_start,
                                                   span.nbytes, self.streams[device].cuda_stream)
                     if devices is None:

@@ -303,6 +303,7 @@ class Reader:
                     self.caller_streams[d.view.device] = torch.cuda.current_stream(d.view.device)
         self._lock = threading.Lock()
         self._next = 0
+        self._done = 0  # tasks finished without an error
         self.tally = Tally()
         self.count = self.tally.add
         self._failure: RankFailure | None = None
@@ -324,8 +325,9 @@ class Reader:
         self.cancel.set()
 
     def _loop(self) -> None:
-        worker = _Worker(self)
+        worker = None
         try:
+            worker = _Worker(self)
             if self.pieces_first:  # a thread waiting for pool memory then holds no piece another's hash waits for
                 worker.take_pieces()
             while not self.cancel.is_set():
@@ -337,6 +339,8 @@ class Reader:
                 piece = isinstance(task, split.PieceTask)
                 try:
                     split.run_piece(worker, task) if piece else worker.run(task)
+                    with self._lock:
+                        self._done += 1
                 except BaseException as exc:
                     self._fail(task.fqn if piece else worker.key or task.items[0].fqn, exc)
                     if piece:
@@ -347,7 +351,8 @@ class Reader:
             self._fail(None, exc)
         finally:
             try:
-                worker.finish()
+                if worker is not None:
+                    worker.finish()
             except BaseException as exc:
                 self._fail(worker.key, exc)
 
@@ -378,4 +383,7 @@ class Reader:
             self._fail(None, exc)
             for w in workers:
                 w.join()
+        if self._failure is None and self._done != len(self.tasks):  # a reader ended without saying why
+            self._fail(None, ReadError(f"the reader threads ended with {len(self.tasks) - self._done} of "
+                                       f"{len(self.tasks)} reads not done; nothing they were to fill was loaded"))
         return self.tally.report(self.threads, time.perf_counter() - t0), self._failure
