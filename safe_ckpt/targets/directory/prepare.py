@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 
 from ...errors import CommitError
+from ...names import CHECKPOINT_DIR, TRACKER_FILE, iteration_dir
 from ..base import new_save_id  # noqa: F401  (kept here: the directory's callers name it so)
 from .claim import _NO_LOCKS, STALE_AFTER_S, Claim, Owner, read_owner
 from .leftovers import is_complete_checkpoint, leftovers_of, staging_dir_for, sweep
@@ -47,6 +48,14 @@ def check_target(final_dir: str, replace: str) -> None:
         )
     if os.path.exists(final_dir) and not os.path.isdir(final_dir):
         raise CommitError(f"{final_dir} exists and is not a directory")
+    held = _checkpoints_held(final_dir)
+    if held:  # whatever the policy: replacing a save root would delete every checkpoint in it
+        raise CommitError(
+            f"{final_dir} is a save root (it holds {', '.join(held[:3])}{' and more' if len(held) > 3 else ''}): "
+            "saving into it would replace every checkpoint it holds. Save to an iteration directory inside it, "
+            f"e.g. {os.path.join(final_dir, iteration_dir(0))} (safe_ckpt.megatron.save_state names it and "
+            "writes the tracker)"
+        )
     if not os.path.isdir(final_dir) or not os.listdir(final_dir) or replace == "any":
         return
     if replace == "never":
@@ -56,6 +65,16 @@ def check_target(final_dir: str, replace: str) -> None:
             f"{final_dir} holds files but no complete torch_dist checkpoint (foreign data or a broken save); "
             "refusing to replace it. Remove it, or pass SaveOptions(replace='any')"
         )
+
+
+def _checkpoints_held(directory: str) -> list[str]:
+    """The tracker file and checkpoint directories (`iter_NNNNNNN`, `release`) directly inside."""
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError:
+        return []
+    return [n for n in names if n == TRACKER_FILE or
+            (CHECKPOINT_DIR.match(n) and os.path.isdir(os.path.join(directory, n)))]
 
 
 def prepare(final_dir: str, save_id: str, replace: str = "checkpoint") -> StagingArea:

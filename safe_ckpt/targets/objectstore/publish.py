@@ -45,6 +45,7 @@ import time
 
 from ..directory.claim import Owner, _pid_running
 from ...errors import CommitError
+from ...names import CHECKPOINT_DIR, TRACKER_FILE, iteration_dir  # noqa: E402
 from ...names import CONFIG_FILE, METADATA_FILE, OWNER_OBJECT, SMALL_FILES, TAGGED_DATA_FILE, file_tag, has_file_tag, owner_object, save_id_of  # noqa: F401 (save_id_of: callers know it from here)
 from ...sinks.tensorstore import KvDeadlines, TensorStoreSink
 
@@ -237,6 +238,14 @@ def is_complete(sink, names) -> bool:
 
 def check_target(sink, replace: str) -> None:
     keys = sink.list()
+    held = sorted({k.split("/", 1)[0] for k in keys
+                   if k == TRACKER_FILE or ("/" in k and CHECKPOINT_DIR.match(k.split("/", 1)[0]))})
+    if held:  # whatever the policy: replacing a save root would delete every checkpoint in it
+        raise CommitError(
+            f"{sink.root} is a save root (it holds {', '.join(held[:3])}{' and more' if len(held) > 3 else ''}): "
+            "saving into it would replace every checkpoint it holds. Save to an iteration prefix inside it, "
+            f"e.g. {sink.root.rstrip('/')}/{iteration_dir(0)} (safe_ckpt.megatron.save_state names it and writes "
+            "the tracker)")
     if not keys or replace == "any":
         return
     live = running_saves(sink, keys)
