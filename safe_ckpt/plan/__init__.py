@@ -7,6 +7,7 @@ Must not: touch CUDA or files.
 
 from __future__ import annotations
 
+import logging
 from functools import partial
 
 from .chunking import balanced_cuts, cut_rows, slot_of, split_box, tail_chunk_bytes, tail_start
@@ -25,6 +26,8 @@ from .records import (
     UNSENT_PATH,
 )
 from .validate import validate
+
+log = logging.getLogger("safe_ckpt")
 
 __all__ = [
     "Box", "ChunkSpec", "DraftShard", "GlobalPlan", "LocalState", "ObjectRef", "ObjectSpec", "Problem",
@@ -61,6 +64,7 @@ def build_global_plan(plans: list[RankPlan], chunk_bytes: int, files_per_rank: i
     mains = {plan.rank: [s for s in plan.shards if s.is_main] for plan in plans}
     chunker = partial(_chunks_of_rank, mains, chunk_bytes, files_per_rank)
     if known is not None:
+        log.debug("planning: the shards equal the previous save's; its checked and cut tensor plan is reused")
         return GlobalPlan(len(plans), known.tensors, objects, chunker, known.chunks)
     tensors: dict[str, TensorSpec] = {}
     for plan in plans:

@@ -102,7 +102,8 @@ def _clash(key: str, a: ShardRef, b: ShardRef) -> str:
         return (f"rank {a.rank} gives overlapping shards of key {key!r}: {box} at {a.path} and "
                 f"offsets {b.box.offsets} sizes {b.box.sizes} at {b.path}")
     if a.box == b.box:
-        return f"two main replicas of one shard ({box}): rank {a.rank} at {a.path} and rank {b.rank} at {b.path}"
+        return (f"two main replicas of one shard ({box}): rank {a.rank} at {a.path} and rank {b.rank} at {b.path}; "
+                "a shard held by several ranks needs a replica_id that is 0 (the main replica) on one of them only")
     return f"main-replica shards overlap: {_describe(a)} and {_describe(b)}"
 
 

@@ -182,6 +182,7 @@ def test_two_ranks_claiming_one_shard_name_the_path_on_each(two_rank_errors):
     assert err["failing_ranks"] == [0, 1]
     assert ("two main replicas of one shard (offsets (0, 0) sizes (2, 4)): rank 0 at state['emb'] and "
             "rank 1 at state['emb']") in err["message"], err["message"]
+    assert "replica_id that is 0 (the main replica) on one of them only" in err["message"], err["message"]
 
 
 def test_one_of_two_ranks_giving_a_key_twice_is_blamed_alone(two_rank_errors):
