@@ -110,3 +110,62 @@ def test_overlap_save_makes_no_host_to_device_copy_and_no_nccl(tmp_path, variant
     assert saved["HtoD"] == plain["HtoD"], (plain, saved)  # the step's own batch copies only
     assert saved["nccl"] == plain["nccl"], (plain, saved)  # the step's own collectives only
     assert saved["DtoH"] > plain["DtoH"], (plain, saved)  # the save's copies did run
+
+
+def test_the_device_sums_take_the_int8_product_exactly_without_copying_the_source():
+    """On the GPU, a large misaligned source is summed by the int8 matrix product: equal bit for bit
+    to the exact float64 path, a one-byte change is found, and the device memory taken while
+    measuring stays far below the source's size (the old int64 sums made a widened copy, twice it)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from safe_ckpt.staging import source_sums
+
+    class Inline:
+        def call(self, device, fn):
+            fn()
+
+    g = torch.Generator().manual_seed(31)
+    source = torch.randn((256 << 18) + 5, generator=g).cuda()[3:]  # 1 GiB, not aligned
+    layout = source_sums._layout(source, 0)
+    assert layout.head_bytes and layout.whole >= source_sums.GEMM_MIN_ROWS
+    calls = []
+    real = torch._int_mm
+
+    def counting(a, b, *, out):
+        calls.append(a.shape)
+        return real(a, b, out=out)
+
+    sums = source_sums.DeviceSums(Inline())
+    sums.reserve(0, source)
+    sums._buffer(0, 0), sums._buffer(0, 1)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch._int_mm = counting
+    try:
+        start.record()
+        sums.measure(0, 0, source)
+        end.record()
+    finally:
+        torch._int_mm = real
+    torch.cuda.synchronize()
+    extra_bytes = torch.cuda.max_memory_allocated() - before
+    nbytes = source.numel() * 4
+    print(f"int8-product sums of {nbytes / 2**30:.2f} GiB: {start.elapsed_time(end):.2f} ms, "
+          f"{extra_bytes / 2**20:.1f} MiB extra device memory")
+    assert calls and calls[0][0] == layout.whole, calls
+    assert extra_bytes < nbytes // 8, extra_bytes
+    reference = torch.zeros_like(sums._buffers[(0, 0)])
+    w8, w64 = sums._weights[0]
+    body = source.view(torch.uint8).view(torch.int8)[layout.head_bytes:][:layout.whole * source_sums.ROW_BYTES]
+    for at in range(0, layout.whole, 4096):  # the exact float64 path, in slices
+        rows = body.view(layout.whole, -1)[at:at + 4096]
+        source_sums._exact(rows, w64, reference[1 + at:1 + at + rows.shape[0]])
+    got = sums._buffers[(0, 0)][1:1 + layout.whole]
+    assert torch.equal(got, reference[1:1 + layout.whole])
+    source.view(torch.uint8)[nbytes // 2] ^= 0x01
+    sums.measure(0, 1, source)
+    assert sums.changed() == [0]

@@ -556,6 +556,63 @@ def test_the_device_sums_see_a_one_byte_change_anywhere_whatever_the_size_and_al
     assert sums.changed() == sorted(changes)
 
 
+def _measured(tensors, change, monkeypatch=None):
+    from safe_ckpt.staging.source_sums import DeviceSums
+
+    sums = DeviceSums(_InlineStreams())
+    for slot, t in enumerate(tensors):
+        sums.reserve(slot, t)
+    for slot, t in enumerate(tensors):
+        sums.measure(slot, 0, t)
+    change()
+    for slot, t in enumerate(tensors):
+        sums.measure(slot, 1, t)
+    return sums, sums.changed()
+
+
+def test_the_device_sums_int8_product_is_exact_and_sees_a_negated_tensor(monkeypatch):
+    """Sources of many rows go through the int8 matrix product (no widened copy of the source): its
+    sums equal the exact int64 reference, equal the float64 path's bit for bit, and negating an
+    all-positive tensor (every sign bit flipped the same way) is seen, at any alignment."""
+    from safe_ckpt.staging import source_sums
+
+    g = torch.Generator().manual_seed(27)
+    backing = torch.randn(40 * 1024 + 9, generator=g)
+    positive = torch.rand(64 * 2048, generator=g).add_(0.5).to(torch.bfloat16)  # 64 rows, all > 0
+    tensors = [backing[3:], positive, torch.randn(30 * 1024, generator=g)]
+    assert tensors[0].data_ptr() % source_sums.ALIGN_BYTES != 0  # the head is not aligned
+
+    products = []
+    real_int_mm = torch._int_mm
+
+    def counting(a, b, *, out):
+        products.append(a.shape[0])
+        return real_int_mm(a, b, out=out)
+
+    monkeypatch.setattr(torch, "_int_mm", counting)
+    sums, changed = _measured(tensors, lambda: positive.neg_())
+    assert changed == [1]
+    assert products and min(products) >= source_sums.GEMM_MIN_ROWS
+    w = source_sums._weights().to(torch.int64)
+    for slot in (0, 2):  # unchanged: phase 0 equals the int64 reference over the layout's rows
+        layout = sums._slots[slot]
+        data = tensors[slot].reshape(-1).view(torch.uint8).view(torch.int8).to(torch.int64)
+        body = data[layout.head_bytes:layout.head_bytes + layout.whole * source_sums.ROW_BYTES]
+        first = layout.first + (1 if layout.head_bytes else 0)
+        got = sums._buffers[(None, 0)][first:first + layout.whole].to(torch.int64)
+        assert torch.equal(got, body.view(layout.whole, -1) @ w)
+    fast = {k: v.clone() for k, v in sums._buffers.items()}
+
+    def refused(a, b, *, out):
+        raise RuntimeError("int8 product not available")
+
+    monkeypatch.setattr(torch, "_int_mm", refused)
+    positive.neg_()  # back to the values measured first above
+    slow, changed = _measured(tensors, lambda: positive.neg_())
+    assert changed == [1]
+    assert all(torch.equal(fast[k], v) for k, v in slow._buffers.items())
+
+
 def test_a_deferred_window_opens_at_its_trigger_or_at_the_latest_at_the_next_gate(tmp_path):
     """The copies of a save may start at the next step (Megatron synchronizes the device right after
     the save call): the step's trigger opens the window in the training thread; without a trigger,
