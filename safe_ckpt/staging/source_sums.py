@@ -76,21 +76,24 @@ ALIGN_ROWS = ALIGN_BYTES // (COLUMNS * 4)
 GEMM_MIN_ROWS = 17  # torch._int_mm wants more than 16 rows
 # The exact float64 path (few rows, or where the int8 product is refused) works in slices of this many rows.
 SLICE_ROWS = 512
-_WEIGHTS_SEED = 0x5AFE
 
 
-def _weights() -> torch.Tensor:
-    """The int8 weights, [ROW_BYTES, COLUMNS]: seeded, none zero, so any one changed byte moves every column."""
-    g = torch.Generator().manual_seed(_WEIGHTS_SEED)
-    magnitude = torch.randint(1, 128, (ROW_BYTES, COLUMNS), generator=g, dtype=torch.int16)
-    sign = torch.randint(0, 2, (ROW_BYTES, COLUMNS), generator=g, dtype=torch.int16) * 2 - 1
-    return (magnitude * sign).to(torch.int8)
+def _weights(device=None) -> torch.Tensor:
+    """The int8 weights, [ROW_BYTES + ALIGN_BYTES, COLUMNS] (the edge row may be that long), made on
+    ``device`` (no host-to-device copy) from a fixed integer hash: none zero, so any one changed byte
+    moves every column."""
+    h = torch.arange((ROW_BYTES + ALIGN_BYTES) * COLUMNS, dtype=torch.int64, device=device)
+    h = (h * 2654435761 + 40503) % 4294967291
+    h = (h ^ (h >> 13)) * 1274126177 % 4294967291
+    magnitude, sign = h % 127 + 1, ((h >> 8) & 1) * 2 - 1
+    return (magnitude * sign).to(torch.int8).view(ROW_BYTES + ALIGN_BYTES, COLUMNS)
 
 
 @dataclass(frozen=True)
 class _Layout:
     """Where a source's measurements go: rows ``first``.. of its device's buffers. Its bytes are cut
-    into a head up to the first aligned address, whole rows from there, and a tail."""
+    into a head up to the first aligned address, whole rows from there, and a tail; the whole rows
+    come first (their results stay aligned), then one edge row for head and tail together."""
     device: Optional[int]
     first: int
     head_bytes: int
@@ -99,7 +102,7 @@ class _Layout:
 
     @property
     def rows(self) -> int:
-        return (1 if self.head_bytes else 0) + self.whole + (1 if self.tail_bytes else 0)
+        return self.whole + (1 if self.head_bytes or self.tail_bytes else 0)
 
 
 def _layout(tensor: torch.Tensor, first: int) -> _Layout:
@@ -142,7 +145,7 @@ class DeviceSums:
                     max(1, self._rows_by_device.get(device, 0)), COLUMNS, dtype=torch.int32, device=device)
             weights = self._weights.get(device)
             if weights is None:
-                w8 = _weights().to(device)
+                w8 = _weights(device)
                 weights = self._weights[device] = (w8, w8.to(torch.float64))
             return buf, weights[0], weights[1]
 
@@ -152,16 +155,15 @@ class DeviceSums:
             return
         out, w8, w64 = self._buffer(layout.device, phase)
         data = tensor.reshape(-1).view(torch.uint8).view(torch.int8)
-        row = layout.first
-        if layout.head_bytes:
-            _exact(data[:layout.head_bytes].view(1, -1), w64[:layout.head_bytes], out[row:row + 1])
-            row += 1
+        first, head = layout.first, layout.head_bytes
         if layout.whole:
-            body = data[layout.head_bytes:layout.head_bytes + layout.whole * ROW_BYTES].view(layout.whole, ROW_BYTES)
-            _rows_summed(body, w8, w64, out[row:row + layout.whole])
-            row += layout.whole
-        if layout.tail_bytes:
-            _exact(data[data.numel() - layout.tail_bytes:].view(1, -1), w64[:layout.tail_bytes], out[row:row + 1])
+            body = data[head:head + layout.whole * ROW_BYTES].view(layout.whole, ROW_BYTES)
+            _rows_summed(body, w8[:ROW_BYTES], w64[:ROW_BYTES], out[first:first + layout.whole])
+        if head or layout.tail_bytes:
+            edges = [part for part in (data[:head], data[data.numel() - layout.tail_bytes:]) if part.numel()]
+            edge = edges[0] if len(edges) == 1 else torch.cat(edges)
+            row = first + layout.whole
+            _exact(edge.view(1, -1), w64[:edge.numel()], out[row:row + 1])
 
     def changed(self) -> list[int]:
         by_device: dict[Optional[int], list[tuple[int, int]]] = {}
@@ -197,5 +199,5 @@ def _rows_summed(rows: torch.Tensor, w8: torch.Tensor, w64: torch.Tensor, out: t
 
 
 def _exact(rows: torch.Tensor, w64: torch.Tensor, out: torch.Tensor) -> None:
-    # |sum| <= 4096 * 127 * 128 < 2**31: exact in float64 and in int32
+    # |sum| <= (4096 + 256) * 127 * 128 < 2**31: exact in float64 and in int32
     out.copy_(torch.matmul(rows.to(torch.float64), w64))
