@@ -21,6 +21,7 @@ import torch
 
 from ..coord import dist
 from ..host import gcfreeze
+from ..names import COMMON_STATE_FILE
 from ..targets import endpoints
 from ..errors import ReadError, ValidationError, failure_from_exception
 from ..sinks.tensorstore import KvTarget, is_kvstore_url
@@ -41,11 +42,15 @@ def open_source(checkpoint_dir, options: LoadOptions):
 
 
 def read_common_state_dict(checkpoint_dir, options: LoadOptions | None = None) -> dict:
-    """The common state alone, as stock `load_common_state_dict` returns it (one rank, no peers)."""
+    """The common state alone, as stock `load_common_state_dict` returns it (one rank, no peers).
+    `.metadata` is read only where the common state is stored in it (no `common.pt`): Megatron's
+    `load_checkpoint` calls this just before `load`, which reads the index anyway."""
     options = options or LoadOptions()
     source = open_source(checkpoint_dir, options)
     try:
-        return objects.read_common_state(source, index_mod.read_index(source, checksums=False), options.safe_globals)
+        index_mod.read_config(source)
+        index = None if source.exists(COMMON_STATE_FILE) else index_mod.read_index(source, checksums=False)
+        return objects.read_common_state(source, index, options.safe_globals)
     finally:
         source.close()
 

@@ -83,13 +83,14 @@ def item_where(source: Source, item: StoredItem, fqn: str) -> str:
     return f"{source.describe(item.relative_path)} at offset {item.offset_bytes} (key {fqn!r})"
 
 
-def read_common_state(source: Source, index: CheckpointIndex, safe_globals=()) -> dict:
+def read_common_state(source: Source, index: CheckpointIndex | None, safe_globals=()) -> dict:
     """The common state as stock Megatron loads it: `common.pt` where there is one, else the
-    `common_state` object (its stored list's only element)."""
+    `common_state` object (its stored list's only element; ``index`` may be None only where
+    `common.pt` exists)."""
     if source.exists(COMMON_STATE_FILE):
         data = source.read_whole(COMMON_STATE_FILE, _COMMON_STATE_BYTES)
         return decode(data, source.describe(COMMON_STATE_FILE), safe_globals, map_location="cpu")
-    for fqn, item in index.objects.items():
+    for fqn, item in (index.objects if index is not None else {}).items():
         if fqn.split("/shard_")[0] == COMMON_STATE_KEY:
             where = item_where(source, item, fqn)
             obj = decode(read_item(source, item), where, safe_globals)

@@ -113,7 +113,7 @@ def destination(sh_ten) -> Destination:
     flat = memory = None
     if type(data) is torch.Tensor and data.is_contiguous():
         flat = data.reshape(-1).view(torch.uint8) if data.numel() else None
-        if flat is not None and data.device.type == "cpu":
+        if flat is not None and data.is_cpu:
             memory = memoryview(flat.numpy()).cast("B")
     return Destination(sh_ten.key, data, view, box, flat, memory)
 
@@ -137,7 +137,7 @@ class _Candidates:
 def _piece(dest_index: int, dest: Destination, chunk_box: Box, ov: Box, stored_dtype) -> Piece:
     itemsize = compat.dtype_itemsize(stored_dtype)
     same = dest.view.dtype == stored_dtype and dest.flat_bytes is not None
-    if same and ov == chunk_box == dest.box:  # the shard is the stored chunk (no resharding): all of it
+    if same and (ov is chunk_box is dest.box or ov == chunk_box == dest.box):  # the shard is the stored chunk
         whole = Box((0,) * len(ov.sizes), ov.sizes)
         return Piece(dest_index, whole, whole, DIRECT if dest.memory is not None else FLAT, 0,
                      ov.numel * itemsize, 0)
@@ -181,11 +181,15 @@ def build(requests: list, index: CheckpointIndex, source, *, rank: int, batch_by
         if stored.fqn not in candidates:
             candidates[stored.fqn] = _Candidates(stored.chunks)
         covered = 0
-        for chunk in candidates[stored.fqn].near(dest.box):
-            chunk_box = Box(chunk.offsets, chunk.sizes)
-            ov = boxes.overlap(dest.box, chunk_box)
-            if ov is None:
-                continue
+        box = dest.box
+        for chunk in candidates[stored.fqn].near(box):
+            if chunk.offsets == box.offsets and chunk.sizes == box.sizes:  # the shard as saved: no arithmetic
+                chunk_box = ov = box
+            else:
+                chunk_box = Box(chunk.offsets, chunk.sizes)
+                ov = boxes.overlap(box, chunk_box)
+                if ov is None:
+                    continue
             covered += ov.numel
             key = (chunk.item.relative_path, chunk.item.offset_bytes)
             entry = by_item.get(key)
@@ -218,7 +222,8 @@ def build(requests: list, index: CheckpointIndex, source, *, rank: int, batch_by
         frame = container.frame(stored.dtype, chunk.sizes)
         if frame is not None and frame.item_bytes != item.length_bytes:
             frame = None  # another writer's archive layout: torch.load decodes it
-        pieces.sort(key=lambda p: (p.mode == STRIDED, p.payload_start))
+        if len(pieces) > 1:
+            pieces.sort(key=lambda p: (p.mode == STRIDED, p.payload_start))
         checksum = index.checksums.get((path, item.offset_bytes)) if checksums else None
         items.append(ItemRead(stored.fqn, item, stored.dtype, chunk.sizes, frame, tuple(pieces), checksum))
     if problems:
@@ -240,15 +245,16 @@ def _batchable(read: ItemRead, batch_bytes: int, piece_bytes: int) -> bool:
 def _batches(items: list, batch_bytes: int, piece_bytes: int) -> tuple:
     out, run, run_bytes = [], [], 0
     for read in items:
+        batchable = _batchable(read, batch_bytes, piece_bytes)
         if run:
             last = run[-1].item
             follows = (read.item.relative_path == last.relative_path
                        and read.item.offset_bytes == last.offset_bytes + last.length_bytes)
             fits = run_bytes + read.item.length_bytes <= piece_bytes and len(run) < _BATCH_MAX_ITEMS
-            if not (follows and fits and _batchable(read, batch_bytes, piece_bytes)):
+            if not (follows and fits and batchable):
                 out.append(Batch(tuple(run)))
                 run, run_bytes = [], 0
-        if _batchable(read, batch_bytes, piece_bytes):
+        if batchable:
             run.append(read)
             run_bytes += read.item.length_bytes
         else:

@@ -8,9 +8,9 @@ operation that can cost more than its own opcode bytes to one `budget.WorkBudget
 file: a call that copies or hashes its arguments (OBJ, INST, REDUCE, NEWOBJ, NEWOBJ_EX),
 BUILD copying a state, every key hashed into a dict or set (SETITEM(S), DICT, ADDITEMS,
 FROZENSET, and the calls set/frozenset/OrderedDict) at what hashing and comparing it walks,
-times the keys with the same hash seen before (crafted collisions make each insert compare
-against all of them). What costs no more than its bytes (pushing a value, a memo or DUP
-reference, a tuple or list of stack items) is bounded by the file's size, uncharged. Past
+times the keys with the same hash seen before (`keys`). What costs no more than its bytes
+(pushing a value, a memo or DUP reference, a tuple or list of stack items) is bounded by the
+file's size, uncharged. Past
 the budget, or for a key nested deeper than any DCP record, the file is refused.
 Must not: resolve a global outside ADMITTED_GLOBALS (and torch's dtype, layout and
 memory-format constants), or call anything but what those name.
@@ -23,6 +23,7 @@ import pathlib
 import pickle
 import reprlib
 import struct
+import sys
 import types
 
 import torch
@@ -33,14 +34,10 @@ from .admitted import (
     torch_constant,
 )
 from .budget import WorkBudget
+from .keys import KeyCharges
 
-# Hashing a tuple recurses in C without a depth check (deep enough, the interpreter crashes): a key
-# nested deeper than this is refused. DCP's deepest key, a MetadataIndex, is 3 deep.
-MAX_KEY_DEPTH = 64
 # The budget (`budget`) is in units of about one element copied or hashed in C (~50 ns, ~8 bytes of
 # memory); work done element by element in Python costs more units per element:
-_PER_STR_KEY = 2  # a str key checked (its hash is keyed per process: no collisions to track)
-_PER_KEY = 10  # any other key: its weight, its hash, the record of keys with that hash
 _PER_FIELD = 8  # a state entry BUILD sets, by Python code, into a new __dict__
 _PER_PATH_CHAR = 8  # a Path splits its string into part objects
 _PER_EMPTY_SET = 28  # a 1-byte opcode making a 216-byte object
@@ -57,6 +54,11 @@ _SHOW = reprlib.Repr()
 _SHOW.maxstring = _SHOW.maxother = 80
 
 
+def _plain(records: tuple) -> frozenset:
+    """The records whose BUILD puts a dict's items into the instance's ``__dict__`` (no ``__setstate__``)."""
+    return frozenset(cls for cls in records if getattr(cls, "__setstate__", None) is None)
+
+
 def show(value) -> str:
     """A bounded repr of a value from an untrusted file: builtin values truncated, anything else by type."""
     if type(value) is int and value.bit_length() > 256:  # repr of a huge int is quadratic
@@ -69,7 +71,7 @@ def show(value) -> str:
     return f"<{type(value).__name__}>"
 
 
-class MetadataUnpickler(pickle._Unpickler):
+class MetadataUnpickler(KeyCharges, pickle._Unpickler):
     """Python's own unpickler with globals restricted to ADMITTED_GLOBALS, BUILD restricted to DCP
     records, and every copy and hash charged to ``budget``."""
 
@@ -80,6 +82,7 @@ class MetadataUnpickler(pickle._Unpickler):
         self._budget = budget if budget is not None else WorkBudget(path, len(data))
         self._records = _loaded(_RECORDS)
         self._hashable_records = tuple(cls for cls in self._records if cls.__hash__ is not None)
+        self._plain_records = _plain(self._records)
         self._weights: dict[int, tuple[object, int]] = {}  # id -> (the object, kept alive; its weight)
         self._hashes: dict[int, list] = {}  # hash -> [first key with it, how many unequal keys followed]
         self._kinds: dict[object, str] = {}  # a resolved callable -> "elements" / "argument" / "path"
@@ -101,6 +104,7 @@ class MetadataUnpickler(pickle._Unpickler):
                          f"(written by another torch version?): {exc}")
         if (module, name) in _FOREIGN_RECORDS and found not in self._records:
             self._records += (found,)
+            self._plain_records = _plain(self._records)
             if found.__hash__ is not None:
                 self._hashable_records += (found,)
         if (module, name) in _HASH_ELEMENTS:
@@ -113,79 +117,6 @@ class MetadataUnpickler(pickle._Unpickler):
 
     def persistent_load(self, pid):
         self._refuse("refused: holds a persistent id, which a DCP metadata file never does")
-
-    # ------------------------------------------------------------------ what hashing an object walks
-    def weight(self, obj, depth: int = 0) -> int:
-        """Element operations one hash or comparison of ``obj`` takes (hashes of str, bytes, Paths and
-        frozensets are cached by Python, but comparing two equal ones walks them)."""
-        t = type(obj)
-        if t is str or t is bytes:
-            return 1 + (len(obj) >> 4)
-        if t is int:
-            return 1 + (obj.bit_length() >> 6)
-        if t is torch.Size:  # its elements are int64
-            return 1 + len(obj)
-        if not (t is tuple or t is frozenset or t is memoryview or isinstance(obj, self._hashable_records)
-                or isinstance(obj, pathlib.PurePath)):
-            return 1
-        known = self._weights.get(id(obj))
-        if known is not None:
-            return known[1]
-        if depth >= MAX_KEY_DEPTH:
-            self._refuse(f"refused: it holds a tuple or record nested more than {MAX_KEY_DEPTH} deep as a key, which "
-                         f"a DCP metadata file never does; not unpickled")
-        if t is tuple:
-            w = 1 + sum(self.weight(item, depth + 1) for item in obj)
-        elif t is frozenset:
-            w = 1 + len(obj)
-        elif t is memoryview:  # compared item by item
-            w = 1 + obj.nbytes
-        elif isinstance(obj, pathlib.PurePath):  # compared part by part
-            w = 1 + len(str(obj))
-        else:  # a hashable record (MetadataIndex): hashed by its fields
-            w = 1 + sum(self.weight(value, depth + 1) for value in vars(obj).values())
-        if w > self._budget.total:
-            self._refuse(f"refused: it holds a tuple or record of {w} elements in all (shared parts counted "
-                         f"each time they occur), which a DCP metadata file of its size never does; not unpickled")
-        self._weights[id(obj)] = (obj, w)
-        return w
-
-    def _insert(self, key, what) -> None:
-        """Charge hashing ``key`` into a dict or set: its weight, times one more for each key with the
-        same hash but another value seen before (each is compared against it)."""
-        t = type(key)
-        if t is str or t is bytes:  # hashed with a per-process key: collisions cannot be crafted
-            self._budget.charge(_PER_STR_KEY + (len(key) >> 4), what)
-            return
-        w = self.weight(key)
-        self._budget.charge(_PER_KEY + w, what)
-        try:
-            h = hash(key)
-        except TypeError:  # unhashable: the container raises
-            return
-        seen = self._hashes.get(h)
-        if seen is None:
-            self._hashes[h] = [key, 0]
-            return
-        first = seen[0]
-        if first is key:
-            return
-        try:
-            same = bool(first == key)
-        except Exception:  # RecursionError and kin: count it as a collision
-            same = False
-        if not same:
-            seen[1] += 1
-            self._budget.charge(w * seen[1], what)
-
-    def _keys(self, keys, what) -> None:
-        strings = 0
-        for key in keys:
-            if type(key) is str:
-                strings += _PER_STR_KEY + (len(key) >> 4)
-            else:
-                self._insert(key, what)
-        self._budget.charge(strings, what)
 
     # ------------------------------------------------------------------ calls
     def _call(self, func, args, kwargs, new: bool):
@@ -237,7 +168,7 @@ class MetadataUnpickler(pickle._Unpickler):
         self.metastack, self.stack = [], []
         self.append = self.stack.append
         self.proto = 0
-        read, dispatch = data.read, self.dispatch
+        read, dispatch = data.read, dict(self.dispatch)  # a plain dict: a lookup per opcode, through no proxy
         try:
             while True:
                 key = read(1)
@@ -279,8 +210,15 @@ class MetadataUnpickler(pickle._Unpickler):
         pickle._Unpickler.load_setitem(self)
 
     def load_setitems(self):  # the items since the last MARK are the whole current stack
-        self._keys(self.stack[0::2], "a dict key")
-        pickle._Unpickler.load_setitems(self)
+        items = self.stack
+        self._keys(items[0::2], "a dict key")
+        self.pop_mark()
+        target = self.stack[-1]
+        if type(target) is dict and not len(items) & 1:  # pickle's loop, in one call
+            target.update(zip(items[0::2], items[1::2]))
+        else:
+            for i in range(0, len(items), 2):
+                target[items[i]] = items[i + 1]
 
     def load_dict(self):
         self._keys(self.stack[0::2], "a dict key")
@@ -303,6 +241,10 @@ class MetadataUnpickler(pickle._Unpickler):
         # BUILD's state goes into the object below it by __dict__ update or setattr: on a class that
         # find_class returned it would rewrite the class for the whole process.
         stack = self.stack
+        if len(stack) >= 2 and type(stack[-1]) is dict and stack[-1] and type(stack[-2]) in self._plain_records \
+                and id(stack[-2]) not in self._weights:
+            self._build_fields(stack)
+            return
         if len(stack) >= 2:
             state, target = stack[-1], stack[-2]
             if type(target) not in self._records:
@@ -329,6 +271,26 @@ class MetadataUnpickler(pickle._Unpickler):
                         cost += len(key) >> 4
                     budget.charge(cost, "BUILD")
         pickle._Unpickler.load_build(self)
+
+    def _build_fields(self, stack) -> None:
+        """BUILD of a non-empty field dict into a record without `__setstate__` (almost every BUILD):
+        `load_build`'s checks and charges, then pickle's BUILD of such a state without its failing
+        `__setstate__` lookup."""
+        state, target = stack.pop(), stack[-1]
+        budget = self._budget
+        budget.left -= 1 + _PER_FIELD * len(state)
+        if budget.left < 0:
+            budget.charge(0, "BUILD")
+        cost = 0
+        for key in state:  # its keys become attributes: fields only
+            if type(key) is not str or key[:1] == "_":
+                self._refuse(f"refused: it sets the attribute {show(key)} of a "
+                             f"{type(target).__qualname__}, which is not a field; not unpickled")
+            cost += len(key) >> 4
+        budget.charge(cost, "BUILD")
+        inst_dict = target.__dict__
+        for key, value in state.items():
+            inst_dict[sys.intern(key)] = value
 
     # ------------------------------------------------------------------ text memo opcodes
     def _memo_index(self) -> int:
