@@ -27,6 +27,7 @@ from .. import saving as save_mod
 from ..errors import MissingDependencyError, ValidationError, failure_from_exception
 from ..names import RELEASE_DIR, SHARDED_BACKEND
 from ..options import GiB, SaveOptions
+from .loading import optimizer_classes
 from ..results import SaveResult
 from ..targets.retention import Retention, prune
 from ..sinks.tensorstore import resolve_target
@@ -74,6 +75,7 @@ def options_from_args(args, model=None) -> SaveOptions:
         writer_nice=getattr(args, "safe_ckpt_writer_nice", None),
         integrity_manifest=integrity,  # Megatron's --verify-integrity: integrity.json as its own save writes it
         return_after=overlap.return_after(args, model),
+        safe_globals=optimizer_classes(),  # what `load_options_from_args` admits: a save it cannot read is refused
     )
 
 
