@@ -131,8 +131,9 @@ def _unloadable(key: str, rank: int, what: str, payload: bytes, safe_globals, tr
         return None
     held = f"holds {refusal.refused_global}" if refusal.refused_global else f"cannot be rebuilt ({refusal.reason})"
     where = _refused_entries(tree, root, safe_globals) if tree is not None else ""
+    where = f" (at {where})" if where else ""
     return _problem(key, rank, (
-        f"{what} {held}{f' (at {where})' if where else ''}, which the loaders refuse: the common state and ShardedObjects are read with "
+        f"{what} {held}{where}, which the loaders refuse: the common state and ShardedObjects are read with "
         f"torch.load(weights_only=True), admitting only torch's types, megatron-core's safe globals and "
         f"classes registered with torch.serialization.add_safe_globals; nothing was written. Convert it to "
         f"builtin types (dict, list, str, int, float) or tensors, or register the class with "
