@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pickle
 
-from ..encoding import weights_only
+from .. import weights_only
 from ..errors import ReadError
 from ..names import COMMON_STATE_FILE, COMMON_STATE_KEY
 from .index import CheckpointIndex, StoredItem

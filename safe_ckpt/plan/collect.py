@@ -19,7 +19,7 @@ from typing import Any, Iterator
 import torch
 
 from .. import compat
-from ..encoding import weights_only
+from .. import weights_only
 from ..names import COMMON_STATE_FILE, COMMON_STATE_KEY
 from ..errors import CheckpointError, UnloadableStateError, ValidationError
 from .records import Box, ObjectRef, Problem

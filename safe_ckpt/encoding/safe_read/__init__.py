@@ -22,7 +22,7 @@ import torch
 
 from ...errors import UnreadableCheckpointError
 from ...names import COMMON_STATE_FILE, COMMON_STATE_KEY, METADATA_FILE
-from .. import weights_only
+from ... import weights_only
 from .files import open_file, read_file
 from .admitted import ADMITTED_GLOBALS, torch_constant
 from .budget import WorkBudget

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import compat
+from . import compat
 
 _GLOBAL_IN_MESSAGE = re.compile(r"GLOBAL ([\w.]+)")
 _WHY_IN_MESSAGE = re.compile(r"WeightsUnpickler error:\s*(.+?)\s*(?:\n\s*\n|$)", re.S)
