@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -114,7 +115,7 @@ class PinnedPool:
         self._leased = 0
         self._peak = 0
         self._allocations = 0
-        self._registered = False
+        self._unregister: weakref.finalize | None = None  # page-unlocks the buffer, at release or collection
 
     def _host_buffer(self) -> torch.Tensor:
         """The memory the pool is made of, allocated once (a subclass may take it elsewhere)."""
@@ -130,7 +131,8 @@ class PinnedPool:
                 err = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), self.capacity_bytes, 0)
                 if int(err) != 0:
                     raise CheckpointError(f"cudaHostRegister of {self.capacity_bytes} bytes failed: error {int(err)}")
-                self._registered = True
+                # a pool dropped by everyone (a replaced one, once its save ends) unlocks its memory too
+                self._unregister = weakref.finalize(self, _host_unregister, buffer)
             self._buffer = buffer
             self._free_list = [[0, self.capacity_bytes]]
             self._allocations += 1
@@ -221,11 +223,27 @@ class PinnedPool:
         with self._cond:
             if self._leased:
                 raise CheckpointError("cannot release the staging pool while chunks are leased")
-            if self._buffer is not None and self._registered:
-                torch.cuda.cudart().cudaHostUnregister(self._buffer.data_ptr())
-                self._registered = False
-            self._buffer = None
-            self._free_list = []
+            self._drop_buffer()
+
+    def retire(self) -> None:
+        """Give the buffer back now, or, while a running save or load holds leases, leave it to
+        them: it goes (page-unlocked) with the last reference, so a replaced pool never pulls
+        memory from under its users."""
+        with self._cond:
+            if not self._leased:
+                self._drop_buffer()
+
+    def _drop_buffer(self) -> None:
+        """The caller holds the lock."""
+        if self._unregister is not None:
+            self._unregister()
+            self._unregister = None
+        self._buffer = None
+        self._free_list = []
+
+
+def _host_unregister(buffer: torch.Tensor) -> None:
+    torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
 
 
 def host_buffer(nbytes: int) -> torch.Tensor:
@@ -268,7 +286,7 @@ def shared_pool(capacity_bytes: int, needed_bytes: int | None = None) -> PinnedP
             if pool is not None:
                 log.info("staging pool of %s replaced by one of %s", human_bytes(pool.capacity_bytes),
                          human_bytes(size))
-                pool.release()
+                pool.retire()
             pool = PinnedPool(size, budget_bytes=capacity_bytes)
             _shared["pool"] = pool
         return pool

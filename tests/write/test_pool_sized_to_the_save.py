@@ -63,3 +63,21 @@ def test_a_pool_big_enough_is_kept_and_one_too_small_grows_within_the_budget():
         assert pool_mod.shared_pool(64 * MiB).capacity_bytes == 64 * MiB  # no need given: the whole budget
     finally:
         pool_mod.release()
+
+
+def test_a_pool_replaced_while_leased_stays_with_the_save_using_it():
+    """A load's exact budget replaces a smaller pool a running save still holds leases of: the
+    save keeps its memory, untouched, and the process's pool is the new one."""
+    pool_mod.release()
+    try:
+        small = pool_mod.shared_pool(64 * MiB, MiB)
+        lease = small.lease(8192)
+        data = torch.randint(0, 256, (8192,), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
+        lease.tensor.copy_(data)
+        whole = pool_mod.shared_pool(64 * MiB)
+        assert whole is not small and whole.capacity_bytes == 64 * MiB and pool_mod._shared["pool"] is whole
+        assert torch.equal(lease.tensor, data)  # still the save's, still intact
+        lease.release()
+        assert small.stats().leased_bytes == 0
+    finally:
+        pool_mod.release()
