@@ -72,6 +72,10 @@ class ValidationError(CheckpointError, ValueError):
     """The state dict or the options are not something that can be saved."""
 
 
+class UnloadableStateError(ValidationError):
+    """The common state or a ShardedObject holds a class the loaders' weights-only unpickler refuses."""
+
+
 class ResidenceError(CheckpointError):
     """A source tensor's memory cannot be read (paused/unmapped device memory, freed, meta)."""
 

@@ -39,11 +39,12 @@ class SaveOptions:
     fsync: make every file durable before the checkpoint is published.
     staging_budget_bytes: size of the process-wide pinned staging pool, allocated once
         on first use and reused by later saves. Device-resident bytes beyond it are
-        staged as earlier chunks finish writing. None (default): 1/16 of the rank's share of
-        its host's available memory (MemAvailable, bounded by the cgroup's limit, read once
-        per process, divided by the ranks of the save on that machine), at most 2 GiB, at
-        least `chunk_bytes`: 8 ranks on a host with 2 TiB available get 2 GiB each, on one
-        with 128 GiB 1 GiB each. For `async_save` to return after the device-to-host copy
+        staged as earlier chunks finish writing. None (default): a ceiling of 1/16 of the rank's
+        share of its host's available memory (MemAvailable, bounded by the cgroup's limit, read
+        once per process, divided by the ranks of the save on that machine), at most 2 GiB, at
+        least `chunk_bytes` (8 ranks on a host with 2 TiB available get 2 GiB each, on one
+        with 128 GiB 1 GiB each); the pool is then what the save stages, within that ceiling,
+        and is replaced by a bigger one (still within it) only for a later save that stages more. For `async_save` to return after the device-to-host copy
         alone, set it to at least the rank's GPU bytes.
     collective_timeout_s: how long a rank waits for its peers in any coordination step
         (applies to the gloo group safe_ckpt creates; a caller's group keeps its own).
@@ -106,6 +107,11 @@ class SaveOptions:
         another stream) fails the save with `SourceModifiedError`. Zero stall needs
         `staging_budget_bytes` >= the rank's saved bytes (device + host). Gates wait at most
         `collective_timeout_s`, then the save is abandoned (`StagingTimeoutError`).
+    safe_globals: classes, beyond torch's own, megatron-core's safe globals and those registered
+        with `torch.serialization.add_safe_globals`, that the common state and the ShardedObjects
+        may hold. The save refuses, before writing anything, state the loaders' weights-only
+        unpickler would refuse; pass here only classes every loading process admits too
+        (`LoadOptions.safe_globals`, or `add_safe_globals` there).
     """
 
     chunk_bytes: int = 64 * MiB
@@ -128,6 +134,7 @@ class SaveOptions:
     kvstore_request_timeout_s: float = 30.0
     kvstore_save_timeout_s: Optional[float] = None
     return_after: str = "staged"
+    safe_globals: tuple = ()
 
     def __post_init__(self) -> None:
         problems = []
@@ -155,6 +162,9 @@ class SaveOptions:
             problems.append(f"writer_nice={self.writer_nice!r} must be None or an int within [0, 19]")
         if self.return_after not in RETURN_AFTER:
             problems.append(f"return_after={self.return_after!r} must be one of {RETURN_AFTER}")
+        if not isinstance(self.safe_globals, (tuple, list)) or not all(isinstance(c, type) or callable(c)
+                                                                        for c in self.safe_globals):
+            problems.append("safe_globals must be a tuple of classes")
         if self.progress_interval_s < 0:
             problems.append(f"progress_interval_s={self.progress_interval_s} must be >= 0")
         if problems:

@@ -242,6 +242,17 @@ def dcp_verdict(safe_s: list[float], dcp_s: list[float]) -> str:
     return f"safe_ckpt {claim}: DCP took {_spread(ratios, '.2f', 'x')} as long"
 
 
+def ceiling_line(of_ceiling: list[float]) -> str:
+    """The save's rate as a share of the write ceiling's, round by round; where a round passes
+    100 %, why it can: the ceiling is a separate run, a reference rather than a bound."""
+    line = (f"safe_ckpt at {_spread(of_ceiling, '.0f', ' %')} of the write ceiling (its MiB/s over the "
+            f"ceiling's, each round against its own)")
+    if max(of_ceiling) > 100:
+        line += ("; over 100 %: the ceiling is a separate run of plain writes, and page-cache writeback and "
+                 "other load move each run, so it is a reference, not a bound")
+    return line
+
+
 def noise_line(ceiling_s: list[float], limit: float = 1.5) -> str:
     """A warning when the target's own speed moved more than ``limit``x between rounds (a busy
     machine or a throttled disk): then a single ratio says little."""
@@ -330,7 +341,7 @@ def main(world_size: int = 2, size_mb: int = 384, out: str | None = None, keep: 
     for label, mb, xs in (("safe_ckpt.save", mib, safe_s), ("write ceiling (same bytes, pwrite + fsync)", ceil_mib, ceil_s),
                           ("stock DCP save of the same tensors", mib, dcp_s)):
         print(f"    {label:<44} {mb / _median(xs):8.1f} MiB/s  {_spread(xs, '.2f', ' s')}")
-    print(f"  safe_ckpt at {_spread(of_ceiling, '.0f', ' %')} of the write ceiling, each round against its own")
+    print(f"  {ceiling_line(of_ceiling)}")
     print(f"  {dcp_verdict(safe_s, dcp_s)}")
     if noisy := noise_line(ceil_s):
         print(f"  {noisy}")

@@ -22,6 +22,7 @@ import traceback
 from .commands import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_USAGE, UsageError, _lab
 from .output import cli_words
 from .parser import build_parser
+from ..write.progress import progress_lines
 
 log = logging.getLogger("safe_ckpt.cli")
 
@@ -73,7 +74,9 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                             format="%(asctime)s %(levelname)s %(message)s")
-        return run(args)
+        # safe_ckpt's own lines (gc's, a save's progress) as `show_progress` prints them
+        with progress_lines(level=logging.DEBUG if args.verbose else logging.INFO):
+            return run(args)
     except KeyboardInterrupt:  # outside a command's own handling (imports, argument parsing)
         print("safe-ckpt: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED

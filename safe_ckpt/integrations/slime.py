@@ -78,10 +78,16 @@ def add_arguments(parser):
 def slime_save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far=0,
                           checkpointing_context=None, train_data_iterator=None,
                           preprocess_common_state_dict_fn=None, **kwargs):
-    """What slime's `save` calls in place of Megatron's `save_checkpoint` (same arguments)."""
+    """What slime's `save` calls in place of Megatron's `save_checkpoint` (same arguments). The
+    classes slime's args hold are admitted to the saved common state, as slime's loaders admit
+    them (`slime_load`; its patched Megatron loads with `weights_only=False`)."""
+    from megatron.training.global_vars import get_args
+
     from safe_ckpt.megatron import save_checkpoint
 
-    return save_checkpoint(iteration, model, optimizer, opt_param_scheduler,
+    from .slime_load import classes_in_args
+
+    return save_checkpoint(iteration, model, optimizer, opt_param_scheduler, safe_globals=classes_in_args(get_args()),
                            num_floating_point_operations_so_far=num_floating_point_operations_so_far,
                            checkpointing_context=checkpointing_context, train_data_iterator=train_data_iterator,
                            preprocess_common_state_dict_fn=preprocess_common_state_dict_fn, **kwargs)

@@ -72,7 +72,7 @@ from .. import compat
 from ..coord import dist as safe_dist
 from ..residence import classify as residence
 from ..errors import ValidationError, failure_from_exception
-from . import slime_groups, slime_sources
+from . import slime_groups, slime_load, slime_sources
 from .slime_resume_guard import guard_resume
 from .slime_starting import StartingSave, build_failure, checkpoint_dir
 
@@ -129,8 +129,9 @@ def start_asleep_save(args, model, optimizer, opt_param_scheduler, iteration, gr
     if not getattr(args, "save", None):
         raise ValidationError("--save is not set: there is nowhere to save the checkpoint")
     # asleep, nothing trains until the save ends (it holds wake_up): no copy window to overlap
-    options = dataclasses.replace(training.options_from_args(args), unmapped_policy="cpu_backup",
-                                  return_after="staged")
+    options = training.options_from_args(args)
+    options = dataclasses.replace(options, unmapped_policy="cpu_backup", return_after="staged",
+                                  safe_globals=(*options.safe_globals, *slime_load.classes_in_args(args)))
     stage = f"building the asleep state dict of iteration {iteration}"
     coord = group.coordinator(f"asleep build {iteration}") if isinstance(group, slime_groups.DetachedGloo) \
         else safe_dist.coordinator(group, options.collective_timeout_s, f"asleep build {iteration}")

@@ -11,66 +11,33 @@ Must not: call `pickle.load` or `torch.load(weights_only=False)`.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import pickle
-import re
-import threading
 
-import torch
-
-from .. import compat
+from .. import weights_only
 from ..errors import ReadError
 from ..names import COMMON_STATE_FILE, COMMON_STATE_KEY
 from .index import CheckpointIndex, StoredItem
 from .source import Source
 
-_GLOBAL_IN_MESSAGE = re.compile(r"GLOBAL ([\w.]+)")
-_WHY_IN_MESSAGE = re.compile(r"WeightsUnpickler error:\s*(.+?)\s*(?:\n\s*\n|$)", re.S)
 _COMMON_STATE_BYTES = 1 << 30
 
 
 def decode(data, where: str, safe_globals=(), map_location=None, megatron_globals: bool = True):
     """``torch.load(weights_only=True)`` of ``data`` with megatron-core's safe globals and ``safe_globals``."""
     try:
-        with _admitted([*compat.megatron_safe_globals(), *safe_globals] if megatron_globals else list(safe_globals)):
-            return torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
+        return weights_only.load(data, safe_globals, map_location, megatron_globals)
     except pickle.UnpicklingError as exc:
-        refused = _GLOBAL_IN_MESSAGE.search(str(exc))
+        refused = weights_only.refused_global(exc)
         if refused:
             raise ReadError(
-                f"{where}: refused: it references {refused.group(1)}, which neither torch's weights-only loader "
+                f"{where}: refused: it references {refused}, which neither torch's weights-only loader "
                 f"nor megatron-core's safe globals allow (nothing from it was run). If you trust this checkpoint "
                 f"and the class, list it in LoadOptions(safe_globals=(...))") from None
         raise ReadError(f"{where}: not a readable torch.save archive (torch's weights-only loader: "
-                        f"{_reason(str(exc))})") from None
+                        f"{weights_only.reason(str(exc))})") from None
     except Exception as exc:
         raise ReadError(f"{where}: not a readable torch.save archive ({type(exc).__name__}: "
-                        f"{_reason(str(exc))})") from None
-
-
-_admit_lock = threading.Lock()
-
-
-@contextlib.contextmanager
-def _admitted(classes: list):
-    """Admit ``classes`` to torch's weights-only unpickler for the block. Only those not admitted
-    already: torch's `safe_globals` context removes on exit whatever it was given, which would take
-    away what megatron-core registers for the whole process at import."""
-    if not classes:
-        yield
-        return
-    with _admit_lock:
-        known = {id(c) for c in torch.serialization.get_safe_globals()}
-        missing = [c for c in classes if id(c) not in known]
-        with torch.serialization.safe_globals(missing):
-            yield
-
-
-def _reason(message: str) -> str:
-    """The line of torch's long weights-only message that says what went wrong."""
-    found = _WHY_IN_MESSAGE.search(message)
-    return found.group(1).strip() if found else message.strip().splitlines()[0][:200] if message.strip() else "?"
+                        f"{weights_only.reason(str(exc))})") from None
 
 
 def read_item(source: Source, item: StoredItem) -> bytearray:

@@ -27,6 +27,7 @@ from .. import saving as save_mod
 from ..errors import MissingDependencyError, ValidationError, failure_from_exception
 from ..names import RELEASE_DIR, SHARDED_BACKEND
 from ..options import GiB, SaveOptions
+from .loading import optimizer_classes
 from ..results import SaveResult
 from ..targets.retention import Retention, prune
 from ..sinks.tensorstore import resolve_target
@@ -74,6 +75,7 @@ def options_from_args(args, model=None) -> SaveOptions:
         writer_nice=getattr(args, "safe_ckpt_writer_nice", None),
         integrity_manifest=integrity,  # Megatron's --verify-integrity: integrity.json as its own save writes it
         return_after=overlap.return_after(args, model),
+        safe_globals=optimizer_classes(),  # what `load_options_from_args` admits: a save it cannot read is refused
     )
 
 
@@ -264,7 +266,8 @@ def _megatron_training():
 def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far=0,
                     checkpointing_context=None, pipeline_rank=None, expert_rank=None, tensor_rank=None,
                     pipeline_parallel=None, expert_parallel=None, non_persistent_ckpt=False,
-                    train_data_iterator=None, preprocess_common_state_dict_fn=None, release=False, **kwargs):
+                    train_data_iterator=None, preprocess_common_state_dict_fn=None, release=False,
+                    safe_globals: tuple = (), **kwargs):
     """`megatron.training.checkpointing.save_checkpoint`, written by safe_ckpt.
 
     Same arguments and the same on-disk result for `--ckpt-format torch_dist`; honours
@@ -273,6 +276,8 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
     `finalize_async_saves()`). Retention keeps the checkpoint this run loaded (`resume`).
     With `--safe-ckpt-overlap-copy` too it returns right after planning; the copies start at the
     optimizer's next `zero_grad()` and its next step waits for what is left (`overlap`).
+    ``safe_globals``: classes the state may hold beyond those Megatron's loader admits, for a
+    caller whose loaders admit them too (`SaveOptions.safe_globals`).
     """
     mck, get_args = _megatron_training()
     args = get_args()
@@ -284,6 +289,8 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
         raise ValidationError("--save is not set: there is nowhere to save the checkpoint")
     finalize_async_saves(blocking=True)  # one save at a time, as Megatron's queue enforces
     options = options_from_args(args)
+    if safe_globals:
+        options = dataclasses.replace(options, safe_globals=(*options.safe_globals, *safe_globals))
     if options.return_after == "planned" and overlap.return_after(args, model) != "planned":
         options = dataclasses.replace(options, return_after="staged")  # before unwrapping: the DDP buckets
     deferred = bool(getattr(args, "async_save", False)) and options.return_after == "planned"

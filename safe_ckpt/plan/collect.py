@@ -19,8 +19,9 @@ from typing import Any, Iterator
 import torch
 
 from .. import compat
+from .. import weights_only
 from ..names import COMMON_STATE_FILE, COMMON_STATE_KEY
-from ..errors import CheckpointError, ValidationError
+from ..errors import CheckpointError, UnloadableStateError, ValidationError
 from .records import Box, ObjectRef, Problem
 
 _V = ValidationError
@@ -120,7 +121,42 @@ def _box_view(data: torch.Tensor, sizes: tuple[int, ...]) -> torch.Tensor:
     return view
 
 
-def _object(sh, path: str, rank: int, payloads: dict[str, bytes], main_paths: dict[str, str]) -> ObjectRef | Problem:
+def _unloadable(key: str, rank: int, what: str, payload: bytes, safe_globals, tree=None,
+                root: str = ROOT) -> Problem | None:
+    """A problem where the loaders would refuse ``payload``: checked by the same weights-only
+    unpickler and allow-list they use, so nothing is saved that cannot be read back. ``tree``: the
+    state ``payload`` encodes, searched (on refusal only) for the entries that hold the class."""
+    refusal = weights_only.unloadable(payload, safe_globals)
+    if refusal is None:
+        return None
+    held = f"holds {refusal.refused_global}" if refusal.refused_global else f"cannot be rebuilt ({refusal.reason})"
+    where = _refused_entries(tree, root, safe_globals) if tree is not None else ""
+    where = f" (at {where})" if where else ""
+    return _problem(key, rank, (
+        f"{what} {held}{where}, which the loaders refuse: the common state and ShardedObjects are read with "
+        f"torch.load(weights_only=True), admitting only torch's types, megatron-core's safe globals and "
+        f"classes registered with torch.serialization.add_safe_globals; nothing was written. Convert it to "
+        f"builtin types (dict, list, str, int, float) or tensors, or register the class with "
+        f"torch.serialization.add_safe_globals([...]) in the saving process and in every loading process"),
+        kind=UnloadableStateError)
+
+
+def _refused_entries(tree, root: str, safe_globals) -> str:
+    """The paths of ``tree``'s entries the loaders refuse on their own, with their types (a few)."""
+    found = []
+    for path, leaf in _walk(tree, root, into_tuples=True):
+        try:
+            refused = weights_only.unloadable(compat.torch_save_bytes(leaf), safe_globals) is not None
+        except Exception:  # an entry that does not pickle alone is not the one to name
+            refused = False
+        if refused:
+            found.append(f"{path}: a {type(leaf).__qualname__}")
+    more = f" and {len(found) - _LISTED} more" if len(found) > _LISTED else ""
+    return ", ".join(found[:_LISTED]) + more
+
+
+def _object(sh, path: str, rank: int, payloads: dict[str, bytes], main_paths: dict[str, str],
+            safe_globals=()) -> ObjectRef | Problem:
     fqn = sh.unique_key
     is_main = compat.is_main_replica(sh.replica_id)
     payload_bytes = 0
@@ -134,6 +170,10 @@ def _object(sh, path: str, rank: int, payloads: dict[str, bytes], main_paths: di
         except Exception as exc:  # any pickling failure is the caller's data problem
             return _problem(sh.key, rank, f"ShardedObject {fqn!r} at {path} cannot be serialized: "
                                           f"{type(exc).__name__}: {exc}")
+        refused = _unloadable(sh.key, rank, f"ShardedObject {fqn!r}", payloads[fqn], safe_globals, sh.data,
+                              f"{path}.data")
+        if refused is not None:
+            return refused
         payload_bytes = len(payloads[fqn])
     return ObjectRef(
         fqn=fqn,
@@ -180,8 +220,9 @@ def _mib(n: int) -> str:
 
 
 def collect(sharded_state_dict: dict, rank: int, content_metadata: dict | None = None,
-            with_common: bool = True) -> LocalState:
-    """One rank's shards, objects, local problems and (on rank 0, ``with_common``) the common state."""
+            with_common: bool = True, safe_globals=()) -> LocalState:
+    """One rank's shards, objects, local problems and (on rank 0, ``with_common``) the common state.
+    ``safe_globals``: classes beyond the loaders' own that its pickled parts may hold."""
     problems: list[Problem] = []
     try:
         mapping = compat.mcore_mapping()
@@ -207,7 +248,7 @@ def collect(sharded_state_dict: dict, rank: int, content_metadata: dict | None =
             out = _draft(leaf, path, rank, is_main_replica)
             (problems if isinstance(out, Problem) else shards).append(out)
         elif isinstance(leaf, mapping.ShardedObject):
-            out = _object(leaf, path, rank, payloads, main_object_paths)
+            out = _object(leaf, path, rank, payloads, main_object_paths, safe_globals)
             (problems if isinstance(out, Problem) else objects).append(out)
         else:
             key = getattr(leaf, "key", path)
@@ -220,12 +261,16 @@ def collect(sharded_state_dict: dict, rank: int, content_metadata: dict | None =
         try:
             if compat.common_state_as_sharded_object():
                 fqn = f"{COMMON_STATE_KEY}/shard_0_1"
-                payloads[fqn] = compat.common_state_payload(common)
+                payload = payloads[fqn] = compat.common_state_payload(common)
                 objects.append(
                     ObjectRef(fqn, COMMON_STATE_KEY, 0, (1,), (0,), True, len(payloads[fqn]), "<common>")
                 )
             else:
-                whole_files[COMMON_STATE_FILE] = compat.torch_save_bytes(common)
+                payload = whole_files[COMMON_STATE_FILE] = compat.torch_save_bytes(common)
         except Exception as exc:
             problems.append(_problem("<common state>", rank, f"cannot be serialized: {type(exc).__name__}: {exc}"))
+        else:
+            refused = _unloadable("<common state>", rank, "the common state", payload, safe_globals, common)
+            if refused is not None:
+                problems.append(refused)
     return LocalState(rank, shards, objects, payloads, problems, common, whole_files)

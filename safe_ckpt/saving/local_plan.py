@@ -66,7 +66,8 @@ def plan_locally(state: dict, rank: int, *, target: Target, options: SaveOptions
     local, residences, sources, problems = empty, [], [], []
     prepared, save_id, interrupt = None, None, None
     try:
-        local = collect(state, rank, content_metadata, with_common=mode is PublishMode.WHOLE)
+        local = collect(state, rank, content_metadata, with_common=mode is PublishMode.WHOLE,
+                        safe_globals=options.safe_globals)
         residences, sources, problems = _classify(local, options)
     except BaseException as exc:
         interrupt = exc if isinstance(exc, INTERRUPTS) else None

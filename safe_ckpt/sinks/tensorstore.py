@@ -212,6 +212,16 @@ def open_location(checkpoint_dir: str, spec: dict | None = None,
     return KvLocation(kv, prefix, description, endpoint)
 
 
+def shown_location(target: KvTarget) -> str:
+    """``target`` as a user writes it, opening nothing: the URL itself, or a path inside a spec as
+    `s3://bucket/path` (the spec's own base path included)."""
+    if target.spec is None:
+        return target.path
+    base = str(target.spec.get("path") or "")
+    base = base if not base or base.endswith("/") else base + "/"
+    return _describe(target.spec, base + target.path.strip("/"))
+
+
 def _describe(spec: dict, path: str) -> str:
     """A kvstore path as a user writes it: `s3://bucket/path`, `gs://bucket/path`, `file:///path`."""
     driver = spec.get("driver", "kvstore")

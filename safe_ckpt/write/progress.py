@@ -8,11 +8,12 @@ in whichever thread crosses the interval).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import sys
 import time
-from typing import Callable, Optional, TextIO
+from typing import Callable, Iterator, Optional, TextIO
 
 from ..units import human_bytes
 
@@ -65,7 +66,7 @@ def log_saved(r) -> None:
     )
 
 
-class _Lines(logging.Formatter):
+class LineFormatter(logging.Formatter):
     """``12:00:01 safe_ckpt: message``; the level is named only when it is not INFO."""
 
     def format(self, record: logging.LogRecord) -> str:
@@ -93,7 +94,7 @@ def show_progress(stream: Optional[TextIO] = None) -> logging.Handler:
     handler = next((h for h in log.handlers if isinstance(h, _ProgressHandler)), None)
     if handler is None:
         handler = _ProgressHandler(stream if stream is not None else sys.stderr)
-        handler.setFormatter(_Lines())
+        handler.setFormatter(LineFormatter())
         log.addHandler(handler)
     elif stream is not None:
         handler.setStream(stream)
@@ -101,3 +102,27 @@ def show_progress(stream: Optional[TextIO] = None) -> logging.Handler:
         log.setLevel(logging.INFO)
     log.propagate = False
     return handler
+
+
+@contextlib.contextmanager
+def progress_lines(stream: Optional[TextIO] = None, level: int = logging.INFO) -> Iterator[None]:
+    """`show_progress` for the length of a block (a command-line command, which may run inside
+    another program), at ``level``; the logger is as it was afterwards. Where `show_progress` is
+    already in effect its handler prints them, and only the level changes."""
+    shown = any(isinstance(h, _ProgressHandler) for h in log.handlers)
+    before = log.level, log.propagate
+    handler = None
+    if not shown:
+        handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
+        handler.setFormatter(LineFormatter())
+        log.addHandler(handler)
+        log.propagate = False
+    if log.level == logging.NOTSET or log.level > level:
+        log.setLevel(level)
+    try:
+        yield
+    finally:
+        if handler is not None:
+            log.removeHandler(handler)
+        log.setLevel(before[0])
+        log.propagate = before[1]

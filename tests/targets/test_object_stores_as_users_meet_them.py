@@ -77,6 +77,21 @@ def test_an_s3_save_root_from_the_python_api_is_verified_through_its_tracker(s3_
         assert torch.equal(loaded[k], saved[k].data), k
 
 
+def test_a_save_to_s3_names_the_url_with_its_bucket_in_its_summary_and_result(s3_server, monkeypatch, caplog):
+    import logging
+
+    s3_server.bucket("summary")
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", s3_server.endpoint)
+    with caplog.at_level(logging.INFO, logger="safe_ckpt"):
+        by_url = safe_ckpt.save(_state(3), "s3://summary/run/iter_0000003", options=_opts())
+        in_spec = safe_ckpt.save(_state(4), "run/iter_0000004", options=_opts(kvstore_spec=s3_server.spec("summary")))
+    assert by_url.checkpoint_dir == "s3://summary/run/iter_0000003"
+    assert in_spec.checkpoint_dir == "s3://summary/run/iter_0000004"
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("saved ")]
+    assert [line.split(":")[0] + ":" + line.split(":")[1] for line in lines] == [
+        "saved s3://summary/run/iter_0000003", "saved s3://summary/run/iter_0000004"], lines
+
+
 def _cli_here(*argv) -> tuple[int, str]:
     import contextlib
     import io

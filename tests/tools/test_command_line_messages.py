@@ -15,7 +15,7 @@ import torch
 import safe_ckpt
 from safe_ckpt import cli
 from safe_ckpt.cli import output as cli_output
-from tests.tools.test_cli_edges import OPTS, _cli, _save_root, _state
+from tests.tools.test_cli_edges import OPTS, _cli, _cli_process, _save_root, _state
 from tests.helpers.paths import REPO as ROOT
 
 PYTHON_NAMES = ("SaveOptions", "LoadOptions", "replace=", "_timeout_s", "io_threads")
@@ -234,6 +234,30 @@ def test_no_progress_line_off_a_terminal_or_for_a_short_command(ckpt):
     assert rc == 0 and err == ""
     rc, _, err = _on_a_terminal("verify", ckpt)  # over within one interval
     assert rc == 0 and err == ""
+
+
+def test_gc_logs_its_lines_as_show_progress_prints_them_and_leaves_logging_as_it_was(tmp_path):
+    import logging
+
+    leftover = tmp_path / ".iter_0000001.safe_ckpt-staging-x"  # what an interrupted save leaves
+    os.makedirs(leftover)
+    lib = logging.getLogger("safe_ckpt")
+    before = (list(lib.handlers), lib.level, lib.propagate)
+    rc, out, err = _cli("gc", str(tmp_path))
+    assert rc == 0 and out == f"removed {leftover}\n", out + err
+    # the line show_progress() prints: "HH:MM:SS safe_ckpt: message" (no date, no level at INFO)
+    assert re.fullmatch(rf"\d\d:\d\d:\d\d safe_ckpt: removing {re.escape(str(leftover))} left by an "
+                        rf"interrupted save\n", err), err
+    record = logging.LogRecord("safe_ckpt", logging.INFO, __file__, 0, "removing %s left by an interrupted save",
+                               (str(leftover),), None)
+    from safe_ckpt.write.progress import LineFormatter  # show_progress's formatter
+
+    assert err.split(" ", 1)[1] == LineFormatter().format(record).split(" ", 1)[1] + "\n"
+    assert (list(lib.handlers), lib.level, lib.propagate) == before
+    os.makedirs(leftover)  # and as its own process, where nothing else configured logging
+    proc = _cli_process("gc", str(tmp_path))
+    assert proc.returncode == 0 and re.fullmatch(rf"\d\d:\d\d:\d\d safe_ckpt: removing {re.escape(str(leftover))} "
+                                                 rf"left by an interrupted save\n", proc.stderr), proc.stderr
 
 
 def test_paths_a_command_cannot_use_are_named_as_given(ckpt, tmp_path, monkeypatch):

@@ -15,16 +15,14 @@ Must not: call `pickle.load`, `torch.load(weights_only=False)` or DCP's
 
 from __future__ import annotations
 
-import io
 import os
 import pickle
-import re
 
 import torch
 
-from ...compat import megatron_safe_globals
 from ...errors import UnreadableCheckpointError
 from ...names import COMMON_STATE_FILE, COMMON_STATE_KEY, METADATA_FILE
+from ... import weights_only
 from .files import open_file, read_file
 from .admitted import ADMITTED_GLOBALS, torch_constant
 from .budget import WorkBudget
@@ -154,22 +152,18 @@ def _check_shape(meta, path: str, budget: WorkBudget) -> None:
                                                   f"the checkpoint ({_show(info.relative_path)})")
 
 
-_GLOBAL_IN_MESSAGE = re.compile(r"GLOBAL ([\w.]+)")
-
-
 def weights_only_load(data: bytes, path: str):
     """``torch.load(weights_only=True)`` of ``data`` with megatron-core's safe globals, as stock
     Megatron loads its common state; a refusal names the global."""
     try:
-        with torch.serialization.safe_globals(megatron_safe_globals()):
-            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        return weights_only.load(data, map_location="cpu")
     except pickle.UnpicklingError as exc:
-        refused = _GLOBAL_IN_MESSAGE.search(str(exc))
+        refused = weights_only.refused_global(exc)
         if refused:
             raise UnreadableCheckpointError(
-                path, f"refused: it references the global {refused.group(1)}, which torch's weights-only "
+                path, f"refused: it references the global {refused}, which torch's weights-only "
                       f"loader and megatron-core's safe globals do not allow; not unpickled (nothing from it "
-                      f"was run). Stock Megatron refuses it too", refused.group(1)) from None
+                      f"was run). Stock Megatron refuses it too", refused) from None
         raise UnreadableCheckpointError(path, f"cannot be loaded: {exc}") from None
     except Exception as exc:
         raise UnreadableCheckpointError(path, f"cannot be loaded: {type(exc).__name__}: {exc}") from None

@@ -19,7 +19,7 @@ from typing import Callable, Mapping
 from ...errors import ValidationError
 from ...interrupts import Deferred
 from ...names import TRACKER_FILE
-from ...sinks.tensorstore import KvDeadlines, KvTarget, TensorStoreSink, open_sink
+from ...sinks.tensorstore import KvDeadlines, KvTarget, TensorStoreSink, open_sink, shown_location
 from ..base import (
     Followed, LayoutRules, LocalView, PublishMode, Prepared, Survey, Target, TargetSettings, WholeFiles, WriterSink,
 )
@@ -32,9 +32,9 @@ log = logging.getLogger("safe_ckpt")
 class ObjectStoreTarget(Target):
     def __init__(self, path: str, settings: TargetSettings = TargetSettings(), *, spec: dict | None = None,
                  deadlines: KvDeadlines | None = None) -> None:
-        self.name = path
         self.settings = settings
         self.location = KvTarget(path, spec)
+        self.name = shown_location(self.location)  # the URL (bucket included) every message and result shows
         self._deadlines = deadlines  # one shared deadline (`bounded`); None: each call starts its own
         self._sink: TensorStoreSink | None = None  # opened by `open`, for the whole save
         self._save_id: str | None = None  # set by `prepare` on rank 0: what `abort` removes
@@ -84,7 +84,7 @@ class ObjectStoreTarget(Target):
         root.write_tracker(self.location, value, self._fresh_deadlines())
 
     def bounded(self):
-        return contextlib.nullcontext(ObjectStoreTarget(self.name, self.settings, spec=self.location.spec,
+        return contextlib.nullcontext(ObjectStoreTarget(self.location.path, self.settings, spec=self.location.spec,
                                                         deadlines=self._fresh_deadlines()))
 
     def survey(self) -> Survey:
