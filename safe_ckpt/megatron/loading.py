@@ -224,7 +224,7 @@ class SafeTorchDistLoadStrategy(compat.torch_dist_load_strategy_base()):
 
     def __init__(self, options: LoadOptions | None = None, process_group=None, **kwargs) -> None:
         super().__init__(**compat.accepted_kwargs(super().__init__, kwargs))
-        self.options = options or LoadOptions()
+        self.options = options or LoadOptions(safe_globals=optimizer_classes())  # as the save strategy admits
         self.process_group = process_group
 
     def load(self, sharded_state_dict, checkpoint_dir, *args, **kwargs):

@@ -21,6 +21,7 @@ from .. import compat
 from .. import saving as save_mod
 from ..names import SHARDED_BACKEND, SHARDED_BACKEND_VERSION
 from ..options import SaveOptions
+from .loading import optimizer_classes
 
 
 class SafeTorchDistSaveStrategy(compat.torch_dist_save_strategy_base()):
@@ -29,7 +30,8 @@ class SafeTorchDistSaveStrategy(compat.torch_dist_save_strategy_base()):
     def __init__(self, backend: str = SHARDED_BACKEND, version: int = SHARDED_BACKEND_VERSION, *, options: SaveOptions | None = None,
                  process_group=None, **kwargs) -> None:
         super().__init__(backend, version, **kwargs)
-        self.options = options or SaveOptions()
+        # the optimizer classes `--optimizer-cpu-offload` keeps in its param groups, as the load side admits them
+        self.options = options or SaveOptions(safe_globals=optimizer_classes())
         self.process_group = process_group
 
     def save(self, sharded_state_dict, checkpoint_dir) -> None:

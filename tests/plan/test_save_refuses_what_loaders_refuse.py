@@ -136,3 +136,15 @@ def test_a_custom_class_in_a_sharded_object_names_its_key_and_path(outcome):
 
 def test_a_class_admitted_on_both_sides_saves_and_loads_back_through_stock_load(outcome):
     assert outcome["registered_loads_back"]
+
+
+def test_the_megatron_strategies_admit_the_optimizer_classes_on_both_sides_by_default():
+    """`--optimizer-cpu-offload` keeps optimizer classes in its param groups: the strategies built
+    without options admit them on save and on load alike, so such a save is neither refused nor
+    unloadable through the other strategy."""
+    from safe_ckpt.megatron.loading import SafeTorchDistLoadStrategy, optimizer_classes
+    from safe_ckpt.megatron.strategy import SafeTorchDistSaveStrategy
+
+    saved, loaded = SafeTorchDistSaveStrategy().options.safe_globals, SafeTorchDistLoadStrategy().options.safe_globals
+    assert torch.optim.AdamW in saved and set(optimizer_classes()) <= set(saved)
+    assert set(saved) == set(loaded)
