@@ -39,12 +39,11 @@ class SaveOptions:
     fsync: make every file durable before the checkpoint is published.
     staging_budget_bytes: size of the process-wide pinned staging pool, allocated once
         on first use and reused by later saves. Device-resident bytes beyond it are
-        staged as earlier chunks finish writing. None (default): a ceiling of 1/16 of the rank's
-        share of its host's available memory (MemAvailable, bounded by the cgroup's limit, read
-        once per process, divided by the ranks of the save on that machine), at most 2 GiB, at
-        least `chunk_bytes` (8 ranks on a host with 2 TiB available get 2 GiB each, on one
-        with 128 GiB 1 GiB each); the pool is then what the save stages, within that ceiling,
-        and is replaced by a bigger one (still within it) only for a later save that stages more. For `async_save` to return after the device-to-host copy
+        staged as earlier chunks finish writing. None (default): 1/16 of the rank's share of
+        its host's available memory (MemAvailable, bounded by the cgroup's limit, read once
+        per process, divided by the ranks of the save on that machine), at most 2 GiB, at
+        least `chunk_bytes`: 8 ranks on a host with 2 TiB available get 2 GiB each, on one
+        with 128 GiB 1 GiB each. For `async_save` to return after the device-to-host copy
         alone, set it to at least the rank's GPU bytes.
     collective_timeout_s: how long a rank waits for its peers in any coordination step
         (applies to the gloo group safe_ckpt creates; a caller's group keeps its own).

@@ -30,7 +30,7 @@ from ..plan.records import GlobalPlan
 from ..results import SaveResult, SaveTimings
 from ..staging.host_gate import open_host_gate
 from ..staging.pool import PinnedPool, shared_pool
-from ..staging.stager import Stager, pool_bytes_for, record_producer_fence
+from ..staging.stager import Stager, record_producer_fence
 from ..targets import LayoutRules, Prepared, PublishMode, Target, WriterSink
 from ..write.pipeline import ItemWriteFailed, RankWork, RankWriter
 from ..write.window_staging import WindowStaging, build_window, pool_holds_every_chunk
@@ -88,7 +88,6 @@ class SaveJob:
         # Returns right after planning: the copies run through a copy window, opened "now" or at the
         # next trigger ("deferred", `staging.gates.open_deferred`).
         self.overlapped = asynchronous and options.return_after == "planned"
-        self.budget_given = options.staging_budget_bytes is not None  # else a ceiling (`_start_writes`)
         self.copy_start = copy_start
         self.gc_hold = gcfreeze.Hold(False)  # start() puts the save's hold here
         self.slot: slot.Held | None = None  # start() puts the process's save slot here
@@ -150,10 +149,7 @@ class SaveJob:
 
     def _start_writes(self, local, residences, sources) -> None:
         opts, planned = self.options, self.planned
-        # The default budget is a ceiling: a save gets the pinned memory it can use, not all of it.
-        needed = None if self.budget_given else pool_bytes_for(
-            item.chunk.payload_bytes for item in planned.layout.items if item.chunk is not None)
-        pool = shared_pool(opts.staging_budget_bytes, needed)
+        pool = shared_pool(opts.staging_budget_bytes)
         allocations_before = pool.stats().allocations
         devices = {s.device.index for s in sources if s.device.type == "cuda"}
         if self.overlapped and opts.integrity_manifest and not pool_holds_every_chunk(planned.layout.items, pool):

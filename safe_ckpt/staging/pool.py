@@ -13,13 +13,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import weakref
 from dataclasses import dataclass
 
 import torch
 
 from ..errors import CheckpointError
-from ..units import human_bytes
 
 log = logging.getLogger(__name__)
 _ALIGN_BYTES = 4096
@@ -105,9 +103,8 @@ def split(lease: Lease, sizes: list[int]) -> list[LeasePart]:
 class PinnedPool:
     """First-fit allocator over one buffer; `lease` blocks until enough room is free."""
 
-    def __init__(self, capacity_bytes: int, pinned: bool | None = None, budget_bytes: int | None = None) -> None:
+    def __init__(self, capacity_bytes: int, pinned: bool | None = None) -> None:
         self.capacity_bytes = int(capacity_bytes)
-        self.budget_bytes = self.capacity_bytes if budget_bytes is None else int(budget_bytes)  # what it may grow to
         self.pinned = torch.cuda.is_available() if pinned is None else pinned
         self._cond = threading.Condition()
         self._buffer: torch.Tensor | None = None
@@ -115,7 +112,7 @@ class PinnedPool:
         self._leased = 0
         self._peak = 0
         self._allocations = 0
-        self._unregister: weakref.finalize | None = None  # page-unlocks the buffer, at release or collection
+        self._registered = False
 
     def _host_buffer(self) -> torch.Tensor:
         """The memory the pool is made of, allocated once (a subclass may take it elsewhere)."""
@@ -131,16 +128,15 @@ class PinnedPool:
                 err = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), self.capacity_bytes, 0)
                 if int(err) != 0:
                     raise CheckpointError(f"cudaHostRegister of {self.capacity_bytes} bytes failed: error {int(err)}")
-                # a pool dropped by everyone (a replaced one, once its save ends) unlocks its memory too
-                self._unregister = weakref.finalize(self, _host_unregister, buffer)
+                self._registered = True
             self._buffer = buffer
             self._free_list = [[0, self.capacity_bytes]]
             self._allocations += 1
-            why = ("the staging budget" if self.capacity_bytes >= self.budget_bytes else
-                   f"what the save stages, within the staging budget of {human_bytes(self.budget_bytes)}")
-            log.info("allocated %s staging pool of %s (%s) in %.2f s; kept for later saves",
-                     "pinned" if self.pinned else "host", human_bytes(self.capacity_bytes), why,
-                     time.perf_counter() - t0)
+            log.info(
+                "allocated %s staging pool of %.2f GiB in %.2f s: the staging budget, whatever this save stages; "
+                "kept for later saves and loads (staging_budget_bytes sets it)",
+                "pinned" if self.pinned else "host", self.capacity_bytes / 2**30, time.perf_counter() - t0,
+            )
 
     def preallocate(self) -> None:
         """Allocate (and page-lock) the buffer now rather than in the first save."""
@@ -223,27 +219,11 @@ class PinnedPool:
         with self._cond:
             if self._leased:
                 raise CheckpointError("cannot release the staging pool while chunks are leased")
-            self._drop_buffer()
-
-    def retire(self) -> None:
-        """Give the buffer back now, or, while a running save or load holds leases, leave it to
-        them: it goes (page-unlocked) with the last reference, so a replaced pool never pulls
-        memory from under its users."""
-        with self._cond:
-            if not self._leased:
-                self._drop_buffer()
-
-    def _drop_buffer(self) -> None:
-        """The caller holds the lock."""
-        if self._unregister is not None:
-            self._unregister()
-            self._unregister = None
-        self._buffer = None
-        self._free_list = []
-
-
-def _host_unregister(buffer: torch.Tensor) -> None:
-    torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
+            if self._buffer is not None and self._registered:
+                torch.cuda.cudart().cudaHostUnregister(self._buffer.data_ptr())
+                self._registered = False
+            self._buffer = None
+            self._free_list = []
 
 
 def host_buffer(nbytes: int) -> torch.Tensor:
@@ -260,34 +240,15 @@ def reserved_bytes(nbytes: int) -> int:
     return max(_ALIGN_BYTES, -(-nbytes // _ALIGN_BYTES) * _ALIGN_BYTES)
 
 
-# A pool sized to a save grows in steps of this (a few saves of slightly more do not each replace it).
-_GROW_STEP_BYTES = 1 << 20
-
-
-def shared_capacity(budget_bytes: int, needed_bytes: int | None) -> int:
-    """The size of a pool for ``needed_bytes`` of staging (None: the whole budget): a save never
-    gets more pinned memory than it can use, nor more than its budget."""
-    if needed_bytes is None:
-        return budget_bytes
-    return min(budget_bytes, -(-max(1, needed_bytes) // _GROW_STEP_BYTES) * _GROW_STEP_BYTES)
-
-
-def shared_pool(capacity_bytes: int, needed_bytes: int | None = None) -> PinnedPool:
-    """The process-wide pool, created on first use. Without ``needed_bytes`` it is exactly
-    ``capacity_bytes`` (a different budget replaces it); with it, ``capacity_bytes`` is a budget
-    the pool may grow to: a pool already big enough (and within the budget) is kept, else one of
-    `shared_capacity` replaces it."""
-    size = shared_capacity(capacity_bytes, needed_bytes)
+def shared_pool(capacity_bytes: int) -> PinnedPool:
+    """The process-wide pool, created on first use; a different budget replaces it."""
     with _shared_lock:
         pool = _shared.get("pool")
-        fits = pool is not None and (pool.capacity_bytes == capacity_bytes if needed_bytes is None
-                                     else size <= pool.capacity_bytes <= capacity_bytes)
-        if not fits:
+        if pool is None or pool.capacity_bytes != capacity_bytes:
             if pool is not None:
-                log.info("staging pool of %s replaced by one of %s", human_bytes(pool.capacity_bytes),
-                         human_bytes(size))
-                pool.retire()
-            pool = PinnedPool(size, budget_bytes=capacity_bytes)
+                log.info("staging budget changed to %d bytes; replacing the pool", capacity_bytes)
+                pool.release()
+            pool = PinnedPool(capacity_bytes)
             _shared["pool"] = pool
         return pool
 

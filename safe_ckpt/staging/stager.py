@@ -25,7 +25,7 @@ import torch
 
 from .. import cuda_driver
 from ..integrity import grid_bytes, grid_sums
-from .pool import Lease, PinnedPool, reserved_bytes
+from .pool import Lease, PinnedPool
 from .views import host_memoryview, run_split, run_views
 
 log = logging.getLogger(__name__)
@@ -43,16 +43,6 @@ def sums_offset(chunk: torch.Tensor, nbytes: int, capacity_bytes: int) -> int | 
         return None
     at = -(-nbytes // 16) * 16
     return at if at + grid_bytes(nbytes) <= capacity_bytes - 4096 else None
-
-
-def pool_bytes_for(payload_sizes) -> int:
-    """The pool that holds every one of these payloads at once, each with room for its device
-    sums: a save needs no more staging memory than this, whatever its budget."""
-    total = 4096  # `sums_offset` keeps this much of the pool free
-    for nbytes in payload_sizes:
-        sums = grid_bytes(nbytes) if nbytes >= GRID_MIN_PAYLOAD_BYTES else 0
-        total += reserved_bytes(-(-nbytes // 16) * 16 + sums)
-    return total
 
 
 class StagedChunk:
