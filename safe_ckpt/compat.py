@@ -265,27 +265,27 @@ def common_state_payload(common_state: dict) -> bytes:
     return sharded_object_payload([common_state])
 
 
-def generational_gc() -> bool:
-    """Whether the cyclic collector's oldest generation runs when `gc.set_threshold`'s third
-    value says (CPython before 3.14, with the GIL): the incremental collector of 3.14 ignores
-    that value, and it does not pause on the whole heap the way the generational one does."""
-    import sys
+def unsafe_globals_in_checkpoint():
+    """torch's static scan of a `torch.save` payload for the globals weights_only refuses (torch >= 2.5), else None."""
+    return getattr(torch.serialization, "get_unsafe_globals_in_checkpoint", None)
 
+
+def generational_gc() -> bool:
+    """Whether the oldest generation runs when `gc.set_threshold`'s third value says (CPython < 3.14,
+    with the GIL): 3.14's incremental collector ignores it and does not pause on the whole heap."""
+    import sys
     gil = getattr(sys, "_is_gil_enabled", lambda: True)()
     return sys.implementation.name == "cpython" and sys.version_info < (3, 14) and gil
 
 
 def all_gather_into_tensor(output: torch.Tensor, input_tensor: torch.Tensor, group) -> None:
-    """Every rank's ``input_tensor``, in rank order, into ``output``. Called on the group itself:
-    torch.distributed's wrapper (`all_gather_into_tensor`, deprecated for `all_gather_single` in
-    newer releases) refuses a gloo backend that is not in torch's group registry, which the
-    asleep save's detached group (`integrations.slime_groups.DetachedGloo`) is by design."""
+    """Every rank's ``input_tensor``, in rank order, into ``output``, on the group itself: torch's
+    wrapper refuses a gloo backend outside its group registry, as the asleep save's detached one is."""
     group._allgather_base(output, input_tensor).wait()
 
 
 def stock_integrity_manifest() -> bool:
-    """Whether the installed megatron-core writes and checks `integrity.json` (0.18 and later:
-    `save(..., verify_integrity=True)`, `load(..., verify_integrity=True)`)."""
+    """Whether the installed megatron-core writes and checks `integrity.json` (0.18 and later)."""
     try:
         from megatron.core.dist_checkpointing import validation
     except ImportError:

@@ -74,11 +74,27 @@ class Refusal:
     reason: str  # the line of torch's message that says why
 
 
+def global_name(cls) -> str:
+    """The name torch's weights-only unpickler knows ``cls`` by (``(cls, "name")`` as torch takes it)."""
+    if isinstance(cls, tuple):
+        return cls[1]
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
 def unloadable(payload: bytes, safe_globals=()) -> Refusal | None:
     """Why the loaders would refuse ``payload`` (the bytes of a `torch.save`), or None if they
-    load it. Tensors come back on the CPU: a check never copies to a device."""
-    try:
-        load(payload, safe_globals, map_location="cpu")
-    except pickle.UnpicklingError as exc:
-        return Refusal(refused_global(exc), reason(str(exc)))
-    return None
+    load it. The pickle's globals are read, not run: no class of the caller's is rebuilt, no
+    tensor storage is built, and torch's process-wide allow-list is left alone (other threads'
+    loads never see a class admitted here)."""
+    scan = compat.unsafe_globals_in_checkpoint()
+    if scan is None:  # a torch without the scan: the loaders' own load, on the CPU
+        try:
+            load(payload, safe_globals, map_location="cpu")
+        except pickle.UnpicklingError as exc:
+            return Refusal(refused_global(exc), reason(str(exc)))
+        return None
+    admitted_here = {global_name(c) for c in (*compat.megatron_safe_globals(), *safe_globals)}
+    refused = sorted(name for name in scan(io.BytesIO(payload)) if name not in admitted_here)
+    if not refused:
+        return None
+    return Refusal(refused[0], f"GLOBAL {refused[0]} is not an allowed global")

@@ -21,7 +21,7 @@ import torch
 
 from ..coord import dist
 from ..host import gcfreeze
-from ..names import COMMON_STATE_FILE
+from ..names import COMMON_STATE_FILE, METADATA_FILE
 from ..targets import endpoints
 from ..errors import ReadError, ValidationError, failure_from_exception
 from ..sinks.tensorstore import KvTarget, is_kvstore_url
@@ -49,6 +49,9 @@ def read_common_state_dict(checkpoint_dir, options: LoadOptions | None = None) -
     source = open_source(checkpoint_dir, options)
     try:
         index_mod.read_config(source)
+        if not source.exists(METADATA_FILE):  # the index is written last: without it the save did not finish
+            raise ReadError(f"{source.describe(METADATA_FILE)}: missing: not a torch_dist checkpoint, or one "
+                            "whose save did not finish")
         index = None if source.exists(COMMON_STATE_FILE) else index_mod.read_index(source, checksums=False)
         return objects.read_common_state(source, index, options.safe_globals)
     finally:

@@ -123,8 +123,8 @@ def _box_view(data: torch.Tensor, sizes: tuple[int, ...]) -> torch.Tensor:
 
 def _unloadable(key: str, rank: int, what: str, payload: bytes, safe_globals, tree=None,
                 root: str = ROOT) -> Problem | None:
-    """A problem where the loaders would refuse ``payload``: checked by the same weights-only
-    unpickler and allow-list they use, so nothing is saved that cannot be read back. ``tree``: the
+    """A problem where the loaders would refuse ``payload``: its pickle's globals checked against
+    the allow-list they use (read, not run), so nothing is saved that cannot be read back. ``tree``: the
     state ``payload`` encodes, searched (on refusal only) for the entries that hold the class."""
     refusal = weights_only.unloadable(payload, safe_globals)
     if refusal is None:
@@ -137,7 +137,8 @@ def _unloadable(key: str, rank: int, what: str, payload: bytes, safe_globals, tr
         f"torch.load(weights_only=True), admitting only torch's types, megatron-core's safe globals and "
         f"classes registered with torch.serialization.add_safe_globals; nothing was written. Convert it to "
         f"builtin types (dict, list, str, int, float) or tensors, or register the class with "
-        f"torch.serialization.add_safe_globals([...]) in the saving process and in every loading process"),
+        f"torch.serialization.add_safe_globals([...]) in the saving process and in every loading process "
+        f"(or pass it in SaveOptions.safe_globals here and LoadOptions.safe_globals where it is loaded)"),
         kind=UnloadableStateError)
 
 

@@ -38,3 +38,21 @@ def test_reading_the_common_state_then_loading_unpickles_the_index_once(tmp_path
     assert loaded["iteration"] == 12 and loaded["groups"] == {"lr": 0.25}
     for k, v in state.items():
         assert torch.equal(loaded[k].view(torch.int32), v.view(torch.int32)), k
+
+
+def test_the_common_state_of_a_save_that_did_not_finish_is_refused(tmp_path):
+    """Without `.metadata` (written last) the save did not finish: reading its common state alone
+    says so, though `common.pt` is there."""
+    import os
+
+    import pytest
+
+    from safe_ckpt.errors import ReadError
+
+    path = str(tmp_path / "ckpt")
+    saved = _sharded({"w": torch.randn(64, generator=torch.Generator().manual_seed(32))})
+    saved["iteration"] = 7
+    safe_ckpt.save(saved, path)
+    os.remove(os.path.join(path, ".metadata"))
+    with pytest.raises(ReadError, match="did not finish"):
+        contract.read_common_state_dict(path)

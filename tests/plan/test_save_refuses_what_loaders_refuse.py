@@ -148,3 +148,41 @@ def test_the_megatron_strategies_admit_the_optimizer_classes_on_both_sides_by_de
     saved, loaded = SafeTorchDistSaveStrategy().options.safe_globals, SafeTorchDistLoadStrategy().options.safe_globals
     assert torch.optim.AdamW in saved and set(optimizer_classes()) <= set(saved)
     assert set(saved) == set(loaded)
+
+
+class _Recorded:
+    """Records every rebuild: the save's check must never run a class's code."""
+
+    rebuilt: list = []
+
+    def __init__(self, value):
+        self.value = value
+
+    def __setstate__(self, state):
+        _Recorded.rebuilt.append(state)
+        self.__dict__.update(state)
+
+
+def test_the_check_reads_the_globals_without_rebuilding_anything_or_touching_torchs_allow_list():
+    """Admitted classes are not rebuilt (no user code on the save's path, no tensor storage built)
+    and torch's process-wide allow-list never holds them, so another thread's
+    torch.load(weights_only=True) during a save refuses what it refused before."""
+    from safe_ckpt import compat, weights_only
+
+    payload = compat.torch_save_bytes({"x": _Recorded(3), "t": torch.randn(8)})
+    seen = []
+    real = torch.serialization.get_safe_globals
+
+    def watching():
+        found = real()
+        seen.append(_Recorded in found)
+        return found
+
+    torch.serialization.get_safe_globals = watching
+    try:
+        assert weights_only.unloadable(payload, safe_globals=(_Recorded,)) is None
+        refusal = weights_only.unloadable(payload)
+    finally:
+        torch.serialization.get_safe_globals = real
+    assert refusal is not None and refusal.refused_global.endswith("_Recorded"), refusal
+    assert _Recorded.rebuilt == [] and not any(seen) and _Recorded not in real()
