@@ -38,6 +38,7 @@ from .errors import (
     ResidenceError,
     SourceModifiedError,
     StagingTimeoutError,
+    UnloadableStateError,
     ValidationError,
     WriteError,
 )
@@ -62,7 +63,7 @@ __all__ = [
     "verify", "inspect", "VerifyReport",
     # errors: every failure of a save is a CheckpointError
     "CheckpointError", "ValidationError", "ResidenceError", "WriteError", "CommitError", "CoordinationError",
-    "SourceModifiedError", "StagingTimeoutError", "ReadError", "MissingDependencyError", "RankFailure",
+    "SourceModifiedError", "StagingTimeoutError", "UnloadableStateError", "ReadError", "MissingDependencyError", "RankFailure",
     # progress lines on a terminal
     "show_progress",
     "__version__",

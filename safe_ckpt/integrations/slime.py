@@ -101,18 +101,10 @@ def _patch_async_finalize() -> None:
     except ImportError:
         return
     original = getattr(async_utils, "maybe_finalize_async_save", None)
-    if original is None or getattr(original, "_safe_ckpt", False):
-        return
+    if original is not None:
+        from safe_ckpt.megatron import finalizing_too
 
-    def maybe_finalize_async_save(*args, **kwargs):
-        from safe_ckpt.megatron import finalize_async_saves
-
-        blocking = kwargs.get("blocking", args[0] if args else False)
-        finalize_async_saves(blocking=bool(blocking))
-        return original(*args, **kwargs)
-
-    maybe_finalize_async_save._safe_ckpt = True
-    async_utils.maybe_finalize_async_save = maybe_finalize_async_save
+        async_utils.maybe_finalize_async_save = finalizing_too(original)
 
 
 def _guard_writers_of_saved_tensors(backuper_module: str | None = None) -> None:

@@ -10,6 +10,7 @@ from .training import (
     SAFE_SHARDING_TYPES,
     check_sharding_type,
     finalize_async_saves,
+    finalizing_too,
     options_from_args,
     retention_from_args,
     save_checkpoint,
@@ -18,7 +19,7 @@ from .training import (
 
 __all__ = [
     "REFUSED_SHARDING_TYPES", "SAFE_SHARDING_TYPES", "LoadedCheckpoint", "Retention", "SafeTorchDistLoadStrategy",
-    "SafeTorchDistSaveStrategy", "check_sharding_type", "finalize_async_saves", "install_as_default",
+    "SafeTorchDistSaveStrategy", "check_sharding_type", "finalize_async_saves", "finalizing_too", "install_as_default",
     "load_checkpoint", "load_options_from_args", "loaded_checkpoint", "options_from_args", "retention_from_args",
     "save_checkpoint", "save_state",
 ]

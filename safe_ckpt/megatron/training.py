@@ -181,6 +181,23 @@ def save_state(state_dict: dict, save_dir: str, checkpoint_dir: str, tracker_val
     return handle
 
 
+def finalizing_too(maybe_finalize_async_save):
+    """Megatron's ``maybe_finalize_async_save`` made to finish safe_ckpt's asynchronous saves too
+    (they are not in Megatron's queue), for ``pretrain()``'s loop:
+    ``megatron_training.maybe_finalize_async_save = finalizing_too(megatron_training.maybe_finalize_async_save)``.
+    Wrapping twice is a no-op."""
+    if getattr(maybe_finalize_async_save, "_safe_ckpt", False):
+        return maybe_finalize_async_save
+
+    def finalizing(*args, **kwargs):
+        blocking = kwargs.get("blocking", args[0] if args else False)
+        finalize_async_saves(blocking=bool(blocking))
+        return maybe_finalize_async_save(*args, **kwargs)
+
+    finalizing._safe_ckpt = True
+    return finalizing
+
+
 def finalize_async_saves(blocking: bool = True) -> list[SaveResult]:
     """Finish the asynchronous saves started here; raises the first failure.
 

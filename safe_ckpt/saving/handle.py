@@ -50,6 +50,9 @@ class SaveHandle:
         self._window = job.window  # kept after the job is dropped: its stats stay readable
         self._result = None
         self._error: BaseException | None = None
+        # Set last in `_run`: `Thread.join` cut short by Ctrl-C marks the thread stopped for good on
+        # Python 3.11 (every later join returns at once), so waits never rely on it.
+        self._finished = threading.Event()
         self._thread = threading.Thread(target=self._run, name="safe_ckpt-finish", daemon=True)
         with _inflight_lock:
             _inflight.append(self)
@@ -69,6 +72,7 @@ class SaveHandle:
             with _inflight_lock:
                 if self in _inflight:
                     _inflight.remove(self)
+            self._finished.set()
 
     def _observed(self) -> BaseException | None:
         with _inflight_lock:
@@ -79,14 +83,14 @@ class SaveHandle:
     def _open_deferred(self) -> None:
         """A copy window still waiting for its trigger opens now, in this thread: whoever waits
         for the save (or polls it) must not wait for a training step that may never come."""
-        if self._thread.is_alive():
+        if not self._finished.is_set():
             from ..staging import gates
 
             gates.open_deferred()
 
     def done(self) -> bool:
         self._open_deferred()
-        return not self._thread.is_alive()
+        return self._finished.is_set()
 
     def before_update(self) -> None:
         """Wait until changing this save's source tensors is safe (a deferred window is opened
@@ -118,8 +122,7 @@ class SaveHandle:
 
     def wait(self, timeout: float | None = None):
         self._open_deferred()
-        self._thread.join(timeout)
-        if self._thread.is_alive():
+        if not self._finished.wait(timeout):
             raise TimeoutError(f"safe_ckpt: save still running after {timeout} s")
         if self._observed() is not None:
             raise self._error
@@ -127,8 +130,7 @@ class SaveHandle:
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         self._open_deferred()
-        self._thread.join(timeout)
-        if self._thread.is_alive():
+        if not self._finished.wait(timeout):
             return None
         return self._observed()
 
@@ -161,7 +163,7 @@ def _finish_inflight_at_exit() -> None:
     for handle in pending:
         log.warning("waiting for the asynchronous save of %s to finish before exit",
                     handle.checkpoint_dir)
-        handle._thread.join()
+        handle._finished.wait()
     with _inflight_lock:
         failed = list(_unobserved)
     if not failed:

@@ -1,0 +1,20 @@
+"""`safe_ckpt.megatron.finalizing_too` makes Megatron's `maybe_finalize_async_save` finish
+safe_ckpt's asynchronous saves too, before Megatron's own queue, with the same blocking flag."""
+
+import safe_ckpt.megatron as sm
+from safe_ckpt.megatron import training
+
+
+def test_the_wrapped_finalize_finishes_safe_ckpt_saves_first_and_wrapping_twice_changes_nothing(monkeypatch):
+    calls = []
+    monkeypatch.setattr(training, "finalize_async_saves", lambda blocking=True: calls.append(("safe", blocking)))
+
+    def stock(blocking=False, terminate=False):
+        calls.append(("stock", blocking, terminate))
+        return "stock result"
+
+    wrapped = sm.finalizing_too(stock)
+    assert sm.finalizing_too(wrapped) is wrapped
+    assert wrapped(blocking=True, terminate=True) == "stock result"
+    assert wrapped(False) == "stock result"
+    assert calls == [("safe", True), ("stock", True, True), ("safe", False), ("stock", False, False)]
