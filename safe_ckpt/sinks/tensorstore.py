@@ -166,8 +166,15 @@ def bounded(future, timeout_s: float, what: str, endpoint: Optional[str] = None)
         if why is not None:
             raise WriteError(f"{what}: {why}; check the endpoint (--endpoint, AWS_ENDPOINT_URL_S3), "
                              "then retry") from exc
+        if endpoint is not None:
+            asked = f" at {endpoint}"
+        elif what.startswith("s3://"):  # the usual cause: a local store meant, no endpoint given
+            asked = (" (no endpoint given: neither --endpoint, AWS_ENDPOINT_URL_S3 nor AWS_ENDPOINT_URL, so the "
+                     "request went to AWS S3 itself)")
+        else:
+            asked = ""
         raise WriteError(
-            f"{what}: the store did not answer within {timeout_s:.1f} s (unreachable, or too slow); "
+            f"{what}: the store{asked} did not answer within {timeout_s:.1f} s (unreachable, or too slow); "
             "check the endpoint and credentials, or raise SaveOptions.kvstore_request_timeout_s "
             "(--request-timeout-s on the command line)"
         ) from exc
