@@ -88,13 +88,24 @@ def unloadable(payload: bytes, safe_globals=()) -> Refusal | None:
     loads never see a class admitted here)."""
     scan = compat.unsafe_globals_in_checkpoint()
     if scan is None:  # a torch without the scan: the loaders' own load, on the CPU
-        try:
-            load(payload, safe_globals, map_location="cpu")
-        except pickle.UnpicklingError as exc:
-            return Refusal(refused_global(exc), reason(str(exc)))
-        return None
+        return _refused_by_loading(payload, safe_globals)
     admitted_here = {global_name(c) for c in (*compat.megatron_safe_globals(), *safe_globals)}
-    refused = sorted(name for name in scan(io.BytesIO(payload)) if name not in admitted_here)
-    if not refused:
-        return None
-    return Refusal(refused[0], f"GLOBAL {refused[0]} is not an allowed global")
+    try:
+        found = scan(io.BytesIO(payload))
+    except pickle.UnpicklingError as exc:  # what the scan cannot read, the loaders cannot either
+        return Refusal(None, reason(str(exc)))
+    refused = sorted(name for name in found if name not in admitted_here)
+    if refused:
+        return Refusal(refused[0], f"GLOBAL {refused[0]} is not an allowed global")
+    if b"numpy" in payload:  # the scan leaves out what is registered already (megatron-core admits numpy's)
+        # numpy makes a dtype's class only while unpickling, which the scan cannot see: load it
+        return _refused_by_loading(payload, safe_globals)
+    return None
+
+
+def _refused_by_loading(payload: bytes, safe_globals) -> Refusal | None:
+    try:
+        load(payload, safe_globals, map_location="cpu")
+    except pickle.UnpicklingError as exc:
+        return Refusal(refused_global(exc), reason(str(exc)))
+    return None

@@ -191,8 +191,11 @@ def finalizing_too(maybe_finalize_async_save):
 
     def finalizing(*args, **kwargs):
         blocking = kwargs.get("blocking", args[0] if args else False)
-        finalize_async_saves(blocking=bool(blocking))
-        return maybe_finalize_async_save(*args, **kwargs)
+        try:
+            finalize_async_saves(blocking=bool(blocking))
+        finally:  # Megatron's own saves are finished (and terminated at the end) whatever ours did
+            result = maybe_finalize_async_save(*args, **kwargs)
+        return result
 
     finalizing._safe_ckpt = True
     return finalizing

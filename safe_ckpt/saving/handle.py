@@ -33,6 +33,18 @@ _inflight: list["SaveHandle"] = []
 _unobserved: list["SaveHandle"] = []  # failed, and nobody has seen the error yet
 
 
+def _forget_in_child() -> None:
+    # A forked child has none of the parent's save threads: nothing of theirs to wait for at its exit.
+    global _inflight_lock
+    _inflight_lock = threading.Lock()
+    _inflight.clear()
+    _unobserved.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
+
+
 class SaveHandle:
     """An asynchronous save whose device bytes are already staged, or, with
     ``return_after="planned"``, one returned right after planning whose copies are still running.
@@ -56,7 +68,14 @@ class SaveHandle:
         self._thread = threading.Thread(target=self._run, name="safe_ckpt-finish", daemon=True)
         with _inflight_lock:
             _inflight.append(self)
-        self._thread.start()
+        try:
+            self._thread.start()
+        except BaseException:  # never started: nothing to wait for, at exit either
+            with _inflight_lock:
+                if self in _inflight:
+                    _inflight.remove(self)
+            self._finished.set()
+            raise
 
     def _run(self) -> None:
         try:
@@ -163,7 +182,9 @@ def _finish_inflight_at_exit() -> None:
     for handle in pending:
         log.warning("waiting for the asynchronous save of %s to finish before exit",
                     handle.checkpoint_dir)
-        handle._finished.wait()
+        while not handle._finished.wait(0.5):  # join is not used: see `SaveHandle.__init__`
+            if not handle._thread.is_alive():
+                break
     with _inflight_lock:
         failed = list(_unobserved)
     if not failed:

@@ -169,8 +169,8 @@ def bounded(future, timeout_s: float, what: str, endpoint: Optional[str] = None)
         if endpoint is not None:
             asked = f" at {endpoint}"
         elif what.startswith("s3://"):  # the usual cause: a local store meant, no endpoint given
-            asked = (" (no endpoint given: neither --endpoint, AWS_ENDPOINT_URL_S3 nor AWS_ENDPOINT_URL, so the "
-                     "request went to AWS S3 itself)")
+            asked = (" (no endpoint: a URL takes --endpoint, AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL, a kvstore "
+                     "spec its own \"endpoint\"; without one the request goes to AWS S3 itself)")
         else:
             asked = ""
         raise WriteError(

@@ -10,8 +10,8 @@ of the one seam:
 - `DeviceSums`: on the source's device, the exact row sums (int64) of its words laid out as rows
   of 4096 bytes, plus one sum of the last partial row, written into one buffer per device and
   phase; `changed` compares the two buffers on the device and brings back only the positions that
-  differ. torch widens what it sums to int64 first: summing at most `SLICE_BYTES` of a source at a
-  time bounds the device memory a measurement takes to twice that, whatever the source's size. A
+  differ. torch widens what it sums to int64 first: summing a source in slices whose widened copy
+  is at most `WIDE_BYTES` bounds the device memory a measurement takes, whatever its size. A
   change that leaves every row's sum equal (two words of one row moved by opposite amounts) is
   not seen.
 Must not: copy payload bytes to the host, block the caller's thread, or decide when to measure.
@@ -29,8 +29,8 @@ from ..integrity import checksum_of
 from .views import host_memoryview
 
 ROW_BYTES = 4096
-# A slice's widened copy is twice this; a larger source takes one more sum per slice.
-SLICE_BYTES = 256 << 20
+# The most torch's widened (int64) copy of one slice may take; a larger source takes more sums.
+WIDE_BYTES = 512 << 20
 
 
 class SourceSums(Protocol):
@@ -126,7 +126,7 @@ class DeviceSums:
         words = _words(tensor)
         per_row = ROW_BYTES // words.element_size()
         whole = words.numel() // per_row
-        step = SLICE_BYTES // ROW_BYTES
+        step = max(1, WIDE_BYTES // (per_row * 8))  # rows whose int64 copy fits WIDE_BYTES
         for at in range(0, whole, step):
             count = min(step, whole - at)
             torch.sum(words[at * per_row:(at + count) * per_row].view(count, per_row), dim=1, dtype=torch.int64,

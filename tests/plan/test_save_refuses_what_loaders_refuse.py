@@ -170,19 +170,40 @@ def test_the_check_reads_the_globals_without_rebuilding_anything_or_touching_tor
     from safe_ckpt import compat, weights_only
 
     payload = compat.torch_save_bytes({"x": _Recorded(3), "t": torch.randn(8)})
-    seen = []
-    real = torch.serialization.get_safe_globals
+    registry = torch.serialization._marked_safe_globals_set if hasattr(torch.serialization, "_marked_safe_globals_set") \
+        else None
+    added = []
+    real_add = torch.serialization.add_safe_globals
 
-    def watching():
-        found = real()
-        seen.append(_Recorded in found)
-        return found
+    def watching(classes):
+        added.extend(classes)
+        return real_add(classes)
 
-    torch.serialization.get_safe_globals = watching
+    torch.serialization.add_safe_globals = watching
     try:
         assert weights_only.unloadable(payload, safe_globals=(_Recorded,)) is None
         refusal = weights_only.unloadable(payload)
     finally:
-        torch.serialization.get_safe_globals = real
+        torch.serialization.add_safe_globals = real_add
     assert refusal is not None and refusal.refused_global.endswith("_Recorded"), refusal
-    assert _Recorded.rebuilt == [] and not any(seen) and _Recorded not in real()
+    assert _Recorded.rebuilt == [] and _Recorded not in added
+    assert _Recorded not in torch.serialization.get_safe_globals(), registry
+
+
+def test_the_check_refuses_numpy_arrays_the_loaders_cannot_rebuild():
+    """numpy makes a dtype's class only while unpickling, so a scan of the pickle's globals alone
+    cannot see it: a float32 array (which the loaders refuse) is refused, a uint32 one (which
+    megatron-core admits) passes, as each loads."""
+    import numpy as np
+
+    from safe_ckpt import compat, weights_only
+
+    for array, loads in ((np.zeros(2, dtype=np.float32), False), (np.zeros(2, dtype=np.uint32), True)):
+        payload = compat.torch_save_bytes({"x": array})
+        try:
+            weights_only.load(payload, map_location="cpu")
+            loaded = True
+        except Exception:
+            loaded = False
+        assert loaded is loads
+        assert (weights_only.unloadable(payload) is None) is loads, array.dtype

@@ -576,7 +576,7 @@ def test_the_device_sums_of_a_large_source_are_summed_in_bounded_slices_equal_to
     whole source, and a one-byte change in any slice is found."""
     from safe_ckpt.staging import source_sums
 
-    monkeypatch.setattr(source_sums, "SLICE_BYTES", 3 * source_sums.ROW_BYTES)
+    monkeypatch.setattr(source_sums, "WIDE_BYTES", 3 * source_sums.ROW_BYTES * 2)  # 3 rows of int32 words
     g = torch.Generator().manual_seed(27)
     tensors = [torch.randn(10 * 1024 + 9, generator=g), torch.randn(7 * 2048, generator=g).to(torch.bfloat16)]
     summed = []
@@ -592,7 +592,7 @@ def test_the_device_sums_of_a_large_source_are_summed_in_bounded_slices_equal_to
 
     sums, changed = _measured(tensors, change)
     assert changed == [0]
-    assert max(summed) <= source_sums.SLICE_BYTES and len(summed) >= 2 * (4 + 3)
+    assert max(summed) <= 3 * source_sums.ROW_BYTES and len(summed) >= 2 * (4 + 3)
     for slot, t in enumerate(tensors):  # phase 1 (after the change) equals the exact row sums
         device, first, rows = sums._slots[slot]
         words = t.reshape(-1).view(torch.int32).to(torch.int64)
