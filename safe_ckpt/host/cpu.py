@@ -219,7 +219,10 @@ def settle(options, coord):
         if not _own_report:
             _own_report.append(host_report())
         own = _own_report[0]
-        name = getattr(coord.group, "group_name", None)
+        try:
+            name = getattr(coord.group, "group_name", None)
+        except RuntimeError:  # a group torch never registered (a detached gloo group) raises for its name
+            name = None
         cache, key = ((_group_reports, (name, coord.world_size)) if name or coord.group is None
                       else (_unnamed_reports, coord.group))
         reports = cache.get(key)

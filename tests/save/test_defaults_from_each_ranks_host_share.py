@@ -175,6 +175,24 @@ def test_reports_are_exchanged_once_per_group_whatever_the_options(monkeypatch):
     assert len(other.exchanges) == 1
 
 
+class _UnregisteredGroup:
+    """As torch 2.13's ProcessGroup answers for a group it never registered (a detached gloo group)."""
+
+    @property
+    def group_name(self):
+        raise RuntimeError("ProcessGroup name not set")
+
+
+def test_a_group_torch_never_named_is_told_apart_by_identity(monkeypatch):
+    monkeypatch.setattr(cpu, "_unnamed_reports", {})
+    reports = _reports(("a", [range(16)] * 4, 64 * GiB))
+    group = _UnregisteredGroup()
+    coord = _Coordinator(group, 0, reports)
+    cpu.settle(safe_ckpt.SaveOptions(), coord)
+    cpu.settle(safe_ckpt.SaveOptions(), coord)
+    assert len(coord.exchanges) == 1 and group in cpu._unnamed_reports
+
+
 def test_a_single_process_exchanges_nothing(monkeypatch):
     monkeypatch.setattr(cpu, "_group_reports", {})
     coord = _Coordinator(None, 0, [None])
