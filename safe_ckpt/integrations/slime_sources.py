@@ -184,7 +184,9 @@ def regions_without_backup(model, args) -> RegionsWithoutBackup | None:
         return None
     regions = []
     for chunk in model if isinstance(model, (list, tuple)) else [model]:
-        for buffer in [*(getattr(chunk, "buffers", None) or []), *(getattr(chunk, "expert_parallel_buffers", None) or [])]:
+        # Megatron's DDP keeps its buffers in lists; an unwrapped module's `buffers` is nn.Module's method
+        listed = [getattr(chunk, name, None) for name in ("buffers", "expert_parallel_buffers")]
+        for buffer in [b for found in listed if isinstance(found, (list, tuple)) for b in found]:
             for wanted, name in ((params, "param_data"), (grads, "grad_data")):
                 data = getattr(buffer, name, None) if wanted else None
                 if isinstance(data, torch.Tensor) and data.numel():

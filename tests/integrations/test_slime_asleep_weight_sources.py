@@ -153,6 +153,19 @@ BREAK = {
 }
 
 
+def test_a_model_chunk_not_wrapped_in_ddp_has_no_buffers_and_checks_cleanly():
+    """An unwrapped module's `buffers` is nn.Module's method, not Megatron's list of DDP buffers:
+    it holds no region without backup, and the check goes on (it used to fail and wake the actor)."""
+
+    class Args:
+        disable_param_buffers_cpu_backup = True
+        disable_grad_buffers_cpu_backup = True
+        use_distributed_optimizer = True
+
+    regions = slime_sources.regions_without_backup([torch.nn.Linear(4, 4)], Args())
+    assert regions is None or not regions.holds(torch.zeros(4))
+
+
 @pytest.mark.parametrize("step", ["build", "write"])
 def test_an_asleep_save_that_fails_makes_the_exiting_process_exit_1(tmp_path, step):
     """No wake_up follows (the run ends): the failure, at the state dict's build or at a later
