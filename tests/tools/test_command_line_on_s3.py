@@ -59,8 +59,9 @@ def test_s3_messages_name_the_bucket_the_checkpoints_and_the_flag(s3_server, mon
     finally:
         os.kill(s3_server.pid, signal.SIGCONT)
     assert rc == 1 and _clean(err).endswith(
-        "the store did not answer within 1.0 s (unreachable, or too slow); check the endpoint and credentials, "
+        "did not answer within 1.0 s (unreachable, or too slow); check the endpoint and credentials, "
         "or raise --request-timeout-s"), err
+    assert f"the store at {s3_server.endpoint} did not answer" in _clean(err), err  # it names where it asked
 
 
 def test_s3_copy_follows_the_tracker_and_replace_leaves_exactly_the_checkpoint(s3_server, monkeypatch, tmp_path):
