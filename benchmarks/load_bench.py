@@ -6,7 +6,8 @@ host every rank's templates live on the GPU it is given, `--share-gpu` puts all 
   `qwen3-4b-dp8`, one of 8 data-parallel ranks of Qwen3-4B, 1217 shards), saved once by
   safe_ckpt into `--target`, then loaded into fresh templates of the same layout (`empty_like`
   of every shard: GPU tensors on a GPU host, else host memory, pinned with `--pin`) by
-  - `safe`: `safe_ckpt.load` (checksums verified), and `safe_nosum` (verify_checksums=False);
+  - `safe`: `safe_ckpt.load` (checksums verified), `safe_nosum` (verify_checksums=False), and
+    `safe_torchcopy` (a diagnostic: every host-to-device copy through torch's `copy_`, not the driver);
   - `stock`: `megatron.core.dist_checkpointing.load` with its default strategy;
   - `dcp`: `torch.distributed.checkpoint.load` of the same shards as Megatron translates them
     (its `mcore_to_pyt_state_dict` and `MCoreLoadPlanner`), without Megatron's other steps;
@@ -56,7 +57,7 @@ import time
 
 import torch
 
-METHODS = ("ceiling", "ceiling_gpu", "safe", "safe_nosum", "stock", "dcp")
+METHODS = ("ceiling", "ceiling_gpu", "safe", "safe_nosum", "safe_torchcopy", "stock", "dcp")
 PIECE = 8 << 20
 
 
@@ -210,6 +211,18 @@ def _dcp_load(template: dict, path: str) -> None:
     dcp.load(pyt, storage_reader=dcp.FileSystemReader(path), planner=mcore_torch.MCoreLoadPlanner())
 
 
+def _without_driver_copies(load):
+    """``load()`` with every host-to-device copy issued through torch's ``copy_`` (a diagnostic)."""
+    from safe_ckpt import cuda_driver
+
+    stock = cuda_driver.htod_copies_available
+    cuda_driver.htod_copies_available = lambda: False
+    try:
+        return load()
+    finally:
+        cuda_driver.htod_copies_available = stock
+
+
 def _rank(rank: int, world: int, init_file: str, args, out_queue) -> None:
     import torch.distributed as dist
 
@@ -276,6 +289,7 @@ def _measure(rank: int, world: int, args) -> dict:
         "ceiling_gpu": lambda: _ceiling(pieces, args.threads, gpu),
         "safe": lambda: safe_ckpt.load(sharded(), path, opts),
         "safe_nosum": lambda: safe_ckpt.load(sharded(), path, opts_nosum),
+        "safe_torchcopy": lambda: _without_driver_copies(lambda: safe_ckpt.load(sharded(), path, opts)),
         "stock": lambda: dist_checkpointing.load(sharded(), path),
         "dcp": lambda: _dcp_load(sharded(), path),
     }
@@ -326,14 +340,15 @@ def _measure(rank: int, world: int, args) -> dict:
             "report": reports[-1].__dict__ if reports else None}
 
 
-THREAD_KEYS = ("read_s", "wait_s", "hash_s", "copy_s", "other_s")
+THREAD_KEYS = ("read_s", "wait_s", "hash_s", "copy_s", "other_s", "cpu_s")
 
 
 def _thread_seconds(report) -> dict:
     """Where the reader threads' time went, summed over them; ``other_s``: the rest of threads x read
     phase (Python between the calls, waiting for the GIL, thread start and end)."""
-    out = {k: getattr(report, k, 0.0) for k in THREAD_KEYS[:-1]}
+    out = {k: getattr(report, k, 0.0) for k in ("read_s", "wait_s", "hash_s", "copy_s")}
     out["other_s"] = max(0.0, report.threads * report.seconds - sum(out.values()))
+    out["cpu_s"] = getattr(report, "cpu_s", 0.0)  # of all the above: on a CPU (not waiting for the GIL or the device)
     return out
 
 
@@ -359,7 +374,7 @@ def _table(results: dict, world: int) -> str:
             lines.append(f"| {m} | {_span(by[m])} | {total / med[m] / 1e9:.2f} | {ratio(m, 'ceiling', '{:.0%}'.format)} "
                          f"| {ratio(m, 'ceiling_gpu', '{:.0%}'.format)} "
                          f"| {ratio(m, 'stock', '{:.2f}x'.format)} | {ratio(m, 'dcp', '{:.2f}x'.format)} |")
-    for m in ("safe", "safe_nosum"):
+    for m in ("safe", "safe_nosum", "safe_torchcopy"):
         spent = [r["thread_s"] for r in results[0]["rows"] if r["method"] == m and r.get("thread_s")]
         phase = [r["read_seconds"] for r in results[0]["rows"] if r["method"] == m and r.get("read_seconds")]
         if spent:

@@ -55,6 +55,7 @@ class _Worker(copies.Copier):
         self.read_s = self.hash_s = 0.0
         self.key: str | None = None  # the item a failure now is about (one read may gather several)
         self.deferred: list = []  # split items whose device grid sums are compared in `finish`
+        self.cpu0 = time.thread_time()
 
     def readv(self, path: str, offset: int, buffers: list) -> None:
         t0 = time.perf_counter()
@@ -73,7 +74,8 @@ class _Worker(copies.Copier):
             self.finish_copies()
             split.finish_device_checks(self)
         finally:
-            self.r.count(read_s=self.read_s, wait_s=self.wait_s, hash_s=self.hash_s, copy_s=self.copy_s)
+            self.r.count(read_s=self.read_s, wait_s=self.wait_s, hash_s=self.hash_s, copy_s=self.copy_s,
+                         cpu_s=time.thread_time() - self.cpu0)
 
     # ---- checksums ----------------------------------------------------------------------
     def hasher(self, read: ItemRead):
