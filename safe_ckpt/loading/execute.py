@@ -13,8 +13,8 @@ task (a large item's pieces first, `split`; then batches in file order) and:
 - checks each item's archive framing (`container`), decoding a non-standard archive with torch's
   weights-only loader, and hashes every item it reads whole where the manifest has a checksum
   (an item in one buffer with one call into the hash);
-- once its tasks are done, waits for its copies and compares the device grid sums of the large
-  items it finished (`split`).
+- once its tasks are done, waits for its copies; the device grid sums of the large items are
+  compared once every thread is done (`split.DeviceChecks`).
 The first failure stops the other threads; the caller votes on it, so every rank fails together.
 Must not: talk to other ranks, allocate pinned memory outside the pool, or block on the device
 beyond the copies it issued.
@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from time import thread_time
 
 import torch
 
@@ -54,8 +55,7 @@ class _Worker(copies.Copier):
         super().__init__(reader)
         self.read_s = self.hash_s = 0.0
         self.key: str | None = None  # the item a failure now is about (one read may gather several)
-        self.deferred: list = []  # split items whose device grid sums are compared in `finish`
-        self.cpu0 = time.thread_time()
+        self.cpu0 = thread_time()
 
     def readv(self, path: str, offset: int, buffers: list) -> None:
         t0 = time.perf_counter()
@@ -68,14 +68,13 @@ class _Worker(copies.Copier):
         self.hash_s += time.perf_counter() - t0
 
     def finish(self) -> None:
-        """Wait for this thread's copies, then compare the device grid sums enqueued behind them."""
+        """Wait for this thread's copies."""
         try:
             self.key = None
             self.finish_copies()
-            split.finish_device_checks(self)
         finally:
             self.r.count(read_s=self.read_s, wait_s=self.wait_s, hash_s=self.hash_s, copy_s=self.copy_s,
-                         cpu_s=time.thread_time() - self.cpu0)
+                         cpu_s=thread_time() - self.cpu0)
 
     # ---- checksums ----------------------------------------------------------------------
     def hasher(self, read: ItemRead):
@@ -297,6 +296,7 @@ class Reader:
         self.progress_interval_s = progress_interval_s
         self.cancel = threading.Event()
         self.caller_streams = {}
+        self.device_checks = split.DeviceChecks(self.caller_streams)
         self.driver_copies = False  # host-to-device copies through the CUDA driver (`copies`)
         if torch.cuda.is_available():
             self.driver_copies = cuda_driver.htod_copies_available()
@@ -385,6 +385,12 @@ class Reader:
             self._fail(None, exc)
             for w in workers:
                 w.join()
+        checker = _Worker(self)
+        try:
+            self.device_checks.finish(checker, compare=self._failure is None)
+        except BaseException as exc:
+            self._fail(checker.key, exc)
+        self.count(hash_s=self.device_checks.seconds)
         if self._failure is None and self._done != len(self.tasks):  # a reader ended without saying why
             self._fail(None, ReadError(f"the reader threads ended with {len(self.tasks) - self._done} of "
                                        f"{len(self.tasks)} reads not done; nothing they were to fill was loaded"))

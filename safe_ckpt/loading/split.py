@@ -7,9 +7,9 @@ thread busy; and check such an item's checksum across its pieces:
 - a grid checksum from each piece's row and column sums (the rows are independent, the column
   sums add), in whatever order the pieces finish; where the whole payload lands in one
   contiguous GPU tensor, from that tensor once its last piece is in (the sums on the device,
-  as the save made them: the host never reads those bytes again; they are enqueued behind the
-  pieces' copies and compared once the thread's copies are done, so no reader thread blocks on
-  the device in the middle of its reads);
+  as the save made them: the host never reads those bytes again; they are enqueued on a check
+  stream behind the pieces' copies and compared once every reader thread is done, so no reader
+  thread blocks on the device in the middle of its reads, and none of its copies waits for them);
 - a sequential one (xxh3, CRC-32) by feeding the pieces strictly in order: a thread whose piece
   is not next waits for the one before it, which an earlier task holds (tasks of one item are
   handed out in order, so the wait always ends);
@@ -67,16 +67,17 @@ class _Grid:
             if whole < view.nbytes:
                 self.tail = bytes(view[whole:])
 
-    def from_payload(self, payload) -> None:
-        """Sums and tail from the whole payload as one contiguous uint8 tensor (on its own device)."""
-        self.from_sums(integrity.grid_sums(payload), payload[self.rows_end:])
+    def summed(self, payload):
+        """The payload's (a contiguous uint8 tensor's) sums then its last partial row, as one uint8
+        tensor on the payload's device: what `from_summed` takes once read back."""
+        return torch.cat((integrity.grid_sums(payload).view(torch.uint8), payload[self.rows_end:]))
 
-    def from_sums(self, sums, tail) -> None:
-        """Sums as `integrity.grid_sums` gives them and the payload's last partial row, each a tensor
-        on any device (read back here)."""
-        sums = sums.cpu().numpy()
-        self.rows, self.cols = sums[:self.rows.size].view(np.uint32), sums[self.rows.size:].view(np.uint32)
-        self.tail = tail.cpu().numpy().tobytes()
+    def from_summed(self, data) -> None:
+        """Sums and tail from `summed`'s bytes, read back to the host (a numpy uint8 array)."""
+        words = data.nbytes - (self.n - self.rows_end)
+        sums = data[:words].view("<u4")
+        self.rows, self.cols = sums[:self.rows.size], sums[self.rows.size:]
+        self.tail = data[words:].tobytes()
 
     def value(self, head, suffix) -> int:
         return integrity.checksum_of([bytes(head), struct.pack("<Q", self.n), self.rows.astype("<u4").tobytes(),
@@ -93,7 +94,6 @@ class SplitItem:
         self.hasher, self.grid = hasher, grid
         self.on_device = None  # the payload's bytes in one GPU tensor, where the grid is summed there
         self.events: list = []  # the pieces' copies into it
-        self.device_sums = None  # its grid sums, enqueued on the device once the last piece's copy was
         self.cond = threading.Condition()
 
     def feed(self, index: int, parts: list, start: int, cancel: threading.Event) -> None:
@@ -251,12 +251,7 @@ def run_piece(worker, task: PieceTask) -> None:
     if not item.done():
         return
     if item.on_device is not None:
-        stream = worker.stream(item.on_device.device)
-        for event in item.events:  # every piece's copy, whichever thread issued it
-            stream.wait_event(event)
-        with torch.cuda.stream(stream):
-            item.device_sums = integrity.grid_sums(item.on_device)
-        worker.deferred.append(item)  # compared in `finish_device_checks`, once this thread's copies are done
+        worker.r.device_checks.add(item)
         return
     finish_item(worker, item)
 
@@ -264,8 +259,6 @@ def run_piece(worker, task: PieceTask) -> None:
 def finish_item(worker, item: SplitItem) -> None:
     """Compare a split item's checksum, all its bytes in (for a device grid, its sums read back)."""
     read = item.read
-    if item.device_sums is not None:
-        item.grid.from_sums(item.device_sums, item.on_device[item.grid.rows_end:])
     checked = item.hasher is not None or item.grid is not None
     if checked and item.value() != read.checksum.checksum:
         worker.check(read, _Mismatch())
@@ -273,16 +266,56 @@ def finish_item(worker, item: SplitItem) -> None:
                    nbytes=read.frame.prefix_bytes + read.frame.suffix_bytes)
 
 
-def finish_device_checks(worker) -> None:
-    """Compare the device-summed items this thread finished (its streams synchronized before)."""
-    t0 = time.perf_counter()
-    try:
-        while worker.deferred:
-            item = worker.deferred.pop(0)
-            worker.key = item.read.fqn
-            finish_item(worker, item)
-    finally:
-        worker.hash_s += time.perf_counter() - t0
+class DeviceChecks:
+    """The grid sums of split items whose whole payload lands in one GPU tensor, made on the device.
+
+    Call order: `add` (any reader thread, once an item's last piece was copied), then `finish` (one
+    thread, once every reader thread ended). The sums go on one check stream per device, never on
+    a reader thread's copy stream: copies issued there after them would queue behind the other
+    threads' copies of the item and the sums, and the thread would wait for that before reusing its
+    pieces. `finish` reads every item's sums back in one copy per device and compares them.
+    """
+
+    def __init__(self, caller_streams: dict) -> None:
+        self._caller_streams = caller_streams
+        self._lock = threading.Lock()
+        self._streams: dict = {}
+        self._items: list = []  # (item, `_Grid.summed` of its payload)
+        self.seconds = 0.0  # the time `finish` took, waiting for the device included
+
+    def add(self, item: SplitItem) -> None:
+        device = item.on_device.device
+        with self._lock:
+            stream = self._streams.get(device)
+            if stream is None:
+                stream = self._streams[device] = torch.cuda.Stream(device=device)
+                stream.wait_stream(self._caller_streams[device])  # the caller's writes to the destinations
+            for event in item.events:  # every piece's copy, whichever thread issued it
+                stream.wait_event(event)
+            with torch.cuda.stream(stream):
+                self._items.append((item, item.grid.summed(item.on_device)))
+
+    def finish(self, checker, compare: bool = True) -> None:
+        """Compare every added item (``checker``: a reader thread's `finish_item` methods; its
+        ``key`` names the item a failure is about); with ``compare`` false (the read failed) only
+        wait for the sums."""
+        t0 = time.perf_counter()
+        try:
+            for device, stream in self._streams.items() if compare else ():
+                mine = [(item, data) for item, data in self._items if data.device == device]
+                with torch.cuda.stream(stream):
+                    host = torch.cat([data for _, data in mine]).cpu().numpy()  # waits for this stream alone
+                at = 0
+                for item, data in mine:
+                    checker.key = item.read.fqn
+                    item.grid.from_summed(host[at:at + data.numel()])
+                    at += data.numel()
+                    finish_item(checker, item)
+        finally:
+            self._items = []
+            for stream in self._streams.values():
+                stream.synchronize()  # the sums read the destinations: done before the caller writes them
+            self.seconds += time.perf_counter() - t0
 
 
 def _feed(worker, item: SplitItem, task: PieceTask, parts: list) -> None:

@@ -34,9 +34,11 @@ def test_items_summed_on_the_device_are_checked_after_the_reads_and_a_changed_by
                                                                                               driver):
     """An item bigger than a piece, bound for one GPU tensor, with a grid checksum: its pieces' copies
     land (through the CUDA driver, or through torch with the driver's copies off), its sums are
-    enqueued on the device, and they are read back and compared only once the thread's reads are
+    enqueued on the device, and they are read back and compared only once every reader thread is
     done (no reader blocks on the device mid-read); bit-exact, counted verified, and a changed
     payload byte fails the load naming that key. Small items gathered into one read land too."""
+    import threading
+
     import torch
 
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
@@ -52,27 +54,28 @@ def test_items_summed_on_the_device_are_checked_after_the_reads_and_a_changed_by
     path = str(tmp_path / "ckpt")
     safe_ckpt.save({k: ShardedTensor.from_rank_offsets(k, v) for k, v in state.items()}, path)
     _as_grid(path, "a")
-    summed, finishing, read_back = [], [], []
-    stock_sums, stock_finish, stock_from_sums = integrity.grid_sums, split.finish_device_checks, split._Grid.from_sums
+    summed, finishing, read_back, readers_alive = [], [], [], []
+    stock_sums, stock_finish, stock_from = integrity.grid_sums, split.DeviceChecks.finish, split._Grid.from_summed
 
     def grid_sums(payload):
         summed.append(payload.device.type)
         return stock_sums(payload)
 
-    def finish(worker):
+    def finish(self, checker, compare=True):
         finishing.append(True)
+        readers_alive.append(sum(t.name.startswith("safe_ckpt-read") for t in threading.enumerate()))
         try:
-            stock_finish(worker)
+            stock_finish(self, checker, compare)
         finally:
             finishing.pop()
 
-    def from_sums(self, sums, tail):
+    def from_summed(self, data):
         read_back.append(bool(finishing))
-        return stock_from_sums(self, sums, tail)
+        return stock_from(self, data)
 
     monkeypatch.setattr(integrity, "grid_sums", grid_sums)
-    monkeypatch.setattr(split, "finish_device_checks", finish)
-    monkeypatch.setattr(split._Grid, "from_sums", from_sums)
+    monkeypatch.setattr(split.DeviceChecks, "finish", finish)
+    monkeypatch.setattr(split._Grid, "from_summed", from_summed)
     driver_calls = []
     stock_htod = cuda_driver.memcpy_htod_async
     monkeypatch.setattr(cuda_driver, "memcpy_htod_async", lambda *a: driver_calls.append(a[2]) or stock_htod(*a))
@@ -91,7 +94,7 @@ def test_items_summed_on_the_device_are_checked_after_the_reads_and_a_changed_by
     out, report = load()
     assert all(torch.equal(out[k].cpu(), state[k]) for k in state)
     assert report.verified == report.items and report.unverified == 0 and report.decoded == 0, report
-    assert summed == ["cuda"] and read_back == [True], (summed, read_back)
+    assert summed == ["cuda"] and read_back == [True] and readers_alive[-1] == 0, (summed, read_back, readers_alive)
     assert (sum(driver_calls) == sum(v.numel() * v.element_size() for v in state.values())) == driver, driver_calls
     _flip_payload_byte(path, "a")
     with pytest.raises(ReadError, match=r"key 'a'.*checksum mismatch") as info:
