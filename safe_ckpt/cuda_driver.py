@@ -9,6 +9,7 @@ issuing thread's time than `Tensor.copy_` on views of a pinned buffer: for a sta
 thousand chunks that is the time every writer waits before its first byte), and its
 host-to-device twin `cuMemcpyHtoDAsync` for a load's copies out of pinned pieces.
 
+Every call keeps the GIL (each returns within microseconds).
 Must not: create contexts, streams or memory, or synchronize. Callers fall back to torch
 where `library()` is None or the calling thread has no current context of the right device.
 """
@@ -22,7 +23,10 @@ _CUDA_SUCCESS = 0
 CU_POINTER_ATTRIBUTE_MAPPED = 13
 
 _lock = threading.Lock()
-_loaded: list = []  # [ctypes.CDLL or None], filled once
+_loaded: list = []  # [the library or None], filled once
+# Every call wrapped here returns within microseconds (an enqueue or a query), so it keeps the GIL:
+# with a dozen threads busy, taking the GIL back after a call that gave it up costs far longer.
+LOADER = ctypes.PyDLL
 
 
 class CudaDriverError(RuntimeError):
@@ -36,7 +40,7 @@ def library():
             lib = None
             for name in ("libcuda.so.1", "libcuda.so", "nvcuda.dll"):
                 try:
-                    lib = ctypes.CDLL(name)
+                    lib = LOADER(name)
                     break
                 except OSError:
                     continue
