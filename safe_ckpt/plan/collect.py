@@ -6,6 +6,8 @@ every leaf for problems that can be seen locally, and record each tensor shard w
 its source tensor, with its path in the caller's dict (``state['a'][0]``) for messages.
 Problems are collected, never raised here, so every rank reaches the plan exchange and
 fails together. Large plain tensors headed for the common state get one warning.
+A later save of the same layout reuses each shard's checked draft where every fact the draft
+reads is unchanged (`DraftMemo`); its source is always taken from the shard it is given.
 
 Must not: touch CUDA, copy tensor data, or write files.
 """
@@ -13,6 +15,7 @@ Must not: touch CUDA, copy tensor data, or write files.
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -111,6 +114,67 @@ def _draft(sh, path: str, rank: int, is_main_replica=compat.is_main_replica) -> 
     box = Box(tuple(map(int, sh.global_offset)), sizes)
     return DraftShard(sh.key, sh.dtype, tuple(map(int, sh.global_shape)), box, is_main_replica(sh.replica_id), path,
                       _box_view(sh.data.detach(), sizes))
+
+
+def _facts(sh, path: str) -> tuple:
+    """Everything `_draft` reads of a shard but its data's bytes and storage (the source is taken
+    anew every save): equal facts give an equal draft, problems included."""
+    data = sh.data
+    if not isinstance(data, torch.Tensor):
+        return (path, sh.key, type(data))
+    # Copied where mutable: a list the caller changes in place must not change the remembered facts.
+    return (path, sh.key, sh.dtype, _frozen(sh.local_shape), _frozen(sh.global_shape), _frozen(sh.global_offset),
+            sh.prepend_axis_num, _frozen(sh.replica_id), getattr(sh, "flattened_range", None), type(data), data.dtype,
+            data.shape, data.layout)
+
+
+def _frozen(value):
+    if type(value) in (tuple, int):
+        return value
+    return tuple(value) if isinstance(value, list) else object()  # anything else: never equal, drafted anew
+
+
+class DraftMemo:
+    """The previous save's drafts by position among its shards, with the facts they were drafted
+    from: a training loop saves the same layout every time, and checking and boxing each of a
+    thousand shards anew is most of `collect`. A shard whose facts differ in any field is drafted
+    (and checked) again; only drafts without a problem are remembered, and never their source
+    (a tensor the caller frees must not stay alive here). One per process (`draft_memo`)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._last: dict[int, tuple] = {}  # position -> (facts, key, dtype, global_shape, box, is_main)
+
+    def drafts(self):
+        """A drafting function for one save, and the call that keeps its drafts once it is done."""
+        with self._lock:
+            last = self._last
+        kept: dict[int, tuple] = {}
+
+        def draft(k: int, sh, path: str, rank: int, is_main_replica) -> DraftShard | Problem:
+            facts = _facts(sh, path)
+            known = last.get(k)
+            if known is not None and known[0] == facts:
+                kept[k] = known
+                _, key, dtype, global_shape, box, is_main = known
+                return DraftShard(key, dtype, global_shape, box, is_main, path, _box_view(sh.data.detach(), box.sizes))
+            out = _draft(sh, path, rank, is_main_replica)
+            if not isinstance(out, Problem):
+                kept[k] = (facts, out.key, out.dtype, out.global_shape, out.box, out.is_main)
+            return out
+
+        def done() -> None:
+            with self._lock:
+                self._last = kept
+
+        return draft, done
+
+    def clear(self) -> None:
+        with self._lock:
+            self._last = {}
+
+
+draft_memo = DraftMemo()
 
 
 def _box_view(data: torch.Tensor, sizes: tuple[int, ...]) -> torch.Tensor:
@@ -244,9 +308,12 @@ def collect(sharded_state_dict: dict, rank: int, content_metadata: dict | None =
     payloads: dict[str, bytes] = {}
     main_object_paths: dict[str, str] = {}
     is_main_replica = mapping.is_main_replica  # once: `compat.is_main_replica` checks the version per call
+    draft, drafted = draft_memo.drafts()
+    tensors = 0
     for path, leaf in _walk(parts.sharded_tree):
         if isinstance(leaf, mapping.ShardedTensor):
-            out = _draft(leaf, path, rank, is_main_replica)
+            out = draft(tensors, leaf, path, rank, is_main_replica)
+            tensors += 1
             (problems if isinstance(out, Problem) else shards).append(out)
         elif isinstance(leaf, mapping.ShardedObject):
             out = _object(leaf, path, rank, payloads, main_object_paths, safe_globals)
@@ -255,6 +322,7 @@ def collect(sharded_state_dict: dict, rank: int, content_metadata: dict | None =
             key = getattr(leaf, "key", path)
             problems.append(_problem(key, rank, f"{type(leaf).__name__} at {path} is not supported here"))
 
+    drafted()
     common = parts.common_state if rank == 0 else {}
     whole_files: dict[str, bytes] = {}
     if rank == 0 and with_common:
