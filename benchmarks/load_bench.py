@@ -225,18 +225,18 @@ def _without_driver_copies(load):
 
 
 def _driver_releasing_the_gil(load):
-    """``load()`` with the CUDA driver's calls giving up the GIL (a diagnostic: they keep it)."""
+    """``load()`` with every CUDA driver call giving up the GIL (a diagnostic: the load's keep it)."""
     import ctypes
 
     from safe_ckpt import cuda_driver
 
-    stock = cuda_driver.LOADER
-    cuda_driver.LOADER = ctypes.CDLL
+    stock = cuda_driver.KEEPING_GIL
+    cuda_driver.KEEPING_GIL = ctypes.CDLL
     cuda_driver._loaded.clear()
     try:
         return load()
     finally:
-        cuda_driver.LOADER = stock
+        cuda_driver.KEEPING_GIL = stock
         cuda_driver._loaded.clear()
 
 
@@ -358,7 +358,7 @@ def _measure(rank: int, world: int, args) -> dict:
             "report": reports[-1].__dict__ if reports else None}
 
 
-THREAD_KEYS = ("read_s", "wait_s", "hash_s", "copy_s", "other_s", "cpu_s")
+THREAD_KEYS = ("read_s", "wait_s", "hash_s", "copy_s", "other_s", "cpu_s", "check_s")
 
 
 def _thread_seconds(report) -> dict:
@@ -367,6 +367,7 @@ def _thread_seconds(report) -> dict:
     out = {k: getattr(report, k, 0.0) for k in ("read_s", "wait_s", "hash_s", "copy_s")}
     out["other_s"] = max(0.0, report.threads * report.seconds - sum(out.values()))
     out["cpu_s"] = getattr(report, "cpu_s", 0.0)  # of all the above: on a CPU (not waiting for the GIL or the device)
+    out["check_s"] = getattr(report, "check_s", 0.0)  # the calling thread, after the threads: the device sums compared
     return out
 
 

@@ -385,12 +385,13 @@ class Reader:
             self._fail(None, exc)
             for w in workers:
                 w.join()
-        checker = _Worker(self)
-        try:
-            self.device_checks.finish(checker, compare=self._failure is None)
-        except BaseException as exc:
-            self._fail(checker.key, exc)
-        self.count(hash_s=self.device_checks.seconds)
+        finally:
+            checker = _Worker(self)
+            try:  # also after an interrupt: the sums still read the destinations until waited for
+                self.device_checks.finish(checker, compare=self._failure is None)
+            except BaseException as exc:
+                self._fail(checker.key, exc)
+            self.count(check_s=self.device_checks.seconds)
         if self._failure is None and self._done != len(self.tasks):  # a reader ended without saying why
             self._fail(None, ReadError(f"the reader threads ended with {len(self.tasks) - self._done} of "
                                        f"{len(self.tasks)} reads not done; nothing they were to fill was loaded"))

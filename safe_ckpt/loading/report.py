@@ -29,6 +29,7 @@ class ReadReport:
     hash_s: float = 0.0
     copy_s: float = 0.0  # issuing the copies out of pieces (host destinations: making them)
     cpu_s: float = 0.0  # the threads' CPU time (kernel time in reads included; not the GIL waits)
+    check_s: float = 0.0  # after the threads: comparing the device-summed items (waiting for the sums included)
 
 
 class Tally:
@@ -37,7 +38,7 @@ class Tally:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.counts = dict(items=0, verified=0, unverified=0, decoded=0, nbytes=0, read_s=0.0, wait_s=0.0,
-                           hash_s=0.0, copy_s=0.0, cpu_s=0.0)
+                           hash_s=0.0, copy_s=0.0, cpu_s=0.0, check_s=0.0)
 
     def add(self, **kw) -> None:
         with self._lock:
@@ -48,7 +49,7 @@ class Tally:
         with self._lock:
             c = dict(self.counts)
         return ReadReport(c["nbytes"], c["items"], c["verified"], c["unverified"], c["decoded"], threads, seconds,
-                          c["read_s"], c["wait_s"], c["hash_s"], c["copy_s"], c["cpu_s"])
+                          c["read_s"], c["wait_s"], c["hash_s"], c["copy_s"], c["cpu_s"], c["check_s"])
 
 
 def log_read(report: ReadReport, where: str, rank: int) -> None:

@@ -288,8 +288,9 @@ class DeviceChecks:
         with self._lock:
             stream = self._streams.get(device)
             if stream is None:
-                stream = self._streams[device] = torch.cuda.Stream(device=device)
+                stream = torch.cuda.Stream(device=device)
                 stream.wait_stream(self._caller_streams[device])  # the caller's writes to the destinations
+                self._streams[device] = stream
             for event in item.events:  # every piece's copy, whichever thread issued it
                 stream.wait_event(event)
             with torch.cuda.stream(stream):
@@ -313,9 +314,15 @@ class DeviceChecks:
                     finish_item(checker, item)
         finally:
             self._items = []
-            for stream in self._streams.values():
-                stream.synchronize()  # the sums read the destinations: done before the caller writes them
+            errors = []
+            for stream in self._streams.values():  # the sums read the destinations: done before the caller has them
+                try:
+                    stream.synchronize()
+                except Exception as exc:  # a device fault: every other stream still waited for
+                    errors.append(exc)
             self.seconds += time.perf_counter() - t0
+            if errors:
+                raise errors[0]
 
 
 def _feed(worker, item: SplitItem, task: PieceTask, parts: list) -> None:

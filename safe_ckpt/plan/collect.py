@@ -131,7 +131,9 @@ def _facts(sh, path: str) -> tuple:
 def _frozen(value):
     if type(value) in (tuple, int):
         return value
-    return tuple(value) if isinstance(value, list) else object()  # anything else: never equal, drafted anew
+    if isinstance(value, (list, tuple)):  # a torch.Size too (ShardedTensor.narrow makes one)
+        return tuple(value)
+    return object()  # anything else: never equal, drafted anew
 
 
 class DraftMemo:

@@ -1,9 +1,9 @@
 """GPU checks of two claims the load path rests on (marked gpu; skipped without CUDA):
 
-- the CUDA driver calls `cuda_driver` wraps are made with the GIL held (`cuda_driver.LOADER`),
-  on the claim that each returns within microseconds. An async copy enqueued on a stream whose
-  queue is full, behind a long kernel, waits in the driver until the device drains it: with the
-  GIL held, every other Python thread of the process stops for that long;
+- a save's device-to-host copies through the CUDA driver give up the GIL (only the queries and a
+  load's host-to-device copies keep it, `cuda_driver.KEEPING_GIL`). An async copy enqueued on a
+  stream whose queue is full, behind a long kernel, waits in the driver until the device drains
+  it: with the GIL held, every other Python thread of the process would stop for that long;
 - the device grid sums of several large items, compared together once the readers are done
   (`split.DeviceChecks`), each name their own key, on one device or two.
 """
@@ -17,14 +17,14 @@ import pytest
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("loader", ["shipped", "CDLL"])
+@pytest.mark.parametrize("loader", ["shipped", "CDLL_everywhere"])
 def test_a_driver_copy_waiting_behind_a_long_kernel_leaves_other_python_threads_running(loader, monkeypatch):
     import torch
 
     from safe_ckpt import cuda_driver
 
-    if loader == "CDLL":  # the control: the same calls giving up the GIL
-        monkeypatch.setattr(cuda_driver, "LOADER", ctypes.CDLL)
+    if loader == "CDLL_everywhere":  # the control: every call giving up the GIL
+        monkeypatch.setattr(cuda_driver, "KEEPING_GIL", ctypes.CDLL)
         monkeypatch.setattr(cuda_driver, "_loaded", [])
     if not cuda_driver.copies_available():
         pytest.skip("libcuda has no cuMemcpyDtoHAsync")

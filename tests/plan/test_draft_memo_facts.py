@@ -85,8 +85,6 @@ def test_a_shard_moved_to_another_path_names_its_new_path():
     assert d.path == "state['moved']", d.path
 
 
-@pytest.mark.xfail(strict=True, reason="`collect._frozen` takes a torch.Size local_shape (ShardedTensor.narrow, "
-                                       "Megatron's Mamba and gated-delta-net factories) as never equal")
 def test_a_narrowed_shard_is_remembered_too():
     t = _tensor()
 
