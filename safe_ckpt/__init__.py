@@ -33,6 +33,7 @@ from .errors import (
     CommitError,
     CoordinationError,
     MissingDependencyError,
+    PathUsageError,
     RankFailure,
     ReadError,
     ResidenceError,
@@ -64,6 +65,7 @@ __all__ = [
     # errors: every failure of a save is a CheckpointError
     "CheckpointError", "ValidationError", "ResidenceError", "WriteError", "CommitError", "CoordinationError",
     "SourceModifiedError", "StagingTimeoutError", "UnloadableStateError", "ReadError", "MissingDependencyError", "RankFailure",
+    "PathUsageError",
     # progress lines on a terminal
     "show_progress",
     "__version__",

@@ -120,7 +120,7 @@ class UnreadableCheckpointError(CheckpointError):
         self.refused_global = refused_global
 
 
-class PathUsageError(ValueError):
+class PathUsageError(CheckpointError, ValueError):
     """The path given to a tool is not something it can work on (missing, not a directory)."""
 
 

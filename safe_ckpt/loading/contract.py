@@ -33,6 +33,16 @@ from .sharded import read_sharded, vote
 from .source import DirectorySource
 
 
+
+def _options(options) -> LoadOptions:
+    if options is None:
+        return LoadOptions()
+    if not isinstance(options, LoadOptions):
+        raise TypeError(f"a load takes safe_ckpt.LoadOptions, not {type(options).__name__}"
+                        + (" (SaveOptions are for saves)" if type(options).__name__ == "SaveOptions" else ""))
+    return options
+
+
 def open_source(checkpoint_dir, options: LoadOptions):
     # an s3:// URL goes where a save of it goes (--endpoint aside: AWS_ENDPOINT_URL_S3, then AWS_ENDPOINT_URL)
     path, options = endpoints.save_target(os.fspath(checkpoint_dir), options)
@@ -45,7 +55,7 @@ def read_common_state_dict(checkpoint_dir, options: LoadOptions | None = None) -
     """The common state alone, as stock `load_common_state_dict` returns it (one rank, no peers).
     `.metadata` is read only where the common state is stored in it (no `common.pt`): Megatron's
     `load_checkpoint` calls this just before `load`, which reads the index anyway."""
-    options = options or LoadOptions()
+    options = _options(options)
     source = open_source(checkpoint_dir, options)
     try:
         index_mod.read_config(source)
@@ -70,7 +80,7 @@ def read_sharded_metadata(checkpoint_dir, options: LoadOptions | None = None) ->
 def load_sharded(tree, checkpoint_dir, options: LoadOptions | None = None, process_group=None):
     """The sharded part alone (ShardedTensor / ShardedObject leaves), as a load strategy's `load`
     returns it. Collective."""
-    options = options or LoadOptions()
+    options = _options(options)
     where = os.fspath(checkpoint_dir)
     coord = dist.coordinator(process_group, options.collective_timeout_s, target=f"load {where}")
     source, index, failure = None, None, None
@@ -107,7 +117,7 @@ def load(sharded_state_dict: dict, checkpoint_dir, options: LoadOptions | None =
     unreadable, truncated, corrupt or refused bytes, `ValidationError` for a state dict that does
     not match the checkpoint) on every rank when any rank fails.
     """
-    options = options or LoadOptions()
+    options = _options(options)
     hold = gcfreeze.Hold(options.gc_freeze)
     try:
         return _load(sharded_state_dict, checkpoint_dir, options, strict, validate_access_integrity,

@@ -69,6 +69,9 @@ def start(sharded_state_dict: dict, checkpoint_dir, *, process_group=None, optio
     asynchronous save with ``return_after="planned"``, "now" opens its copy window in this call,
     "deferred" at the next `staging.gates.open_deferred()` or gate (the Megatron drop-in: the next
     `optimizer.zero_grad()`, since Megatron synchronizes the device right after its save call)."""
+    if options is not None and not isinstance(options, SaveOptions):
+        raise TypeError(f"a save takes safe_ckpt.SaveOptions, not {type(options).__name__}"
+                        + (" (LoadOptions are for safe_ckpt.load)" if type(options).__name__ == "LoadOptions" else ""))
     # An `s3://` URL goes where the environment's AWS_ENDPOINT_URL_S3 says, as on the command line.
     checkpoint_dir, options = endpoints.save_target(checkpoint_dir, options or SaveOptions())
     mode = PublishMode.INTO_EXISTING if sharded_only else PublishMode.WHOLE
@@ -92,7 +95,7 @@ def start(sharded_state_dict: dict, checkpoint_dir, *, process_group=None, optio
     return job
 
 
-def save(sharded_state_dict: dict, checkpoint_dir, *, process_group=None, options: SaveOptions | None = None,
+def save(sharded_state_dict: dict, checkpoint_dir, options: SaveOptions | None = None, *, process_group=None,
          content_metadata: dict | None = None) -> SaveResult:
     """Save a Megatron sharded state dict in the torch_dist layout. Collective.
 
@@ -106,7 +109,7 @@ def save(sharded_state_dict: dict, checkpoint_dir, *, process_group=None, option
                  content_metadata=content_metadata).finish()
 
 
-def async_save(sharded_state_dict: dict, checkpoint_dir, *, process_group=None, options: SaveOptions | None = None,
+def async_save(sharded_state_dict: dict, checkpoint_dir, options: SaveOptions | None = None, *, process_group=None,
                content_metadata: dict | None = None) -> SaveHandle:
     """Like `save`, but returns once every device-resident byte is staged in host memory.
 
