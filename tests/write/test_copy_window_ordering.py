@@ -702,14 +702,19 @@ def test_an_in_place_write_to_a_non_contiguous_source_while_its_copies_run_fails
 
 
 class _SignalledStreams(HostStreams):
-    """HostStreams that tell the test when a gate starts waiting for a mark on the host."""
+    """HostStreams that tell the test when a gate starts waiting for a mark on the host, once
+    armed: the window's opening orders the caller after its own marks too, and must not count."""
 
     def __init__(self) -> None:
         super().__init__()
+        self.armed = False
         self.ordering = threading.Event()
+        self.landed_when_ordered: list[bool] = []
 
     def order_current_after(self, mark) -> None:
-        self.ordering.set()
+        if self.armed:
+            self.landed_when_ordered.append(mark.done())
+            self.ordering.set()
         super().order_current_after(mark)
 
 
@@ -723,6 +728,7 @@ def test_a_gate_waiting_on_the_host_for_copies_to_land_counts_in_the_window_stat
     copier = WindowCopier(window, PinnedPool(1 << 20, pinned=False))
     rest = copier.open(jobs, writer.put)
     gates.track(window)
+    streams.armed = True  # from here on only the step's gate orders the host after a mark
     held = streams.hold(0)  # after the opening: no copy of the rest lands until the test says so
     stager, _, stage_errors = in_thread(lambda: copier.run(rest, writer.put))
     stager.join(WAIT_S)
@@ -730,6 +736,7 @@ def test_a_gate_waiting_on_the_host_for_copies_to_land_counts_in_the_window_stat
     assert window.all_in() and not stage_errors, stage_errors
     stepper, stepped, errors = in_thread(opt.step)
     assert streams.ordering.wait(WAIT_S) and not stepped.is_set()
+    assert streams.landed_when_ordered == [False]  # the gate met the held copies, not landed ones
     held.set()
     assert stepped.wait(WAIT_S) and not errors, errors
     window.settle()
