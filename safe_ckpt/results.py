@@ -20,12 +20,16 @@ class SaveTimings:
 
 @dataclass(frozen=True)
 class SaveResult:
+    """One rank's account of a save. The byte counts cover the sharded items (`ShardedTensor`,
+    `ShardedObject`) in the data files (`__<rank>_<n>.distcp`); the common state (`common.pt`:
+    everything else, plain tensors included, as stock Megatron stores it) is not counted."""
+
     checkpoint_dir: str
     rank: int
     world_size: int
     payload_bytes: int  # tensor and object bytes this rank wrote
     file_bytes: int  # bytes of this rank's files, containers included
-    total_file_bytes: int  # all ranks' data files together
+    total_file_bytes: int  # all ranks' data files together (the payload without containers: see `file_bytes`)
     bytes_by_residence: dict[str, int]
     files: list[str]
     items: int
