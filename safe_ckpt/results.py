@@ -20,16 +20,16 @@ class SaveTimings:
 
 @dataclass(frozen=True)
 class SaveResult:
-    """One rank's account of a save. The byte counts cover the sharded items (`ShardedTensor`,
-    `ShardedObject`) in the data files (`__<rank>_<n>.distcp`); the common state (`common.pt`:
-    everything else, plain tensors included, as stock Megatron stores it) is not counted."""
+    """One rank's account of a save. `payload_bytes` and `total_file_bytes` cover the sharded items
+    (`ShardedTensor`, `ShardedObject`) in the data files (`__<rank>_<n>.distcp`), not the common
+    state (`common.pt`: everything else, plain tensors included, as stock Megatron stores it)."""
 
     checkpoint_dir: str
     rank: int
     world_size: int
     payload_bytes: int  # tensor and object bytes this rank wrote
-    file_bytes: int  # bytes of this rank's files, containers included
-    total_file_bytes: int  # all ranks' data files together (the payload without containers: see `file_bytes`)
+    file_bytes: int  # bytes of this rank's files, containers included (and the whole files it wrote, e.g. common.pt)
+    total_file_bytes: int  # all ranks' data files together, containers included
     bytes_by_residence: dict[str, int]
     files: list[str]
     items: int
