@@ -9,7 +9,6 @@ issuing thread's time than `Tensor.copy_` on views of a pinned buffer: for a sta
 thousand chunks that is the time every writer waits before its first byte), and its
 host-to-device twin `cuMemcpyHtoDAsync` for a load's copies out of pinned pieces.
 
-The queries and host-to-device copies keep the GIL; device-to-host copies give it up (`KEEPING_GIL`).
 Must not: create contexts, streams or memory, or synchronize. Callers fall back to torch
 where `library()` is None or the calling thread has no current context of the right device.
 """
@@ -23,12 +22,7 @@ _CUDA_SUCCESS = 0
 CU_POINTER_ATTRIBUTE_MAPPED = 13
 
 _lock = threading.Lock()
-_loaded: list = []  # [(the library, the same library called with the GIL held) or None], filled once
-# The queries and a load's host-to-device copies keep the GIL: each returns within microseconds (a
-# load's copies wait for nothing but its own pieces' earlier copies), and with a dozen busy threads
-# taking the GIL back costs far longer. A save's device-to-host copies give it up: they are enqueued
-# behind the training stream's work and wait in the driver whenever the stream's queue is full.
-KEEPING_GIL = ctypes.PyDLL
+_loaded: list = []  # [ctypes.CDLL or None], filled once
 
 
 class CudaDriverError(RuntimeError):
@@ -37,29 +31,18 @@ class CudaDriverError(RuntimeError):
 
 def library():
     """libcuda as a ctypes library with the signatures below, or None where it does not load."""
-    loaded = _libraries()
-    return None if loaded is None else loaded[0]
-
-
-def _keeping_gil():
-    loaded = _libraries()
-    return None if loaded is None else loaded[1]
-
-
-def _libraries():
     with _lock:
         if not _loaded:
-            pair = None
+            lib = None
             for name in ("libcuda.so.1", "libcuda.so", "nvcuda.dll"):
                 try:
-                    pair = (ctypes.CDLL(name), KEEPING_GIL(name))
+                    lib = ctypes.CDLL(name)
                     break
                 except OSError:
                     continue
-            if pair is not None:
-                for lib in pair:
-                    _declare(lib)
-            _loaded.append(pair)
+            if lib is not None:
+                _declare(lib)
+            _loaded.append(lib)
         return _loaded[0]
 
 
@@ -95,7 +78,7 @@ def address_mapped(address: int) -> bool:
     answers CUDA_ERROR_INVALID_VALUE; for a tensor torch places on a CUDA device that
     means its pages are gone, so it counts as unmapped.
     """
-    lib = _required(keeping_gil=True)
+    lib = _required()
     value = ctypes.c_uint64(0)
     rc = lib.cuPointerGetAttribute(ctypes.byref(value), CU_POINTER_ATTRIBUTE_MAPPED, ctypes.c_uint64(address))
     return rc == _CUDA_SUCCESS and value.value != 0
@@ -113,8 +96,8 @@ def htod_copies_available() -> bool:
                                    for n in ("cuMemcpyHtoDAsync_v2", "cuCtxGetCurrent", "cuCtxGetDevice"))
 
 
-def _required(keeping_gil: bool = False):
-    lib = _keeping_gil() if keeping_gil else library()
+def _required():
+    lib = library()
     if lib is None:
         raise CudaDriverError("the CUDA driver library (libcuda) cannot be loaded")
     return lib
@@ -122,7 +105,7 @@ def _required(keeping_gil: bool = False):
 
 def current_device() -> int | None:
     """The device of the calling thread's current context, or None where it has none."""
-    lib = _required(keeping_gil=True)
+    lib = _required()
     ctx = ctypes.c_void_p()
     if lib.cuCtxGetCurrent(ctypes.byref(ctx)) != _CUDA_SUCCESS or not ctx.value:
         return None
@@ -144,6 +127,6 @@ def memcpy_dtoh_async(dst_address: int, src_address: int, nbytes: int, stream_ha
 def memcpy_htod_async(dst_address: int, src_address: int, nbytes: int, stream_handle: int) -> None:
     """Enqueue a copy of ``nbytes`` from host ``src_address`` to device ``dst_address`` on the
     stream (a raw CUstream); the source must be page-locked for the copy to be asynchronous."""
-    rc = _required(keeping_gil=True).cuMemcpyHtoDAsync_v2(dst_address, src_address, nbytes, stream_handle)
+    rc = _required().cuMemcpyHtoDAsync_v2(dst_address, src_address, nbytes, stream_handle)
     if rc != _CUDA_SUCCESS:
         raise CudaDriverError(f"cuMemcpyHtoDAsync of {nbytes} bytes to {dst_address:#x} failed: {error_name(rc)}")

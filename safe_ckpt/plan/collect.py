@@ -150,7 +150,7 @@ class DraftMemo:
     def drafts(self):
         """A drafting function for one save, and the call that keeps its drafts once it is done."""
         with self._lock:
-            last = self._last
+            last = dict(self._last)  # this save's view: another save's `done` may replace the entries
         kept: dict[int, tuple] = {}
 
         def draft(k: int, sh, path: str, rank: int, is_main_replica) -> DraftShard | Problem:
@@ -166,14 +166,15 @@ class DraftMemo:
             return out
 
         def done() -> None:
-            with self._lock:
-                self._last = kept
+            with self._lock:  # in place: the dict itself may be in a gc.freeze()'d generation, and stays
+                self._last.clear()
+                self._last.update(kept)
 
         return draft, done
 
     def clear(self) -> None:
         with self._lock:
-            self._last = {}
+            self._last.clear()
 
 
 draft_memo = DraftMemo()

@@ -147,9 +147,7 @@ class Stager:
         self.grid = grid
         self.fence = fence or ProducerFence({})
         self.lease_timeout_s = lease_timeout_s
-        # an async driver copy into pageable memory runs synchronously: only into a pinned pool
-        self._driver = (cuda_driver.copies_available() if driver_copies is None else driver_copies) \
-            and getattr(pool, "pinned", True)
+        self._driver = cuda_driver.copies_available() if driver_copies is None else driver_copies
         self._streams: dict[int, object] = {}  # device -> copy stream
         self._kernel_streams: dict[int, object] = {}  # device -> grid sums' kernels, beside the copies
         self._last_copy: dict[int, object] = {}  # device -> the last event recorded on its stream

@@ -119,7 +119,7 @@ class CudaStreams:
         nbytes = src.numel() * src.element_size()
         if nbytes == 0:
             return
-        if self._driver and self.page_locked and src.is_contiguous() and cuda_driver.current_device() == device:
+        if self._driver and src.is_contiguous() and cuda_driver.current_device() == device:
             cuda_driver.memcpy_dtoh_async(dst.data_ptr(), src.data_ptr(), nbytes, stream.cuda_stream)
             return
         with torch.cuda.device(device), torch.cuda.stream(stream):
