@@ -7,7 +7,8 @@ host every rank's templates live on the GPU it is given, `--share-gpu` puts all 
   safe_ckpt into `--target`, then loaded into fresh templates of the same layout (`empty_like`
   of every shard: GPU tensors on a GPU host, else host memory, pinned with `--pin`) by
   - `safe`: `safe_ckpt.load` (checksums verified), `safe_nosum` (verify_checksums=False), and
-    `safe_torchcopy` (a diagnostic: every host-to-device copy through torch's `copy_`, not the driver);
+    `safe_torchcopy` (a diagnostic: every host-to-device copy through torch's `copy_`, not the driver),
+    `safe_switch` (a diagnostic: the interpreter's switch interval at 0.2 ms, not 5 ms);
   - `stock`: `megatron.core.dist_checkpointing.load` with its default strategy;
   - `dcp`: `torch.distributed.checkpoint.load` of the same shards as Megatron translates them
     (its `mcore_to_pyt_state_dict` and `MCoreLoadPlanner`), without Megatron's other steps;
@@ -57,7 +58,7 @@ import time
 
 import torch
 
-METHODS = ("ceiling", "ceiling_gpu", "safe", "safe_nosum", "safe_torchcopy", "stock", "dcp")
+METHODS = ("ceiling", "ceiling_gpu", "safe", "safe_nosum", "safe_torchcopy", "safe_switch", "stock", "dcp")
 PIECE = 8 << 20
 
 
@@ -223,6 +224,17 @@ def _without_driver_copies(load):
         cuda_driver.htod_copies_available = stock
 
 
+def _switching_often(load):
+    """``load()`` with the interpreter's switch interval at 0.2 ms instead of 5 ms (a diagnostic: a
+    thread back from a call that gave up the GIL waits at most that long before asking for it)."""
+    stock = sys.getswitchinterval()
+    sys.setswitchinterval(0.0002)
+    try:
+        return load()
+    finally:
+        sys.setswitchinterval(stock)
+
+
 def _rank(rank: int, world: int, init_file: str, args, out_queue) -> None:
     import torch.distributed as dist
 
@@ -290,6 +302,7 @@ def _measure(rank: int, world: int, args) -> dict:
         "safe": lambda: safe_ckpt.load(sharded(), path, opts),
         "safe_nosum": lambda: safe_ckpt.load(sharded(), path, opts_nosum),
         "safe_torchcopy": lambda: _without_driver_copies(lambda: safe_ckpt.load(sharded(), path, opts)),
+        "safe_switch": lambda: _switching_often(lambda: safe_ckpt.load(sharded(), path, opts)),
         "stock": lambda: dist_checkpointing.load(sharded(), path),
         "dcp": lambda: _dcp_load(sharded(), path),
     }
@@ -375,7 +388,7 @@ def _table(results: dict, world: int) -> str:
             lines.append(f"| {m} | {_span(by[m])} | {total / med[m] / 1e9:.2f} | {ratio(m, 'ceiling', '{:.0%}'.format)} "
                          f"| {ratio(m, 'ceiling_gpu', '{:.0%}'.format)} "
                          f"| {ratio(m, 'stock', '{:.2f}x'.format)} | {ratio(m, 'dcp', '{:.2f}x'.format)} |")
-    for m in ("safe", "safe_nosum", "safe_torchcopy"):
+    for m in ("safe", "safe_nosum", "safe_torchcopy", "safe_switch"):
         spent = [r["thread_s"] for r in results[0]["rows"] if r["method"] == m and r.get("thread_s")]
         phase = [r["read_seconds"] for r in results[0]["rows"] if r["method"] == m and r.get("read_seconds")]
         if spent:
