@@ -10,3 +10,8 @@ def human_bytes(n: float) -> str:
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
         n /= 1024
     return f"{n:.1f} TiB"
+
+
+def counted(n: int, noun: str) -> str:
+    """``n`` and the noun, plural where ``n`` is not 1 ("1 item", "3 items")."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"

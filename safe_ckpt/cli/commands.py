@@ -14,7 +14,7 @@ import logging
 import sys
 import warnings
 
-from ..units import human_bytes
+from ..units import counted, human_bytes
 from .output import ProgressLine
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -104,15 +104,15 @@ def _verify(args: argparse.Namespace) -> int:
         print(f"checkpoint {report.directory}")
         for f in report.findings:
             print(f"{f.severity.upper():7} {f.path}: {f.message}")
-        checked = (f", {report.checksummed_items} items checked against the manifest" if report.has_manifest else
+        checked = (f", {counted(report.checksummed_items, 'item')} checked against the manifest" if report.has_manifest else
                    ", checksums unavailable (no safe_ckpt manifest): files, sizes and structure checked"
                    if report.ok else "")
-        print(f"{'OK' if report.ok else 'FAILED'}: {report.items_checked} items, {human_bytes(report.bytes_checked)} "
+        print(f"{'OK' if report.ok else 'FAILED'}: {counted(report.items_checked, 'item')}, {human_bytes(report.bytes_checked)} "
               f"read{checked}" + ("; common state loads (weights only)" if report.common_state_loaded else ""))
         if report.deep:
-            print(f"deep: torch.load(weights_only=True) of {report.deep_loaded_items} tensor items, "
+            print(f"deep: torch.load(weights_only=True) of {counted(report.deep_loaded_items, 'tensor item')}, "
                   f"{report.deep_loaded_bytes} bytes of tensor data, each with the dtype and shape the index "
-                  f"promises; {report.object_items} object items checked by checksum only (never unpickled)")
+                  f"promises; {counted(report.object_items, 'object item')} checked by checksum only (never unpickled)")
     return EXIT_OK if report.ok else EXIT_FAILED
 
 
@@ -180,7 +180,7 @@ def _copy(args: argparse.Namespace) -> int:
                       progress=line)
     finally:
         line.close()
-    print(f"copied {report.source} to {report.destination}: {report.files} files, {human_bytes(report.bytes)}")
+    print(f"copied {report.source} to {report.destination}: {counted(report.files, 'file')}, {human_bytes(report.bytes)}")
     return EXIT_OK
 
 

@@ -19,6 +19,7 @@ from collections import defaultdict
 from ..names import CONFIG_FILE, DATA_FILE, METADATA_FILE, SHARDED_BACKEND, TRACKER_FILE
 from ..encoding.safe_read.files import describe, open_file, read_file
 from ..encoding.safe_read import UnreadableCheckpointError, load_common_state, read_metadata
+from ..units import counted
 
 _MAX_CONFIG_BYTES = 16 << 20
 
@@ -146,7 +147,8 @@ def to_text(info: dict) -> str:
              + (f"; tracker -> {info['tracker']}" if "tracker" in info else ""),
              f"  optimizer sharding {info.get('distrib_optim_sharding_type') or 'none'} "
              f"({info.get('distrib_optim_sharding_source')})",
-             f"  {len(info['tensors'])} tensors, {len(info['objects'])} objects, {len(info['files'])} files, "
+             f"  {counted(len(info['tensors']), 'tensor')}, {counted(len(info['objects']), 'object')}, "
+             f"{counted(len(info['files']), 'file')}, "
              f"{_human(info['total_bytes'])}",
              "  bytes per rank: " + ", ".join(f"{r}: {_human(b)}" for r, b in info["bytes_per_rank"].items()),
              "", "  tensors:"]

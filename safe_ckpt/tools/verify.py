@@ -26,6 +26,7 @@ from ..integrity import Hasher, Manifest, checksum_of, item_hasher
 from ..names import COMMON_STATE_FILE, CONFIG_FILE, DATA_SUFFIX, MANIFEST_FILE, METADATA_FILE, is_data_file
 from ..encoding.safe_read.files import describe, open_file
 from ..encoding.safe_read import MAX_METADATA_BYTES, UnreadableCheckpointError, load_common_state, read_metadata
+from ..units import counted
 
 KNOWN_FILES = {METADATA_FILE, CONFIG_FILE, COMMON_STATE_FILE, MANIFEST_FILE}
 # A manifest holds a row of about 100 bytes per item (the index about 160).
@@ -183,12 +184,12 @@ def verify(directory: str, *, deep: bool = False, progress=None, config_required
     total = sum(info.length for entries in by_file.values() for _, info in entries)
     for path, entries in sorted(by_file.items()):
         if not os.path.lexists(os.path.join(directory, path)):
-            report.add("error", path, f"missing file ({len(entries)} items)")
+            report.add("error", path, f"missing file ({counted(len(entries), 'item')})")
             continue
         try:
             f = open_file(directory, path)
         except UnreadableCheckpointError as exc:
-            report.add("error", path, f"{exc.reason}; {len(entries)} item(s) in it not checked")
+            report.add("error", path, f"{exc.reason}; {counted(len(entries), 'item')} in it not checked")
             continue
         with f:
             _check_file(report, f, path, entries, chunk_bytes, expected_crc, deep, algorithm,

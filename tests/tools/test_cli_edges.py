@@ -135,7 +135,7 @@ def test_deep_verify_reports_what_it_loaded(ckpt):
     assert rc == 0 and tensor_items >= 2
     assert (f"deep: torch.load(weights_only=True) of {tensor_items} tensor items, {tensor_bytes} bytes of "
             f"tensor data") in deep, deep
-    assert "1 object items checked by checksum only" in deep
+    assert "1 object item checked by checksum only" in deep
     report = json.loads(_cli("verify", "--deep", "--json", ckpt)[1])
     assert report["deep_loaded_items"] == tensor_items and report["deep_loaded_bytes"] == tensor_bytes
 
