@@ -469,6 +469,9 @@ def main() -> None:
                         "<out>.rank<N>.profile.txt")
     p.add_argument("--out", default=None, help="output prefix (default benchmarks/results/load_<host>_<date>)")
     args = p.parse_args()
+    unknown = [m for m in args.methods.split(",") if m and m not in METHODS]
+    if unknown:
+        p.error(f"unknown method(s) {', '.join(unknown)}; known: {', '.join(METHODS)}")
 
     import torch.multiprocessing as mp
 

@@ -168,3 +168,14 @@ class SaveOptions:
             problems.append(f"progress_interval_s={self.progress_interval_s} must be >= 0")
         if problems:
             raise ValidationError("invalid SaveOptions: " + "; ".join(problems))
+
+
+def checked(options, default=None) -> "SaveOptions":
+    """``options`` where it is a `SaveOptions`, ``default`` (else a fresh one) where it is None;
+    anything else is refused at once, naming the class a save takes."""
+    if options is None:
+        return default if default is not None else SaveOptions()
+    if not isinstance(options, SaveOptions):
+        raise TypeError(f"a save takes safe_ckpt.SaveOptions, not {type(options).__name__}"
+                        + (" (LoadOptions are for safe_ckpt.load)" if type(options).__name__ == "LoadOptions" else ""))
+    return options

@@ -28,19 +28,14 @@ from ..sinks.tensorstore import KvTarget, is_kvstore_url
 from . import index as index_mod
 from . import megatron_integrity, objects
 from .kvsource import KvSource
-from .options import LoadOptions
+from .options import LoadOptions, checked as checked_load_options
 from .sharded import read_sharded, vote
 from .source import DirectorySource
 
 
 
 def _options(options) -> LoadOptions:
-    if options is None:
-        return LoadOptions()
-    if not isinstance(options, LoadOptions):
-        raise TypeError(f"a load takes safe_ckpt.LoadOptions, not {type(options).__name__}"
-                        + (" (SaveOptions are for saves)" if type(options).__name__ == "SaveOptions" else ""))
-    return options
+    return checked_load_options(options)
 
 
 def open_source(checkpoint_dir, options: LoadOptions):
@@ -70,7 +65,7 @@ def read_common_state_dict(checkpoint_dir, options: LoadOptions | None = None) -
 
 def read_sharded_metadata(checkpoint_dir, options: LoadOptions | None = None) -> dict:
     """What stock `load_sharded_metadata` returns (one rank, no peers)."""
-    source = open_source(checkpoint_dir, options or LoadOptions())
+    source = open_source(checkpoint_dir, _options(options))
     try:
         return index_mod.sharded_metadata(index_mod.read_index(source, checksums=False), with_common_state=True)
     finally:

@@ -88,3 +88,14 @@ class LoadOptions:
             problems.append("safe_globals must be a tuple of classes")
         if problems:
             raise ValidationError("invalid LoadOptions: " + "; ".join(problems))
+
+
+def checked(options, default=None) -> "LoadOptions":
+    """``options`` where it is a `LoadOptions`, ``default`` (else a fresh one) where it is None;
+    anything else is refused at once, naming the class a load takes."""
+    if options is None:
+        return default if default is not None else LoadOptions()
+    if not isinstance(options, LoadOptions):
+        raise TypeError(f"a load takes safe_ckpt.LoadOptions, not {type(options).__name__}"
+                        + (" (SaveOptions are for saves)" if type(options).__name__ == "SaveOptions" else ""))
+    return options

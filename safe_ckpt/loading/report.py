@@ -58,6 +58,7 @@ def log_read(report: ReadReport, where: str, rank: int) -> None:
     rate = report.bytes_read / report.seconds / 2**30 if report.seconds > 0 else math.inf
     log.info("rank %d read %.3f GiB of %s in %.3f s (%.2f GiB/s, %d threads): %d items, %d checksums "
              "verified, %d unverified, %d decoded by torch.load; threads spent %.3f s reading, %.3f s waiting "
-             "for copies or pool memory, %.3f s hashing, %.3f s issuing copies", rank, report.bytes_read / 2**30,
+             "for copies or pool memory, %.3f s hashing, %.3f s issuing copies; then %.3f s comparing the device "
+             "sums", rank, report.bytes_read / 2**30,
              where, report.seconds, rate, report.threads, report.items, report.verified, report.unverified,
-             report.decoded, report.read_s, report.wait_s, report.hash_s, report.copy_s)
+             report.decoded, report.read_s, report.wait_s, report.hash_s, report.copy_s, report.check_s)

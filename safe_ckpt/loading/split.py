@@ -301,8 +301,10 @@ class DeviceChecks:
         ``key`` names the item a failure is about); with ``compare`` false (the read failed) only
         wait for the sums."""
         t0 = time.perf_counter()
+        failed = False
         try:
             for device, stream in self._streams.items() if compare else ():
+                checker.key = None  # a failure reading this device's sums back is about no one item
                 mine = [(item, data) for item, data in self._items if data.device == device]
                 with torch.cuda.stream(stream):
                     host = torch.cat([data for _, data in mine]).cpu().numpy()  # waits for this stream alone
@@ -312,6 +314,10 @@ class DeviceChecks:
                     item.grid.from_summed(host[at:at + data.numel()])
                     at += data.numel()
                     finish_item(checker, item)
+            checker.key = None
+        except BaseException:
+            failed = True
+            raise
         finally:
             self._items = []
             errors = []
@@ -321,7 +327,7 @@ class DeviceChecks:
                 except Exception as exc:  # a device fault: every other stream still waited for
                     errors.append(exc)
             self.seconds += time.perf_counter() - t0
-            if errors:
+            if errors and not failed:  # never in place of the failure already on its way
                 raise errors[0]
 
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from .. import compat
 from ..errors import ValidationError
 from ..loading import LoadOptions
+from ..loading.options import checked as checked_load_options
 from ..loading import contract
 from ..options import GiB
 from ..sinks.tensorstore import is_kvstore_url
@@ -224,7 +225,8 @@ class SafeTorchDistLoadStrategy(compat.torch_dist_load_strategy_base()):
 
     def __init__(self, options: LoadOptions | None = None, process_group=None, **kwargs) -> None:
         super().__init__(**compat.accepted_kwargs(super().__init__, kwargs))
-        self.options = options or LoadOptions(safe_globals=optimizer_classes())  # as the save strategy admits
+        self.options = checked_load_options(options, LoadOptions(safe_globals=optimizer_classes()) if options is None
+                                            else None)  # as the save strategy admits
         self.process_group = process_group
 
     def load(self, sharded_state_dict, checkpoint_dir, *args, **kwargs):

@@ -20,7 +20,7 @@ from __future__ import annotations
 from .. import compat
 from .. import saving as save_mod
 from ..names import SHARDED_BACKEND, SHARDED_BACKEND_VERSION
-from ..options import SaveOptions
+from ..options import SaveOptions, checked as checked_save_options
 from .loading import optimizer_classes
 
 
@@ -31,7 +31,7 @@ class SafeTorchDistSaveStrategy(compat.torch_dist_save_strategy_base()):
                  process_group=None, **kwargs) -> None:
         super().__init__(backend, version, **kwargs)
         # the optimizer classes `--optimizer-cpu-offload` keeps in its param groups, as the load side admits them
-        self.options = options or SaveOptions(safe_globals=optimizer_classes())
+        self.options = checked_save_options(options, SaveOptions(safe_globals=optimizer_classes()) if options is None else None)
         self.process_group = process_group
 
     def save(self, sharded_state_dict, checkpoint_dir) -> None:

@@ -26,7 +26,7 @@ from .. import targets
 from .. import saving as save_mod
 from ..errors import MissingDependencyError, ValidationError, failure_from_exception
 from ..names import RELEASE_DIR, SHARDED_BACKEND
-from ..options import GiB, SaveOptions
+from ..options import GiB, SaveOptions, checked as checked_save_options
 from .loading import optimizer_classes
 from ..results import SaveResult
 from ..targets.retention import Retention, prune
@@ -154,7 +154,7 @@ def save_state(state_dict: dict, save_dir: str, checkpoint_dir: str, tracker_val
     ``copy_start``: with ``options.return_after="planned"``, when the copies start ("deferred": at
     the next `staging.gates.open_deferred()`, e.g. the optimizer's `zero_grad`; see `saving.start`).
     """
-    options = options or SaveOptions()
+    options = checked_save_options(options)
     save_dir, checkpoint_dir, options = _endpoints().save_state_targets(save_dir, checkpoint_dir, options)
     root = targets.resolve(save_dir, spec=options.kvstore_spec, settings=targets.TargetSettings.of(options))
     resumed = resume.protected(root)  # before this save moves the tracker

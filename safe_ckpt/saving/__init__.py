@@ -45,7 +45,7 @@ import logging
 
 from ..coord import slot
 from ..host import gcfreeze
-from ..options import SaveOptions
+from ..options import SaveOptions, checked as checked_save_options
 from ..results import SaveResult
 from ..staging import gates
 from .. import targets
@@ -69,11 +69,8 @@ def start(sharded_state_dict: dict, checkpoint_dir, *, process_group=None, optio
     asynchronous save with ``return_after="planned"``, "now" opens its copy window in this call,
     "deferred" at the next `staging.gates.open_deferred()` or gate (the Megatron drop-in: the next
     `optimizer.zero_grad()`, since Megatron synchronizes the device right after its save call)."""
-    if options is not None and not isinstance(options, SaveOptions):
-        raise TypeError(f"a save takes safe_ckpt.SaveOptions, not {type(options).__name__}"
-                        + (" (LoadOptions are for safe_ckpt.load)" if type(options).__name__ == "LoadOptions" else ""))
     # An `s3://` URL goes where the environment's AWS_ENDPOINT_URL_S3 says, as on the command line.
-    checkpoint_dir, options = endpoints.save_target(checkpoint_dir, options or SaveOptions())
+    checkpoint_dir, options = endpoints.save_target(checkpoint_dir, checked_save_options(options))
     mode = PublishMode.INTO_EXISTING if sharded_only else PublishMode.WHOLE
     job = SaveJob(sharded_state_dict, targets.for_save(checkpoint_dir, options), process_group, options,
                   content_metadata, mode=mode, post_commit=post_commit, asynchronous=asynchronous,

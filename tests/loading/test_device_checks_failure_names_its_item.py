@@ -35,8 +35,6 @@ class _Checker:
         raise AssertionError("no mismatch in this test")
 
 
-@pytest.mark.xfail(strict=True, reason="finish leaves `checker.key` at the last item compared on another "
-                                       "device, and re-raises a stream's wait error over the read-back's")
 def test_a_failed_read_back_names_its_own_item_and_stays_the_failure():
     checks = split.DeviceChecks({})
     cpu, meta = torch.device("cpu"), torch.device("meta")

@@ -378,7 +378,7 @@ def test_gc_freeze_holds_during_the_save_only(tmp_path, mode):
     opts = _opts(gc_freeze=mode != "off", sink_factory=factory)
     state = {"w": _st("w", torch.randn(64, 64)), "b": _st("b", torch.randn(300))}
     if mode == "user_froze":
-        importlib.import_module("safe_ckpt.plan.collect").draft_memo.clear()  # an earlier save's remembered drafts, frozen here, would be freed by this one
+        importlib.import_module("safe_ckpt.plan.collect").draft_memo.clear()  # an earlier save's remembered drafts, frozen here, are freed when this save replaces them
         gc.freeze()
     thresholds = gc.get_threshold()
     try:
