@@ -65,6 +65,7 @@ class SaveHandle:
         # Set last in `_run`: `Thread.join` cut short by Ctrl-C marks the thread stopped for good on
         # Python 3.11 (every later join returns at once), so waits never rely on it.
         self._finished = threading.Event()
+        self._waiters = 0  # threads in `wait`/`exception` now: they are handed a failure, so it is not also logged
         self._thread = threading.Thread(target=self._run, name="safe_ckpt-finish", daemon=True)
         with _inflight_lock:
             _inflight.append(self)
@@ -82,10 +83,12 @@ class SaveHandle:
             self._result = self._job.finish(stall_s=self.stall_s)
         except BaseException as exc:
             self._error = exc
-            log.error("asynchronous save of %s failed: %s", self.checkpoint_dir,
-                      str(exc).removeprefix("safe_ckpt: ") or type(exc).__name__)
             with _inflight_lock:
+                waited_for = self._waiters > 0
                 _unobserved.append(self)
+            (log.debug if waited_for else log.error)(
+                "asynchronous save of %s failed: %s", self.checkpoint_dir,
+                str(exc).removeprefix("safe_ckpt: ") or type(exc).__name__)
         finally:
             self._job = None
             with _inflight_lock:
@@ -139,9 +142,18 @@ class SaveHandle:
         """The copy window's `WindowStats` (gates met, host time blocked, bytes copied), or None."""
         return None if self._window is None else self._window.stats()
 
+    def _wait(self, timeout: float | None) -> bool:
+        with _inflight_lock:
+            self._waiters += 1
+        try:
+            return self._finished.wait(timeout)
+        finally:
+            with _inflight_lock:
+                self._waiters -= 1
+
     def wait(self, timeout: float | None = None):
         self._open_deferred()
-        if not self._finished.wait(timeout):
+        if not self._wait(timeout):
             raise TimeoutError(f"safe_ckpt: save still running after {timeout} s")
         if self._observed() is not None:
             raise self._error
@@ -149,7 +161,7 @@ class SaveHandle:
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         self._open_deferred()
-        if not self._finished.wait(timeout):
+        if not self._wait(timeout):
             return None
         return self._observed()
 

@@ -26,7 +26,7 @@ SCRIPT = textwrap.dedent('''
         # blocked: the handle's wait() calling into threading's waits, not still opening a window
         frame, callee = sys._current_frames().get(main.ident), None
         while frame is not None:
-            if frame.f_code.co_name == "wait" and frame.f_code.co_filename.endswith("handle.py"):
+            if frame.f_code.co_name in ("wait", "_wait") and frame.f_code.co_filename.endswith("handle.py"):
                 return callee is not None and callee.f_code.co_filename.endswith("threading.py")
             frame, callee = frame.f_back, frame
         return False
